@@ -1,0 +1,48 @@
+"""One exception tree, so callers catch by layer and the CLI turns any of them into one sentence.
+
+Every message is a complete sentence that quotes the bad value and says what to do.
+Third-party errors (kazoo, jinja2, subprocess) are converted at the module that owns the
+library, with ``raise ... from``, so nothing above that module sees a foreign exception.
+"""
+
+
+class HpcElasticError(Exception):
+    """Root of every error this package raises on purpose."""
+
+    exit_code: int = 1
+
+
+class UsageError(HpcElasticError):
+    """The user asked for something invalid: a flag, a config value, a path."""
+
+    exit_code = 2
+
+
+class ConfigError(UsageError):
+    """The config file (hpc-elastic.toml or [tool.hpc-elastic]) is malformed."""
+
+
+class TemplateError(UsageError):
+    """An sbatch template is missing or fails to render."""
+
+
+class SlurmError(HpcElasticError):
+    """Slurm is missing, refused a request, or answered something we cannot read."""
+
+
+class RendezvousError(HpcElasticError):
+    """The rendezvous store is unreachable, refused us, or holds state we cannot trust."""
+
+
+class RendezvousClosedError(RendezvousError):
+    """The job's rendezvous is closed: the job finished or was cancelled."""
+
+    exit_code = 0
+
+
+class AgentError(HpcElasticError):
+    """The node agent could not start, watch or restart its workers."""
+
+
+class CheckpointError(HpcElasticError):
+    """No checkpoint could be written or read back intact."""

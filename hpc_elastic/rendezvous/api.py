@@ -1,0 +1,153 @@
+"""What a node agent needs from a rendezvous, independent of where the state lives.
+
+The agent only ever sees this module: ``Rendezvous`` (implemented on ZooKeeper for clusters
+and on an embedded store for local mode) and the value types it returns. Everything is JSON
+on the wire; nothing here may be pickled.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from hpc_elastic.errors import RendezvousError
+from hpc_elastic.spec import NodeRange
+
+
+class JobFailedError(RendezvousError):
+    """The job as a whole has failed (restart budget spent, MIN never met): stop, do not rejoin."""
+
+
+@dataclass(frozen=True)
+class RendezvousSettings:
+    """Knobs shared by every agent of one job; see docs/rendezvous.md for the defaults' reasons."""
+
+    run_id: str
+    nodes: NodeRange
+    last_call: float = 2.0
+    """Seconds a round waits for more nodes once MIN are present (torchrun waits 30)."""
+    session_timeout: float = 6.0
+    """ZooKeeper session: a crashed node is noticed within this many seconds."""
+    min_wait: float = 600.0
+    """Seconds the job may stay below MIN nodes before it fails."""
+    max_restarts: int = 3
+    """Worker-failure restarts for the whole job; membership changes do not spend it."""
+
+    def __post_init__(self) -> None:
+        if not self.run_id or "/" in self.run_id:
+            raise RendezvousError(
+                f"Run id '{self.run_id}' is not usable; give a non-empty id without '/'."
+            )
+        if self.last_call < 0 or self.session_timeout <= 0 or self.min_wait < 0:
+            raise RendezvousError(
+                "Rendezvous timeouts must be positive; check --last-call, --session-timeout "
+                "and --min-wait."
+            )
+        if self.max_restarts < 0:
+            raise RendezvousError(
+                f"--max-restarts '{self.max_restarts}' is negative; give 0 or more."
+            )
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One agent incarnation as the other agents see it."""
+
+    node_id: str
+    """Unique per agent process, so a restarted agent on the same node is a new member."""
+    host: str
+    """Address that workers on other nodes use to reach this node (MASTER_ADDR if rank 0)."""
+    nproc: int
+    """Workers this node runs (LOCAL_WORLD_SIZE)."""
+    slot: str = ""
+    """Slurm slot (array task id or node name); empty outside Slurm."""
+
+
+@dataclass(frozen=True)
+class Round:
+    """A completed rendezvous round: who trains together and where the master listens."""
+
+    number: int
+    members: tuple[NodeInfo, ...]
+    """Ordered by node rank (GROUP_RANK); index 0 hosts the master."""
+    master_addr: str
+    master_port: int
+    restarts_used: int
+    max_restarts: int
+
+    def group_rank(self, node_id: str) -> int:
+        for rank, member in enumerate(self.members):
+            if member.node_id == node_id:
+                return rank
+        raise RendezvousError(f"Node '{node_id}' is not a member of round {self.number}.")
+
+    @property
+    def world_size(self) -> int:
+        return sum(member.nproc for member in self.members)
+
+    def first_rank(self, node_id: str) -> int:
+        """Global rank of this node's LOCAL_RANK 0."""
+        group_rank = self.group_rank(node_id)
+        return sum(member.nproc for member in self.members[:group_rank])
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The root cause of a worker-group failure, kept in the rendezvous state for `status`."""
+
+    node_id: str
+    host: str
+    rank: int
+    exit_code: int | None
+    signal: str | None
+    message: str
+    """The worker's own error (traceback from TORCHELASTIC_ERROR_FILE), trimmed."""
+    time: float
+    slot: str = ""
+
+
+@dataclass
+class Rendezvous(ABC):
+    """One agent's view of the job's rendezvous.
+
+    ``changed`` is set (from a watch, never by polling) as soon as the current round is
+    superseded: a member left or arrived, another node reported a failure, or the job
+    closed. The agent then stops its workers and calls ``next_round`` again.
+    """
+
+    settings: RendezvousSettings
+    node: NodeInfo
+    changed: threading.Event = field(default_factory=threading.Event)
+
+    @abstractmethod
+    def next_round(self) -> Round:
+        """Join (idempotently) and block until a round that includes this node completes.
+
+        Clears ``changed``. Raises RendezvousClosedError when the job is finished or
+        cancelled, JobFailedError when it failed or stayed below MIN for ``min_wait``.
+        """
+
+    @abstractmethod
+    def report_failure(self, failure: Failure) -> None:
+        """Spend one restart of the job's budget and ask every agent for a new round.
+
+        Only the first report per round spends the budget and becomes the root cause;
+        the job fails (JobFailedError from the next ``next_round``) when the budget is spent.
+        """
+
+    @abstractmethod
+    def report_success(self) -> None:
+        """Record that this node's workers all exited 0, then wait for the other members.
+
+        An exit barrier: returns once every member of the round has succeeded (the last
+        one closes the job), or raises JobFailedError if the others fail or vanish.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Close the job for everyone: late agents exit cleanly; the job's state is removed."""
+
+    @abstractmethod
+    def leave(self) -> None:
+        """Leave cleanly (membership is dropped at once) and release the connection."""
