@@ -1,0 +1,119 @@
+"""Real ZooKeeper servers for tests and benchmarks, in the spirit of ``kazoo.testing``.
+
+Each server gets its own data dir and free loopback ports, and a short ``tickTime`` so that
+sessions of 1 s are allowed (ZooKeeper clamps sessions to 2..20 ticks).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ZOOKEEPER_JAR = Path(os.environ.get("HPC_ELASTIC_ZOOKEEPER_JAR", "/usr/share/java/zookeeper.jar"))
+
+
+def free_ports(count: int) -> list[int]:
+    probes = [socket.socket() for _ in range(count)]
+    try:
+        for probe in probes:
+            probe.bind(("127.0.0.1", 0))
+        return [probe.getsockname()[1] for probe in probes]
+    finally:
+        for probe in probes:
+            probe.close()
+
+
+def is_ok(port: int) -> bool:
+    """ZooKeeper's ``ruok`` four-letter word: does a server serve on ``port``?"""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as probe:
+            probe.sendall(b"ruok")
+            return probe.recv(4) == b"imok"
+    except OSError:
+        return False
+
+
+@dataclass
+class ZooKeeperServer:
+    """One server process; standalone unless ``peers`` lists the ensemble's quorum ports."""
+
+    data_dir: Path
+    port: int = field(default_factory=lambda: free_ports(1)[0])
+    myid: int = 1
+    peers: list[tuple[int, int]] = field(default_factory=list)
+    """(quorum port, election port) of every server, in myid order; empty for standalone."""
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def hosts(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, wait: float = 30.0) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        config = self.data_dir / "zoo.cfg"
+        lines = [
+            "tickTime=500",
+            "minSessionTimeout=1000",
+            "maxSessionTimeout=60000",
+            "initLimit=20",
+            "syncLimit=10",
+            f"dataDir={self.data_dir}",
+            f"clientPort={self.port}",
+            "clientPortAddress=127.0.0.1",
+            "admin.enableServer=false",
+            "4lw.commands.whitelist=ruok,srvr,stat,mntr,conf",
+        ]
+        for number, (quorum, election) in enumerate(self.peers, start=1):
+            lines.append(f"server.{number}=127.0.0.1:{quorum}:{election}")
+        if self.peers:
+            (self.data_dir / "myid").write_text(f"{self.myid}\n")
+        config.write_text("\n".join(lines) + "\n")
+        main = (
+            "org.apache.zookeeper.server.quorum.QuorumPeerMain"
+            if self.peers
+            else "org.apache.zookeeper.server.ZooKeeperServerMain"
+        )
+        with (self.data_dir / "zk.out").open("ab") as log:
+            self.process = subprocess.Popen(
+                ["java", "-Xmx256m", "-cp", str(ZOOKEEPER_JAR), main, str(config)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        if wait:
+            self.wait_ready(wait)
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not is_ok(self.port):
+            if time.monotonic() > deadline or (self.process and self.process.poll() is not None):
+                self.stop()
+                raise RuntimeError(f"ZooKeeper on port {self.port} did not start; see {self.data_dir}/zk.out")
+            time.sleep(0.05)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+
+
+def ensemble(base: Path, size: int = 3) -> list[ZooKeeperServer]:
+    """``size`` servers that form one quorum on loopback; start them all, then wait."""
+    ports = free_ports(3 * size)
+    peers = [(ports[size + 2 * i], ports[size + 2 * i + 1]) for i in range(size)]
+    return [
+        ZooKeeperServer(base / f"zk{i + 1}", port=ports[i], myid=i + 1, peers=peers)
+        for i in range(size)
+    ]
