@@ -1,0 +1,104 @@
+"""What an agent is asked to do (``AgentSpec``) and what it tells Slurm when it exits."""
+
+from __future__ import annotations
+
+import enum
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpc_elastic.errors import UsageError
+
+PREEMPTED_FALLBACK_EXIT_CODE = 75
+"""EX_TEMPFAIL: used until ``hpc_elastic.train.exitcodes`` provides the shared constant."""
+
+
+def preempted_exit_code() -> int:
+    """The code a worker exits with after saving because of preemption (shared with train/)."""
+    try:
+        from hpc_elastic.train.exitcodes import PREEMPTED_EXIT_CODE  # noqa: PLC0415
+    except ImportError:
+        return PREEMPTED_FALLBACK_EXIT_CODE
+    return int(PREEMPTED_EXIT_CODE)
+
+
+class ExitCode(enum.IntEnum):
+    """The agent's exit status, read by the sbatch script and by Slurm (``RequeueExit=75``)."""
+
+    SUCCESS = 0
+    FAILED = 1
+    """The job failed: restart budget spent, or fewer than MIN nodes for ``--min-wait``."""
+    USAGE = 2
+    PREEMPTED = PREEMPTED_FALLBACK_EXIT_CODE
+    """Workers saved and stopped on the preemption signal: requeue the job."""
+    INTERRUPTED = 130
+    """SIGINT: stopped by hand, like a shell's Ctrl-C."""
+    TERMINATED = 143
+    """SIGTERM (scancel, time limit): stopped, the committed checkpoint is kept."""
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """Everything one agent needs, validated once when the command line is parsed."""
+
+    job_dir: Path
+    command: tuple[str, ...]
+    nproc_per_node: int = 1
+    preempt_signal: signal.Signals = signal.SIGUSR2
+    grace: float = 30.0
+    """Seconds workers get to save and exit after SIGTERM or the preemption signal."""
+    stop_grace: float = 2.0
+    """Seconds workers get when the group re-forms: short, so no survivor hangs in a collective."""
+    hang_timeout: float | None = None
+    """A rank whose heartbeat is older than this is killed and counted as a failure."""
+    tee: bool = False
+    poll_interval: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise UsageError(
+                "No worker command was given; add it after '--', e.g. "
+                "'hpc-elastic agent ... -- python -u train.py'."
+            )
+        if self.nproc_per_node < 1:
+            raise UsageError(
+                f"--nproc-per-node '{self.nproc_per_node}' must be at least 1; give the number "
+                "of workers per node."
+            )
+        if self.grace < 0 or self.stop_grace < 0:
+            raise UsageError(f"--grace '{self.grace}' is negative; give 0 or more seconds.")
+        if self.hang_timeout is not None and self.hang_timeout <= 0:
+            raise UsageError(
+                f"--hang-timeout '{self.hang_timeout}' must be positive; give seconds, "
+                "or leave it out to disable hang detection."
+            )
+        if self.preempt_signal not in (signal.SIGUSR1, signal.SIGUSR2):
+            raise UsageError(
+                f"--preempt-signal '{self.preempt_signal.name}' is not supported; "
+                "give USR1 or USR2."
+            )
+
+    @property
+    def log_dir(self) -> Path:
+        return self.job_dir / "logs"
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.job_dir / "checkpoints"
+
+    @property
+    def events_file(self) -> Path:
+        return self.job_dir / "events.jsonl"
+
+
+def parse_signal(text: str) -> signal.Signals:
+    """``USR2``, ``SIGUSR2`` or ``12`` -> ``signal.SIGUSR2``."""
+    name = text.strip().upper()
+    try:
+        if name.isdigit():
+            return signal.Signals(int(name))
+        return signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+    except (KeyError, ValueError):
+        raise UsageError(
+            f"--preempt-signal '{text}' is not a signal name; give USR1 or USR2."
+        ) from None
