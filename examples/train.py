@@ -1,0 +1,182 @@
+"""DDP on a small model with synthetic data, resumable at any step and any world size.
+
+Run it alone (``python examples/train.py``) or under a launcher
+(``torchrun --nproc-per-node=2 examples/train.py``, or the hpc-elastic agent). It resumes from
+the newest checkpoint by itself, keeps the global batch constant as the world size changes,
+stops cleanly on SIGTERM/SIGUSR1/SIGUSR2, and logs every loss with its exact ``repr`` so two
+runs can be compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import random
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, TensorDataset
+
+import hpc_elastic.train as elastic
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=600, help="optimizer steps in total")
+    parser.add_argument("--batch-size", type=int, default=48, help="global batch size")
+    parser.add_argument("--micro-batch-size", type=int, default=48, help="largest micro-batch")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hidden", type=int, default=256, help="width of the model")
+    parser.add_argument("--dataset-size", type=int, default=4800)
+    parser.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
+    parser.add_argument("--checkpoint-every", type=int, default=50)
+    parser.add_argument("--checkpoint-dir", type=Path, default=None, help="default: the job's")
+    parser.add_argument("--log-file", type=Path, default=None, help="append step lines here too")
+    parser.add_argument("--log-indices", type=Path, default=None, help="append sample indices")
+    parser.add_argument("--sleep-per-step", type=float, default=0.0, help="seconds, for tests")
+    parser.add_argument("--stop-after-steps", type=int, default=None, help="save and stop early")
+    return parser.parse_args()
+
+
+def setup_distributed() -> torch.device:
+    """Join the launcher's process group: gloo on CPU, NCCL with one GPU per LOCAL_RANK."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if "RANK" in os.environ:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def synthetic_dataset(size: int, seed: int) -> TensorDataset:
+    """A noisy linear regression problem, identical on every rank."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(size, 32, generator=generator)
+    targets = inputs @ torch.randn(32, 1, generator=generator)
+    targets += 0.1 * torch.randn(size, 1, generator=generator)
+    return TensorDataset(inputs, targets, torch.arange(size))
+
+
+def build_model(hidden: int, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, hidden), nn.ReLU(), nn.Dropout(0.1), nn.Linear(hidden, 1))
+
+
+def seed_everything(seed: int) -> None:
+    """Per-rank streams, so ranks drop out different units; a resume restores them instead."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def weights_hash(model: nn.Module) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def log_line(text: str, log_file: Path | None) -> None:
+    print(text, flush=True)
+    if log_file is not None:
+        with open(log_file, "a") as file:
+            file.write(text + "\n")
+
+
+def main() -> None:
+    args = parse_args()
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    elastic.install_signal_handlers()
+    device = setup_distributed()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    plan = elastic.plan(args.batch_size, world, args.micro_batch_size)
+
+    model = build_model(args.hidden, args.seed).to(device)
+    seed_everything(args.seed + 1 + rank)
+    ddp = DistributedDataParallel(model) if dist.is_initialized() else model
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=100, gamma=0.5)
+    dataset = synthetic_dataset(args.dataset_size, args.seed)
+    sampler = elastic.ElasticSampler(dataset, args.batch_size, seed=args.seed)
+    loader = DataLoader(
+        dataset,
+        batch_size=plan.micro_batch_size,
+        sampler=sampler,
+        num_workers=args.num_workers,
+        generator=torch.Generator().manual_seed(args.seed),
+    )
+    state = elastic.TrainState(ddp, optimizer, scheduler, sampler)
+    checkpoints = elastic.Checkpointer.at(args.checkpoint_dir)
+    checkpoints.load(state)
+    last_step = args.steps
+    if args.stop_after_steps is not None:
+        last_step = min(last_step, state.step + args.stop_after_steps)
+
+    while state.step < last_step:
+        for micro_batches in elastic.group(loader, plan.accumulation_steps):
+            loss = train_step(ddp, optimizer, micro_batches, device)
+            scheduler.step()
+            if args.log_indices is not None:
+                indices = ",".join(str(i) for _, _, batch in micro_batches for i in batch.tolist())
+                with open(args.log_indices, "a") as file:
+                    file.write(f"step={state.step + 1} rank={rank} world={world} {indices}\n")
+            state.finish_step()
+            if rank == 0:
+                log_line(f"step={state.step} loss={loss!r} world={world}", args.log_file)
+            time.sleep(args.sleep_per_step)
+            stop = elastic.should_stop(state.step)
+            if stop or state.step % args.checkpoint_every == 0 or state.step == last_step:
+                checkpoints.save(state)
+            if stop:
+                elastic.exit_preempted()
+            if state.step == last_step:
+                break
+
+    if rank == 0:
+        log_line(f"done step={state.step} weights_sha256={weights_hash(model)}", args.log_file)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list[list[torch.Tensor]],
+    device: torch.device,
+) -> float:
+    """One optimizer step over the micro-batches; returns the global mean loss."""
+    optimizer.zero_grad(set_to_none=True)
+    total = torch.zeros((), device=device)
+    for index, (inputs, targets, _) in enumerate(micro_batches):
+        accumulating = index < len(micro_batches) - 1
+        with (
+            model.no_sync()
+            if isinstance(model, DistributedDataParallel) and accumulating
+            else nullcontext()
+        ):
+            loss = nn.functional.mse_loss(model(inputs.to(device)), targets.to(device))
+            torch.autograd.backward(loss / len(micro_batches))
+        total += loss.detach() / len(micro_batches)
+    optimizer.step()
+    if dist.is_initialized():
+        dist.all_reduce(total)
+        total /= dist.get_world_size()
+    return float(total.item())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Training-side helpers: checkpoints, an elastic sampler, constant global batch, preemption.
+
+Use it as ``import hpc_elastic.train as elastic``. This is the only part of hpc-elastic that
+imports torch, and it does so lazily: the agent imports ``exitcodes`` and ``heartbeat`` from
+here without paying for torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from hpc_elastic.train.exitcodes import PREEMPTED_EXIT_CODE
+
+if TYPE_CHECKING:
+    from hpc_elastic.train.batch import BatchPlan, group, plan
+    from hpc_elastic.train.checkpoint import Checkpointer, TrainState, load, save, verify
+    from hpc_elastic.train.preemption import (
+        exit_preempted,
+        install_signal_handlers,
+        requested,
+        should_stop,
+    )
+    from hpc_elastic.train.sampler import ElasticSampler
+
+_LAZY = {
+    "BatchPlan": "batch",
+    "group": "batch",
+    "plan": "batch",
+    "Checkpointer": "checkpoint",
+    "TrainState": "checkpoint",
+    "load": "checkpoint",
+    "save": "checkpoint",
+    "verify": "checkpoint",
+    "exit_preempted": "preemption",
+    "install_signal_handlers": "preemption",
+    "requested": "preemption",
+    "should_stop": "preemption",
+    "ElasticSampler": "sampler",
+}
+
+__all__ = [
+    "PREEMPTED_EXIT_CODE",
+    "BatchPlan",
+    "Checkpointer",
+    "ElasticSampler",
+    "TrainState",
+    "exit_preempted",
+    "group",
+    "install_signal_handlers",
+    "load",
+    "plan",
+    "requested",
+    "save",
+    "should_stop",
+    "verify",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """Import the torch-using submodule only when its name is first used."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
