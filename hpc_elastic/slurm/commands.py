@@ -1,0 +1,224 @@
+"""Slurm's command-line tools as functions: run a command, parse its text with a pure function.
+
+Every failure leaves here as one ``SlurmError`` sentence that says what to do. submitit is not
+used for these calls: its executor pickles a Python callable per job and polls ``sacct``, while
+hpc-elastic submits a rendered script and must work on clusters without accounting.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import NewType
+
+from hpc_elastic.errors import SlurmError
+
+SlurmJobId = NewType("SlurmJobId", str)
+"""A job id as Slurm prints it: ``123``, or ``123_4`` for one task of an array."""
+
+_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """One line of ``squeue``: a job, or one task (or pending range) of an array job."""
+
+    job_id: SlurmJobId
+    """The job id, or for array jobs the array's base job id."""
+    array_task: str | None
+    """Array index (``3``) or pending range (``0-3``); None for a plain job."""
+    state: str
+    """Slurm's long state name: PENDING, RUNNING, COMPLETING, ..."""
+    reason: str
+    """Why it pends (``BeginTime``, ``Resources``) or ``None``."""
+    nodes: str
+    """Slurm node list (``n[1-2]``); empty while pending."""
+
+
+# --- pure parsers (unit-tested on captured output) ----------------------------------------
+
+
+def parse_sbatch_parsable(stdout: str) -> SlurmJobId:
+    """``sbatch --parsable`` prints ``ID`` or ``ID;CLUSTER``."""
+    match = re.fullmatch(r"\s*(\d+)(?:;\S+)?\s*", stdout)
+    if match is None:
+        raise SlurmError(
+            f"sbatch answered '{stdout.strip()}' instead of a job id; "
+            "check the job with `squeue --me` before submitting again."
+        )
+    return SlurmJobId(match.group(1))
+
+
+def explain_sbatch_error(stderr: str) -> str:
+    """One sentence for what sbatch printed when it refused a job."""
+    partition = re.search(r"invalid partition specified: (\S+)", stderr)
+    if partition is not None:
+        return (
+            f"Slurm has no partition '{partition.group(1)}'; "
+            "run `sinfo` to list the partitions and pick one of them."
+        )
+    if "Node count specification invalid" in stderr:
+        return (
+            "sbatch refused the node count: the partition has fewer nodes than asked for; "
+            "run `sinfo` to see its nodes and ask for fewer."
+        )
+    return f"sbatch refused the job: {_last_error(stderr)}; fix the request and submit again."
+
+
+def parse_partitions(stdout: str) -> list[str]:
+    """``sinfo -h -o %R``: one partition name per line, repeated once per node state."""
+    names: list[str] = []
+    for line in stdout.splitlines():
+        name = line.strip()
+        if name and name not in names:
+            names.append(name)
+    return names
+
+
+SQUEUE_FORMAT = "%F|%K|%T|%r|%N"
+
+
+def parse_squeue(stdout: str) -> list[JobStatus]:
+    """``squeue -h -o SQUEUE_FORMAT`` lines into statuses."""
+    statuses = []
+    for line in stdout.splitlines():
+        if not line.strip():
+            continue
+        fields = line.split("|")
+        if len(fields) != 5:
+            raise SlurmError(
+                f"squeue printed '{line}', which is not '{SQUEUE_FORMAT}'; "
+                "check that `squeue` is Slurm's and not a wrapper."
+            )
+        job_id, array_task, state, reason, nodes = (field.strip() for field in fields)
+        statuses.append(
+            JobStatus(
+                job_id=SlurmJobId(job_id),
+                array_task=None if array_task in ("", "N/A") else array_task,
+                state=state,
+                reason=reason,
+                nodes=nodes,
+            )
+        )
+    return statuses
+
+
+_FIELD = re.compile(r"(?:^|\s)([A-Za-z][\w/:]*)=(.*?)(?=\s+[A-Za-z][\w/:]*=|\s*$)")
+
+
+def parse_scontrol_record(stdout: str) -> dict[str, str]:
+    """The first record of ``scontrol -o show ...``: ``Key=Value`` pairs, values may hold spaces."""
+    first = stdout.strip().splitlines()[0] if stdout.strip() else ""
+    fields = {key: value for key, value in _FIELD.findall(first)}
+    if not fields:
+        raise SlurmError(
+            f"scontrol printed '{first}', which has no Key=Value fields; "
+            "check that `scontrol` is Slurm's and not a wrapper."
+        )
+    return fields
+
+
+def _last_error(stderr: str) -> str:
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    last = lines[-1] if lines else "no error message"
+    return re.sub(r"^\w+: error: ", "", last).rstrip(".")
+
+
+# --- running the tools --------------------------------------------------------------------
+
+
+def _run(
+    argv: Sequence[str], env: Mapping[str, str] | None = None, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run one Slurm tool; its absence or a hang becomes a SlurmError, its exit code is kept."""
+    try:
+        return subprocess.run(
+            list(argv),
+            input=stdin,
+            env=None if env is None else dict(env),
+            capture_output=True,
+            text=True,
+            timeout=_TIMEOUT_S,
+            check=False,
+        )
+    except FileNotFoundError as error:
+        raise SlurmError(
+            f"{argv[0]} was not found on PATH; run this on a Slurm login node or install Slurm."
+        ) from error
+    except subprocess.TimeoutExpired as error:
+        raise SlurmError(
+            f"`{' '.join(argv)}` did not answer within {_TIMEOUT_S:.0f} s; "
+            "check that slurmctld is up with `scontrol ping`."
+        ) from error
+
+
+def _checked(argv: Sequence[str], env: Mapping[str, str] | None = None) -> str:
+    result = _run(argv, env)
+    if result.returncode != 0:
+        raise SlurmError(
+            f"`{' '.join(argv)}` failed: {_last_error(result.stderr)}; "
+            "check the job id and that slurmctld is up with `scontrol ping`."
+        )
+    return result.stdout
+
+
+def sbatch(
+    script_text: str, extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None
+) -> SlurmJobId:
+    """Submit a script given as text (read by sbatch from stdin) and return its job id."""
+    result = _run(["sbatch", "--parsable", *extra_args], env, stdin=script_text)
+    if result.returncode != 0:
+        raise SlurmError(explain_sbatch_error(result.stderr))
+    return parse_sbatch_parsable(result.stdout)
+
+
+def partitions(env: Mapping[str, str] | None = None) -> list[str]:
+    return parse_partitions(_checked(["sinfo", "-h", "-o", "%R"], env))
+
+
+def squeue(job_ids: Sequence[str] = (), env: Mapping[str, str] | None = None) -> list[JobStatus]:
+    """Jobs Slurm still knows; a job id it has forgotten yields no line instead of an error."""
+    argv = ["squeue", "-h", "-o", SQUEUE_FORMAT]
+    if job_ids:
+        argv += ["-j", ",".join(job_ids)]
+    result = _run(argv, env)
+    if result.returncode != 0:
+        if "Invalid job id specified" in result.stderr:
+            return []
+        raise SlurmError(
+            f"squeue failed: {_last_error(result.stderr)}; "
+            "check that slurmctld is up with `scontrol ping`."
+        )
+    return parse_squeue(result.stdout)
+
+
+def scontrol_show_job(job_id: str, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``scontrol show job`` as a dict (JobState, Reason, NodeList, Restarts, ...)."""
+    return parse_scontrol_record(_checked(["scontrol", "-o", "show", "job", job_id], env))
+
+
+def cancel(job_id: str, signal: str | None = None, env: Mapping[str, str] | None = None) -> None:
+    """Cancel the job, or with ``signal`` only send that signal to its steps (``scancel -s``)."""
+    _checked(["scancel", *(["-s", signal] if signal else []), job_id], env)
+
+
+def requeue(job_id: str, env: Mapping[str, str] | None = None) -> None:
+    _checked(["scontrol", "requeue", job_id], env)
+
+
+def update_job(job_id: str, env: Mapping[str, str] | None = None, **fields: str) -> None:
+    """``scontrol update JobId=ID Key=Value ...``, e.g. ``ExcNodeList="n3"``."""
+    if not fields:
+        raise SlurmError(f"update_job({job_id}) got no fields; pass e.g. ExcNodeList='n3'.")
+    pairs = [f"{key}={value}" for key, value in fields.items()]
+    _checked(["scontrol", "update", f"JobId={job_id}", *pairs], env)
+
+
+def node_state(name: str, env: Mapping[str, str] | None = None) -> str:
+    """Slurm's state of one node as sinfo prints it: ``idle``, ``allocated``, ``down*``, ..."""
+    states = _checked(["sinfo", "-h", "-N", "-n", name, "-o", "%T"], env).split()
+    if not states:
+        raise SlurmError(f"Slurm has no node '{name}'; run `sinfo -N` to list the nodes.")
+    return states[0]

@@ -1,0 +1,93 @@
+"""The dev cluster behaves like the real clusters the project targets (see docs/dev-cluster.md)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cluster import Cluster, wait_until
+from kazoo.client import KazooClient
+
+pytestmark = pytest.mark.integration
+
+
+def _job_field(cluster: Cluster, job_id: str, key: str) -> str:
+    record = cluster.run(["scontrol", "-o", "show", "job", job_id]).stdout
+    return next(
+        (item.split("=", 1)[1] for item in record.split() if item.startswith(f"{key}=")), ""
+    )
+
+
+def test_two_node_job_runs_one_task_on_each_node(cluster: Cluster, tmp_path: Path) -> None:
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\nsrun bash -c 'echo $SLURMD_NODENAME'\n")
+    out = tmp_path / "out.txt"
+    job = cluster.run(["sbatch", "--parsable", "-N2", f"--output={out}", str(script)])
+    job_id = job.stdout.strip()
+
+    assert wait_until(lambda: _job_field(cluster, job_id, "JobState") == "COMPLETED", 30)
+    assert sorted(out.read_text().split()) == ["n1", "n2"]
+
+
+def test_high_partition_preempts_and_requeues_low(cluster: Cluster, tmp_path: Path) -> None:
+    log = tmp_path / "signals.log"
+    script = tmp_path / "low.sh"
+    # A fork-free trap: a handler that forks can lose the second of two back-to-back signals.
+    script.write_text(
+        f"#!/bin/bash\ntrap 'echo USR1 >> {log}' USR1\nwhile true; do sleep 1; done\n"
+    )
+    low = cluster.run(
+        ["sbatch", "--parsable", "-N4", "--signal=B:USR1@5", "-o", "/dev/null", str(script)]
+    ).stdout.strip()
+    assert wait_until(lambda: _job_field(cluster, low, "JobState") == "RUNNING", 30)
+
+    high = cluster.run(
+        ["sbatch", "--parsable", "-p", "high", "-N4", "-o", "/dev/null", "--wrap", "sleep 300"]
+    ).stdout.strip()
+
+    assert wait_until(lambda: _job_field(cluster, high, "JobState") == "RUNNING", 60)
+    assert _job_field(cluster, low, "JobState") == "PENDING"
+    assert _job_field(cluster, low, "Restarts") == "1"
+    assert log.read_text().split() == ["USR1"]
+    cluster.run(["scancel", low, high])
+
+
+def test_zookeeper_grants_two_second_sessions(
+    cluster: Cluster, zk_root: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(1, logger="kazoo.client")
+    client = KazooClient(hosts=cluster.zk_hosts, timeout=2.0)
+    client.start(timeout=10)
+    try:
+        assert "negotiated session timeout: 2000" in caplog.text
+        crashed = subprocess.Popen(
+            [sys.executable, "-c", _EPHEMERAL_OWNER, cluster.zk_hosts, f"{zk_root}/owner"],
+            env=cluster.env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert crashed.stdout is not None
+        assert crashed.stdout.readline().strip() == "ready"
+        assert client.exists(f"{zk_root}/owner") is not None
+
+        crashed.send_signal(signal.SIGKILL)
+        crashed.wait()
+
+        assert wait_until(lambda: client.exists(f"{zk_root}/owner") is None, 10)
+    finally:
+        client.stop()
+        client.close()
+
+
+_EPHEMERAL_OWNER = """
+import sys, time
+from kazoo.client import KazooClient
+client = KazooClient(hosts=sys.argv[1], timeout=2.0)
+client.start(timeout=10)
+client.create(sys.argv[2], ephemeral=True, makepath=True)
+print("ready", flush=True)
+time.sleep(600)
+"""

@@ -1,0 +1,82 @@
+"""The Slurm layer against the real local cluster: what it sends is what Slurm accepts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from cluster import REPO, Cluster, wait_until
+
+from hpc_elastic.errors import SlurmError
+from hpc_elastic.slurm import commands
+
+pytestmark = pytest.mark.integration
+
+SLEEPER = "#!/bin/bash\n#SBATCH --output=/dev/null\nsleep 300\n"
+
+
+def _state(cluster: Cluster, job_id: str) -> str:
+    return commands.scontrol_show_job(job_id, env=cluster.env)["JobState"]
+
+
+def test_submit_inspect_update_and_cancel(cluster: Cluster) -> None:
+    job_id = commands.sbatch(SLEEPER, ["-N1", "--begin=now+600"], env=cluster.env)
+
+    [status] = commands.squeue([job_id], env=cluster.env)
+    assert (status.job_id, status.state, status.reason) == (job_id, "PENDING", "BeginTime")
+
+    commands.update_job(job_id, env=cluster.env, ExcNodeList="n3")
+    assert commands.scontrol_show_job(job_id, env=cluster.env)["ExcNodeList"] == "n3"
+
+    commands.cancel(job_id, env=cluster.env)
+    assert wait_until(lambda: _state(cluster, job_id) == "CANCELLED", 15)
+
+
+def test_requeue_restarts_a_running_job(cluster: Cluster) -> None:
+    job_id = commands.sbatch(SLEEPER, ["-N1"], env=cluster.env)
+    assert wait_until(lambda: _state(cluster, job_id) == "RUNNING", 30)
+
+    commands.requeue(job_id, env=cluster.env)
+
+    assert wait_until(
+        lambda: commands.scontrol_show_job(job_id, env=cluster.env)["Restarts"] == "1", 15
+    )
+    commands.cancel(job_id, env=cluster.env)
+
+
+def test_unknown_partition_is_one_sentence(cluster: Cluster) -> None:
+    with pytest.raises(SlurmError, match=r"^Slurm has no partition 'nope'; run `sinfo`"):
+        commands.sbatch(SLEEPER, ["-p", "nope"], env=cluster.env)
+
+
+def test_partitions_and_node_state(cluster: Cluster) -> None:
+    assert commands.partitions(env=cluster.env) == ["low", "high"]
+    assert commands.node_state("n1", env=cluster.env) == "idle"
+    assert commands.squeue(["999999"], env=cluster.env) == []
+
+
+def test_context_read_inside_a_real_step(cluster: Cluster) -> None:
+    probe = (
+        "import dataclasses, json, os; from hpc_elastic.slurm.env import SlurmContext; "
+        "c = SlurmContext.from_env(os.environ); "
+        "print(json.dumps({**dataclasses.asdict(c), 'hosts': c.hostnames()}))"
+    )
+    result = subprocess.run(
+        ["srun", "-N2", sys.executable, "-c", probe],
+        env={**cluster.env, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    contexts = sorted(
+        (json.loads(line) for line in result.stdout.splitlines()), key=lambda c: c["node_id"]
+    )
+    assert [(c["node_name"], c["node_id"], c["step_id"]) for c in contexts] == [
+        ("n1", 0, "0"),
+        ("n2", 1, "0"),
+    ]
+    assert contexts[0]["hosts"] == ["n1", "n2"]
+    assert contexts[0]["num_nodes"] == 2
