@@ -27,7 +27,7 @@ from typing import TypeVar
 
 from hpc_elastic import events
 from hpc_elastic.agent import rootcause
-from hpc_elastic.agent.api import AgentSpec, ExitCode, preempted_exit_code
+from hpc_elastic.agent.api import AgentSpec, ExitCode
 from hpc_elastic.agent.workers import WorkerGroup, attempt_paths, worker_env
 from hpc_elastic.errors import RendezvousClosedError
 from hpc_elastic.rendezvous.api import Failure, JobFailedError, Rendezvous, Round
@@ -149,7 +149,7 @@ class Agent:
 
     def _monitor(self, group: WorkerGroup) -> _Ended:
         """Wake every ``poll_interval``: a few waitpid and stat calls, well under 1% CPU."""
-        preempted = preempted_exit_code()
+        preempted = ExitCode.PREEMPTED
         while True:
             if self._stop_signal is not None:
                 return _Ended(_Outcome.SIGNALLED)
@@ -261,7 +261,7 @@ class Agent:
             )
             group.forward(signum)
         group.stop(self.spec.grace, signum or signal.SIGTERM)
-        preempted = preempted_exit_code()
+        preempted = ExitCode.PREEMPTED
         if code is not ExitCode.PREEMPTED and all(
             worker.returncode == preempted for worker in group.workers
         ):

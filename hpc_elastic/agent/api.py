@@ -8,18 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpc_elastic.errors import UsageError
-
-PREEMPTED_FALLBACK_EXIT_CODE = 75
-"""EX_TEMPFAIL: used until ``hpc_elastic.train.exitcodes`` provides the shared constant."""
-
-
-def preempted_exit_code() -> int:
-    """The code a worker exits with after saving because of preemption (shared with train/)."""
-    try:
-        from hpc_elastic.train.exitcodes import PREEMPTED_EXIT_CODE  # noqa: PLC0415
-    except ImportError:
-        return PREEMPTED_FALLBACK_EXIT_CODE
-    return int(PREEMPTED_EXIT_CODE)
+from hpc_elastic.train.exitcodes import PREEMPTED_EXIT_CODE
 
 
 class ExitCode(enum.IntEnum):
@@ -29,8 +18,9 @@ class ExitCode(enum.IntEnum):
     FAILED = 1
     """The job failed: restart budget spent, or fewer than MIN nodes for ``--min-wait``."""
     USAGE = 2
-    PREEMPTED = PREEMPTED_FALLBACK_EXIT_CODE
-    """Workers saved and stopped on the preemption signal: requeue the job."""
+    PREEMPTED = PREEMPTED_EXIT_CODE
+    """Workers saved and stopped on the preemption signal: requeue the job. The same code as a
+    worker's, so a plain ``srun`` exit status already tells the sbatch script to requeue."""
     INTERRUPTED = 130
     """SIGINT: stopped by hand, like a shell's Ctrl-C."""
     TERMINATED = 143

@@ -24,6 +24,7 @@ from typing import IO
 from hpc_elastic.agent.api import AgentSpec
 from hpc_elastic.errors import AgentError
 from hpc_elastic.rendezvous.api import NodeInfo, Round
+from hpc_elastic.train import heartbeat
 
 _TRAMPOLINE = """\
 import ctypes, os, sys
@@ -117,9 +118,10 @@ class Worker:
     def heartbeat_age(self, now: float) -> float | None:
         """Seconds since the last heartbeat; None until the worker's first one."""
         try:
-            return now - self.paths.heartbeat.stat().st_mtime
-        except FileNotFoundError:
+            mtime, _ = heartbeat.read(self.paths.heartbeat)
+        except (FileNotFoundError, ValueError):
             return None
+        return now - mtime
 
     def signal_group(self, signum: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
