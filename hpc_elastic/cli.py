@@ -25,6 +25,8 @@ from typer._click.exceptions import ClickException, NoArgsIsHelpError
 from typer.core import TyperGroup
 
 from hpc_elastic import __version__
+from hpc_elastic.agent.command import CONTEXT as AGENT_CONTEXT
+from hpc_elastic.agent.command import agent
 from hpc_elastic.config import DEFAULT_ZK, load_config
 from hpc_elastic.errors import HpcElasticError, UsageError
 from hpc_elastic.slurm import commands
@@ -384,6 +386,9 @@ def _submit(job: Plan) -> None:
     typer.echo(f"Submitted batch job {submitted.job_id} (run {job.context.run_id}, {shape}).")
     typer.echo(f"Job directory: {job.job_dir}")
     typer.echo(f"Logs: {submitted.log_pattern}")
+
+
+app.command("agent", context_settings=AGENT_CONTEXT)(agent)
 
 
 def main() -> None:
