@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 
 from hpc_elastic.errors import RendezvousClosedError
 from hpc_elastic.rendezvous import state as st
@@ -73,7 +74,7 @@ class StoreRendezvous(Rendezvous):
             alive = self._store.alive()
             expected = self._expected_nodes() if self._expected_nodes else None
             action = st.next_action(
-                state, alive, self.node.node_id, self._round, self.settings.nodes, expected
+                state, alive, self.node.node_id, self._round, self.settings.nodes, expected=expected
             )
             now = time.monotonic()
             deadline: float | None = None
@@ -117,14 +118,16 @@ class StoreRendezvous(Rendezvous):
             if state.closed or st.all_succeeded(state):
                 return
             if state.failed:
-                raise JobFailedError(f"Job '{self.settings.run_id}' failed: {state.failure_summary}")
+                raise JobFailedError(
+                    f"Job '{self.settings.run_id}' failed: {state.failure_summary}"
+                )
             missing = state.member_ids() - self._store.alive() - set(state.succeeded)
             if missing:
                 summary = (
                     f"node '{sorted(missing)[0]}' left round {state.round} before its workers "
                     "finished"
                 )
-                self._update(lambda current: st.fail(current, summary))
+                self._update(partial(st.fail, summary=summary))
                 continue
             self._sleep(generation, None)
 

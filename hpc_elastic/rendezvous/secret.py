@@ -36,7 +36,8 @@ def read_secret_file(path: Path) -> str:
         text = path.read_text().strip()
     except OSError as error:
         raise RendezvousError(
-            f"Cannot read the ZooKeeper secret file '{path}' ({error.strerror}); check --zk-auth-file."
+            f"Cannot read the ZooKeeper secret file '{path}' ({error.strerror}); "
+            "check --zk-auth-file."
         ) from error
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise UsageError(
@@ -44,5 +45,7 @@ def read_secret_file(path: Path) -> str:
             f"can read it; run 'chmod 600 {path}'."
         )
     if not text:
-        raise UsageError(f"ZooKeeper secret file '{path}' is empty; let 'hpc-elastic submit' create it.")
+        raise UsageError(
+            f"ZooKeeper secret file '{path}' is empty; let 'hpc-elastic submit' create it."
+        )
     return text

@@ -114,7 +114,7 @@ def decode_node(data: bytes) -> NodeInfo:
 
 def round_is_live(state: JobState, alive: frozenset[str], nodes: NodeRange) -> bool:
     """Whether the latest round may keep training: nobody left, failed or is waiting to join."""
-    if state.round == 0 or state.failed_round == state.round:
+    if state.round in (0, state.failed_round):
         return False
     members = state.member_ids()
     if not members <= alive:
@@ -145,6 +145,7 @@ def next_action(
     me: str,
     last_round: int,
     nodes: NodeRange,
+    *,
     expected: int | None = None,
 ) -> Action:
     """Decide the next step of one waiting agent; ``last_round`` is the round it already ran.
@@ -248,4 +249,3 @@ def describe(state: JobState) -> dict[str, Any]:
         "failed": state.failure_summary or None,
         "closed": state.closed,
     }
-

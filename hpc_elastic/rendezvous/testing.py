@@ -93,7 +93,9 @@ class ZooKeeperServer:
         while not is_ok(self.port):
             if time.monotonic() > deadline or (self.process and self.process.poll() is not None):
                 self.stop()
-                raise RuntimeError(f"ZooKeeper on port {self.port} did not start; see {self.data_dir}/zk.out")
+                raise RuntimeError(
+                    f"ZooKeeper on port {self.port} did not start; see {self.data_dir}/zk.out"
+                )
             time.sleep(0.05)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +32,7 @@ from kazoo.exceptions import (
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.recipe.watchers import ChildrenWatch, DataWatch
 from kazoo.retry import RetryFailedError
-from kazoo.security import OPEN_ACL_UNSAFE, ACL, Id, Permissions, make_digest_acl
+from kazoo.security import ACL, OPEN_ACL_UNSAFE, Id, Permissions, make_digest_acl
 
 from hpc_elastic.errors import RendezvousClosedError, RendezvousError
 from hpc_elastic.rendezvous import state as st
@@ -115,7 +115,12 @@ def open_client(
         timeout=session_timeout,
         auth_data=[("digest", f"{DIGEST_USER}:{secret}")] if secret else None,
         connection_retry={"max_tries": -1, "delay": 0.1, "max_delay": 1.0},
-        command_retry={"max_tries": -1, "delay": 0.05, "max_delay": 1.0, "deadline": RETRY_DEADLINE},
+        command_retry={
+            "max_tries": -1,
+            "delay": 0.05,
+            "max_delay": 1.0,
+            "deadline": RETRY_DEADLINE,
+        },
     )
     try:
         client.start(timeout=connect_timeout)
@@ -131,7 +136,9 @@ def open_client(
 class ZooKeeperStore(Store):
     """One job's rendezvous on ZooKeeper; the state and membership are cached by watches."""
 
-    def __init__(self, client: KazooClient, address: ZooKeeperAddress, run_id: str, secret: str | None) -> None:
+    def __init__(
+        self, client: KazooClient, address: ZooKeeperAddress, run_id: str, secret: str | None
+    ) -> None:
         self._client = client
         self._address = address
         self._run_id = run_id
@@ -223,16 +230,12 @@ class ZooKeeperStore(Store):
     def _create(
         self, path: str, data: bytes, ephemeral: bool, acl: list[ACL] | None = None
     ) -> None:
-        try:
+        with suppress(NodeExistsError):
             self._client.create(path, data, acl=acl or self._acl, ephemeral=ephemeral)
-        except NodeExistsError:
-            pass
 
     def _delete(self, path: str, recursive: bool = False) -> None:
-        try:
+        with suppress(NoNodeError):
             self._client.delete(path, recursive=recursive)
-        except NoNodeError:
-            pass
 
     def _compare_and_set(self, data: bytes, token: int) -> tuple[bytes | None, int, bool]:
         try:
@@ -298,6 +301,7 @@ def connect(
     zk: str,
     settings: RendezvousSettings,
     node: NodeInfo,
+    *,
     secret: str | None = None,
     expected_nodes: Callable[[], int | None] | None = None,
     connect_timeout: float = CONNECT_TIMEOUT,
