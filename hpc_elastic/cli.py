@@ -34,6 +34,7 @@ from hpc_elastic.spec import (
     JobSpec,
     NodeRange,
     PreemptSignal,
+    count_parser,
     parse_env,
     parse_job_name,
     parse_mem,
@@ -41,6 +42,7 @@ from hpc_elastic.spec import (
     parse_setup_line,
     parse_time,
     parse_zk,
+    seconds_parser,
 )
 from hpc_elastic.submit import Plan, SlurmCommands, plan, submit
 
@@ -77,7 +79,7 @@ class _App(TyperGroup):
         except HpcElasticError as err:
             _fail(str(err), err.exit_code)
         except NoArgsIsHelpError as err:
-            err.show()
+            typer.echo(err.format_message())
             sys.exit(0)
         except ClickException as err:
             _fail(_click_sentence(err), err.exit_code)
@@ -204,7 +206,9 @@ def submit_command(  # noqa: PLR0917 (Typer reads the options from the signature
     nproc_per_node: Annotated[
         int | None,
         typer.Option(
-            metavar="P", help="Worker processes per node, usually one per GPU. Default 1."
+            parser=count_parser("--nproc-per-node"),
+            metavar="P",
+            help="Worker processes per node, usually one per GPU. Default 1.",
         ),
     ] = None,
     job_name: Annotated[
@@ -232,9 +236,17 @@ def submit_command(  # noqa: PLR0917 (Typer reads the options from the signature
             help="Time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS, e.g. 1-00.",
         ),
     ] = None,
-    gpus_per_node: Annotated[int | None, typer.Option(metavar="N", help="GPUs per node.")] = None,
+    gpus_per_node: Annotated[
+        int | None,
+        typer.Option(parser=count_parser("--gpus-per-node"), metavar="N", help="GPUs per node."),
+    ] = None,
     cpus_per_task: Annotated[
-        int | None, typer.Option(metavar="N", help="CPUs for each node's agent and its workers.")
+        int | None,
+        typer.Option(
+            parser=count_parser("--cpus-per-task"),
+            metavar="N",
+            help="CPUs for each node's agent and its workers.",
+        ),
     ] = None,
     mem: Annotated[
         str | None,
@@ -292,6 +304,7 @@ def submit_command(  # noqa: PLR0917 (Typer reads the options from the signature
     max_restarts: Annotated[
         int | None,
         typer.Option(
+            parser=count_parser("--max-restarts", zero_ok=True),
             metavar="R",
             help="Worker-failure restarts for the whole job (node changes are free). Default 3.",
         ),
@@ -313,19 +326,36 @@ def submit_command(  # noqa: PLR0917 (Typer reads the options from the signature
         ),
     ] = None,
     hang_timeout: Annotated[
-        float | None, typer.Option(metavar="S", help="Restart workers silent this long.")
+        float | None,
+        typer.Option(
+            parser=seconds_parser("--hang-timeout"),
+            metavar="S",
+            help="Restart workers silent this long.",
+        ),
     ] = None,
     last_call: Annotated[
         float | None,
-        typer.Option(metavar="S", help="Once MIN nodes are in, wait this long for more."),
+        typer.Option(
+            parser=seconds_parser("--last-call"),
+            metavar="S",
+            help="Once MIN nodes are in, wait this long for more.",
+        ),
     ] = None,
     session_timeout: Annotated[
         float | None,
-        typer.Option(metavar="S", help="ZooKeeper session: how soon a dead node is noticed."),
+        typer.Option(
+            parser=seconds_parser("--session-timeout"),
+            metavar="S",
+            help="ZooKeeper session: how soon a dead node is noticed.",
+        ),
     ] = None,
     min_wait: Annotated[
         float | None,
-        typer.Option(metavar="S", help="How long the job may stay below MIN nodes."),
+        typer.Option(
+            parser=seconds_parser("--min-wait"),
+            metavar="S",
+            help="How long the job may stay below MIN nodes.",
+        ),
     ] = None,
     python: Annotated[
         str | None,

@@ -8,6 +8,7 @@ to the same rules and say the same sentence when they are wrong.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,6 +112,36 @@ def parse_positive(option: str, value: int, *, zero_ok: bool = False) -> int:
         bound = "0 or more" if zero_ok else "1 or more"
         raise UsageError(f"{option} '{value}' is out of range; give {bound}.")
     return value
+
+
+def count_parser(option: str, *, zero_ok: bool = False) -> Callable[[str], int]:
+    """A Typer ``parser=`` for counts, so '--nproc-per-node x' quotes 'x' like every other error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise UsageError(f"{option} '{text}' is not a whole number; give e.g. '4'.") from None
+        return parse_positive(option, value, zero_ok=zero_ok)
+
+    return parse
+
+
+def seconds_parser(option: str) -> Callable[[str], float]:
+    """A Typer ``parser=`` for durations in seconds (fractions allowed)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise UsageError(
+                f"{option} '{text}' is not a number of seconds; give e.g. '30'."
+            ) from None
+        if not value >= 0:
+            raise UsageError(f"{option} '{text}' is negative; give 0 or more seconds.")
+        return value
+
+    return parse
 
 
 def parse_time(text: str) -> str:

@@ -1,0 +1,261 @@
+"""The command line as a user meets it: help, version, one-line errors, submit on a fake Slurm."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from hpc_elastic import __version__, cli
+from hpc_elastic.errors import SlurmError
+
+runner = CliRunner()
+
+
+class FakeSlurm:
+    """Records what submit sends; answers like sbatch --parsable and sinfo would."""
+
+    def __init__(self, partitions: Sequence[str] = ("low", "high"), fail: str | None = None):
+        self.known = list(partitions)
+        self.fail = fail
+        self.submitted: list[str] = []
+
+    def sbatch(self, script_text: str, extra_args: Sequence[str] = ()) -> str:
+        if self.fail:
+            raise SlurmError(self.fail)
+        self.submitted.append(script_text)
+        return "42"
+
+    def partitions(self) -> list[str]:
+        return self.known
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A project directory with a training script, as the current directory."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HPC_ELASTIC_ZK", raising=False)
+    (tmp_path / "train.py").write_text("print('training')\n")
+    return tmp_path
+
+
+@pytest.fixture
+def slurm(monkeypatch: pytest.MonkeyPatch) -> FakeSlurm:
+    fake = FakeSlurm()
+    monkeypatch.setattr(cli, "slurm", fake)
+    return fake
+
+
+def invoke(*args: str) -> tuple[int, str, str]:
+    result = runner.invoke(cli.app, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_version() -> None:
+    assert invoke("--version") == (0, f"hpc-elastic {__version__}\n", "")
+
+
+def test_help_teaches_by_example() -> None:
+    code, out, _ = invoke("--help")
+    assert code == 0
+    assert "submit" in out
+    assert "render" in out
+    code, out, _ = invoke("submit", "--help")
+    assert code == 0
+    assert "hpc-elastic submit --nodes 2:8" in out
+    assert "--nodes N|MIN:MAX" in out
+
+
+def test_no_arguments_shows_help() -> None:
+    code, out, _ = invoke()
+    assert code == 0
+    assert "Usage: hpc-elastic" in out
+
+
+def test_dry_run_prints_the_script_and_submits_nothing(workdir: Path, slurm: FakeSlurm) -> None:
+    code, out, _ = invoke("submit", "--dry-run", "--nodes", "1:4", "train.py", "--", "--lr", "1")
+    assert code == 0
+    assert out.startswith("#!/bin/bash\n")
+    assert "#SBATCH --array=0-3" in out
+    assert f"-u {workdir / 'train.py'} --lr 1\n" in out
+    assert "hpc-elastic submit --dry-run --nodes 1:4 train.py -- --lr 1" in out
+    assert slurm.submitted == []
+    assert not (workdir / "hpc-elastic-runs").exists()
+
+
+def test_render_is_submit_dry_run(workdir: Path, slurm: FakeSlurm) -> None:
+    code, out, _ = invoke("render", "--nodes", "2", "train.py")
+    assert code == 0
+    assert "#SBATCH --nodes=2" in out
+    assert slurm.submitted == []
+
+
+def test_submit_writes_the_job_directory(workdir: Path, slurm: FakeSlurm) -> None:
+    code, out, err = invoke("submit", "--nodes", "1:2", "--partition", "low", "train.py")
+    assert (code, err) == (0, "")
+    [job_dir] = (workdir / "hpc-elastic-runs").iterdir()
+    assert job_dir.name.startswith("train-")
+    assert out.splitlines() == [
+        f"Submitted batch job 42 (run {job_dir.name}, elastic 1:2 nodes).",
+        f"Job directory: {job_dir}",
+        f"Logs: {job_dir}/slurm-42_*.out",
+    ]
+    secret = (job_dir / "secret").read_text()
+    assert len(secret) == 64
+    assert stat.S_IMODE((job_dir / "secret").stat().st_mode) == 0o600
+    assert slurm.submitted == [(job_dir / "sbatch.sh").read_text()]
+    assert secret not in slurm.submitted[0]
+    record = json.loads((job_dir / "job.json").read_text())
+    assert record["job_id"] == "42"
+    assert record["run_id"] == job_dir.name
+    assert record["spec"]["nodes"] == "1:2"
+    assert secret not in json.dumps(record)
+
+
+def test_flags_beat_the_config_file(workdir: Path, slurm: FakeSlurm) -> None:
+    (workdir / "pyproject.toml").write_text(
+        '[tool.hpc-elastic]\nnodes = "1:4"\npartition = "low"\nenv = { A = "file", B = "file" }\n'
+    )
+    code, out, _ = invoke("render", "--partition", "high", "--env", "B=flag", "train.py")
+    assert code == 0
+    assert "#SBATCH --array=0-3" in out
+    assert "#SBATCH --partition=high" in out
+    assert "export A=file\nexport B=flag\n" in out
+
+
+def test_zk_comes_from_the_environment(
+    workdir: Path, slurm: FakeSlurm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HPC_ELASTIC_ZK", "zk9:2181")
+    assert "--zk zk9:2181 " in invoke("render", "train.py")[1]
+    assert "--zk zk1:1 " in invoke("render", "--zk", "zk1:1", "train.py")[1]
+
+
+BAD_INPUT = [
+    (["--nodes", "4:1"], "--nodes '4:1' is inverted"),
+    (["--nodes", "0"], "--nodes '0' asks for fewer than one node"),
+    (["--nodes", "a:b"], "--nodes 'a:b' is not a node count"),
+    (["--nproc-per-node", "0"], "--nproc-per-node '0' is out of range"),
+    (["--nproc-per-node", "many"], "--nproc-per-node 'many' is not a whole number"),
+    (["--min-wait", "-1"], "--min-wait '-1' is negative"),
+    (["--max-restarts", "-1"], "--max-restarts '-1' is out of range"),
+    (["--time", "2h"], "--time '2h' is not a Slurm time"),
+    (["--mem", "4X"], "--mem '4X' is not a memory size"),
+    (["--signal", "B:USR2@90"], "would reach only the batch shell"),
+    (["--signal", "KILL"], "--signal 'KILL' is not a signal the agent can catch"),
+    (["--env", "NOVALUE"], "--env 'NOVALUE' is not KEY=VALUE"),
+    (["--partition", "a b"], "--partition 'a b' is empty or contains spaces"),
+    (["--sbatch-arg", "reservation=x"], "--sbatch-arg 'reservation=x' is not an sbatch option"),
+    (["--setup", "a\nb"], "give one --setup per shell line"),
+    (["--zk", "localhost"], "--zk 'localhost' is not a ZooKeeper address list"),
+    (["--template", "missing.j2"], "--template 'missing.j2' cannot be read"),
+    (["--job-name", "a/b"], "--job-name 'a/b' is not usable"),
+    (["--no-such-flag"], "No such option: --no-such-flag"),
+]
+
+
+@pytest.mark.parametrize(("flags", "message"), BAD_INPUT)
+def test_bad_input_is_one_sentence_and_exit_2(
+    workdir: Path, slurm: FakeSlurm, flags: list[str], message: str
+) -> None:
+    code, out, err = invoke("submit", *flags, "train.py")
+    assert code == 2
+    assert out == ""
+    assert err.startswith("error: ")
+    assert message in err
+    assert err.count("\n") == 1
+    assert slurm.submitted == []
+
+
+def test_missing_script(workdir: Path, slurm: FakeSlurm) -> None:
+    code, _, err = invoke("submit", "tarin.py")
+    assert code == 2
+    assert err == (
+        "error: Script 'tarin.py' does not exist or is not a file; give the path of your "
+        "training script, e.g. 'train.py'.\n"
+    )
+
+
+def test_broken_template(workdir: Path, slurm: FakeSlurm) -> None:
+    (workdir / "job.sh.j2").write_text("{{ nodes_max + }}")
+    code, _, err = invoke("submit", "--template", "job.sh.j2", "train.py")
+    assert code == 2
+    assert err.startswith("error: --template 'job.sh.j2' has a syntax error at line 1")
+
+
+def test_malformed_config_file(workdir: Path, slurm: FakeSlurm) -> None:
+    (workdir / "hpc-elastic.toml").write_text("nodes = 2\ngpus = 4\n")
+    code, _, err = invoke("submit", "train.py")
+    assert code == 2
+    assert err.startswith(f"error: {workdir / 'hpc-elastic.toml'}: unknown key 'gpus'")
+
+
+def test_unknown_partition_submits_nothing(workdir: Path, slurm: FakeSlurm) -> None:
+    code, _, err = invoke("submit", "--partition", "gpu", "train.py")
+    assert code == 2
+    assert err == (
+        "error: --partition 'gpu' does not exist on this cluster; use one of low, high "
+        "(see `sinfo -s`).\n"
+    )
+    assert not (workdir / "hpc-elastic-runs").exists()
+
+
+def test_sbatch_failure_leaves_no_job_directory(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cli, "slurm", FakeSlurm(fail="sbatch said no; ask your admin."))
+    code, _, err = invoke("submit", "train.py")
+    assert (code, err) == (1, "error: sbatch said no; ask your admin.\n")
+    assert list((workdir / "hpc-elastic-runs").iterdir()) == []
+
+
+def test_missing_sbatch_is_a_clear_runtime_error(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(workdir))
+    code, _, err = invoke("submit", "train.py")
+    assert code == 1
+    assert err.startswith("error: sbatch was not found on PATH")
+
+
+def test_unexpected_errors_are_one_line(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*_: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(cli, "plan", broken)
+    code, _, err = invoke("submit", "train.py")
+    assert code == 1
+    assert err.startswith("error: Internal error (RuntimeError: boom); rerun with")
+
+
+def _imported_modules(*args: str) -> str:
+    """Run the real entry point in a fresh interpreter; return what it imported."""
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "hpc_elastic", *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
+    )
+    return " ".join(line.split("|")[-1].strip() for line in result.stderr.splitlines())
+
+
+def test_help_imports_no_heavy_library() -> None:
+    imported = _imported_modules("--help").split()
+    for heavy in ("torch", "kazoo", "jinja2", "numpy"):
+        assert heavy not in imported
+
+
+def test_dry_run_does_not_import_torch(workdir: Path) -> None:
+    imported = _imported_modules("submit", "--dry-run", "train.py").split()
+    assert "jinja2" in imported
+    for heavy in ("torch", "kazoo", "numpy"):
+        assert heavy not in imported
