@@ -47,8 +47,11 @@ CONNECT_TIMEOUT = 10.0
 RETRY_DEADLINE = 60.0
 """Seconds one operation keeps retrying through connection losses (e.g. a server restart)."""
 
-_SHARED_ACL = [ACL(Permissions.READ | Permissions.CREATE, Id("world", "anyone"))]
-"""For the common prefix: anyone may add a job, nobody may remove or rewrite another's."""
+_SHARED_ACL = [
+    ACL(Permissions.READ | Permissions.CREATE | Permissions.DELETE, Id("world", "anyone"))
+]
+"""For the common prefix: anyone may add a job. DELETE only ever removes an empty job node,
+because a job's children (and so the job) can only be removed with its secret."""
 
 
 @dataclass(frozen=True)
@@ -225,7 +228,8 @@ class ZooKeeperStore(Store):
             path = "/" + "/".join(parents[:depth])
             self._client.retry(self._create, path, b"", False, _SHARED_ACL)
         self._client.retry(self._create, self._root, b"", False)
-        self._client.retry(self._create, self._path("members"), b"", False)
+        if self._client.retry(self._client.exists, self._path("closed")) is None:
+            self._client.retry(self._create, self._path("members"), b"", False)
 
     def _create(
         self, path: str, data: bytes, ephemeral: bool, acl: list[ACL] | None = None
