@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -38,8 +38,6 @@ from hpc_elastic.spec import (
     parse_env,
     parse_job_name,
     parse_mem,
-    parse_sbatch_arg,
-    parse_setup_line,
     parse_time,
     parse_zk,
     seconds_parser,
@@ -102,10 +100,12 @@ def _fail(sentence: str, exit_code: int) -> NoReturn:
 
 
 def _click_sentence(err: ClickException) -> str:
-    message = err.format_message().rstrip(".")
+    message = err.format_message()
     context = getattr(err, "ctx", None)
     if context is None:
-        return f"{message}."
+        return message
+    if message.endswith((".", "?")):
+        return f"{message} See '{context.command_path} --help'."
     return f"{message}; see '{context.command_path} --help'."
 
 
@@ -365,8 +365,7 @@ def submit_command(  # noqa: PLR0917 (Typer reads the options from the signature
         bool, typer.Option("--dry-run", help="Print the script; submit nothing.")
     ] = False,
 ) -> None:
-    config = load_config(Path.cwd())
-    flags: dict[str, object] = {
+    flags: dict[str, object | None] = {
         "nodes": nodes,
         "nproc_per_node": nproc_per_node,
         "job_name": job_name,
@@ -381,25 +380,23 @@ def submit_command(  # noqa: PLR0917 (Typer reads the options from the signature
         "exclude": exclude,
         "requeue": requeue,
         "signal": signal,
-        "setup": None if setup is None else tuple(parse_setup_line(line) for line in setup),
+        "setup": None if setup is None else tuple(setup),
+        "env": None if env is None else tuple(parse_env(item) for item in env),
         "log_dir": log_dir,
         "template": template,
         "max_restarts": max_restarts,
         "zk": zk,
-        "sbatch_args": None if sbatch_arg is None else tuple(map(parse_sbatch_arg, sbatch_arg)),
+        "sbatch_args": None if sbatch_arg is None else tuple(sbatch_arg),
         "hang_timeout": hang_timeout,
         "last_call": last_call,
         "session_timeout": session_timeout,
         "min_wait": min_wait,
         "python": python,
     }
-    values = dict(config.values)
-    values.update({key: value for key, value in flags.items() if value is not None})
-    file_env = dict(cast("tuple[tuple[str, str], ...]", values.get("env", ())))
-    values["env"] = tuple({**file_env, **dict(parse_env(item) for item in env or ())}.items())
-    values.setdefault("job_name", default_job_name(script))
-    interpreter = str(values.pop("python", sys.executable))
-    spec = JobSpec(script=script, script_args=tuple(script_args or ()), **cast("Any", values))
+    settings = _merge(load_config(Path.cwd()).values, flags)
+    interpreter = str(settings.pop("python", sys.executable))
+    settings.setdefault("job_name", default_job_name(script))
+    spec = JobSpec(script=script, script_args=tuple(script_args or ()), **cast("Any", settings))
 
     argv = cast(Invocation, ctx.find_root().obj).argv
     job = plan(spec, ("hpc-elastic", *argv), interpreter, datetime.now())
@@ -407,6 +404,15 @@ def submit_command(  # noqa: PLR0917 (Typer reads the options from the signature
         typer.echo(job.script.text, nl=False)
         return
     _submit(job)
+
+
+def _merge(defaults: Mapping[str, object], flags: Mapping[str, object | None]) -> dict[str, object]:
+    """Flags beat the config file; ``env`` is merged key by key, the flag's value winning."""
+    merged = {**defaults, **{key: value for key, value in flags.items() if value is not None}}
+    env_pairs = cast("tuple[tuple[str, str], ...]", defaults.get("env", ()))
+    flag_pairs = cast("tuple[tuple[str, str], ...]", flags["env"] or ())
+    merged["env"] = tuple({**dict(env_pairs), **dict(flag_pairs)}.items())
+    return merged
 
 
 def _submit(job: Plan) -> None:
