@@ -210,6 +210,26 @@ def parse_sbatch_value(option: str, text: str) -> str:
     return text
 
 
+_OWNED_SBATCH_OPTIONS = {
+    "--array": "--nodes MIN:MAX",
+    "--nodes": "--nodes",
+    "-N": "--nodes",
+    "--ntasks": "--nproc-per-node",
+    "-n": "--nproc-per-node",
+    "--ntasks-per-node": "--nproc-per-node",
+    "--no-kill": "--nodes",
+    "--output": "--log-dir",
+    "-o": "--log-dir",
+    "--signal": "--signal",
+    "--requeue": "--requeue",
+    "--no-requeue": "--no-requeue",
+    "--job-name": "--job-name",
+    "-J": "--job-name",
+    "--wrap": "SCRIPT",
+}
+"""sbatch options that shape the job; passing them through would break what the agents expect."""
+
+
 def parse_sbatch_arg(text: str) -> str:
     """A pass-through sbatch option such as ``--reservation=big``, one per ``--sbatch-arg``."""
     parse_sbatch_value("--sbatch-arg", text)
@@ -217,6 +237,12 @@ def parse_sbatch_arg(text: str) -> str:
         raise UsageError(
             f"--sbatch-arg '{text}' is not an sbatch option; give one option with its value, "
             "e.g. '--reservation=big'."
+        )
+    name = text.split("=", 1)[0] if text.startswith("--") else text[:2]
+    if name in _OWNED_SBATCH_OPTIONS:
+        raise UsageError(
+            f"--sbatch-arg '{text}' sets what hpc-elastic decides itself; "
+            f"use {_OWNED_SBATCH_OPTIONS[name]} instead."
         )
     return text
 

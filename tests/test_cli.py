@@ -130,6 +130,37 @@ def test_flags_beat_the_config_file(workdir: Path, slurm: FakeSlurm) -> None:
     assert "export A=file\nexport B=flag\n" in out
 
 
+def test_flags_become_sbatch_lines(workdir: Path, slurm: FakeSlurm) -> None:
+    code, out, _ = invoke(
+        "render",
+        *("--nodes", "3", "--account", "proj", "--qos", "hi", "--time", "1-00"),
+        *("--gpus-per-node", "4", "--cpus-per-task", "32", "--mem", "64g"),
+        *("--constraint", "a100", "--exclude", "n1", "--no-requeue", "--signal", "USR1@30"),
+        *("--sbatch-arg", "--reservation=big", "--job-name", "exp1", "train.py"),
+    )
+    assert code == 0
+    lines = [line for line in out.splitlines() if line.startswith("#SBATCH")]
+    assert lines[:3] == [
+        "#SBATCH --job-name=exp1",
+        "#SBATCH --nodes=3",
+        "#SBATCH --ntasks-per-node=1",
+    ]
+    assert lines[5:] == [
+        "#SBATCH --account=proj",
+        "#SBATCH --qos=hi",
+        "#SBATCH --time=1-00",
+        "#SBATCH --mem=64G",
+        "#SBATCH --constraint=a100",
+        "#SBATCH --exclude=n1",
+        "#SBATCH --gpus-per-node=4",
+        "#SBATCH --cpus-per-task=32",
+        "#SBATCH --no-requeue",
+        "#SBATCH --signal=USR1@30",
+        "#SBATCH --reservation=big",
+    ]
+    assert "--preempt-signal USR1 \\\n    --grace 30 \\\n" in out
+
+
 def test_zk_comes_from_the_environment(
     workdir: Path, slurm: FakeSlurm, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -131,6 +131,15 @@ def test_sbatch_arg_must_be_one_option() -> None:
         parse_sbatch_arg("--comment=a\n#SBATCH --x")
 
 
+@pytest.mark.parametrize(
+    ("text", "instead"),
+    [("--array=0-7", "--nodes MIN:MAX"), ("-N2", "--nodes"), ("--output=x", "--log-dir")],
+)
+def test_sbatch_arg_may_not_reshape_the_job(text: str, instead: str) -> None:
+    with pytest.raises(UsageError, match=f"sets what hpc-elastic decides itself; use {instead}"):
+        parse_sbatch_arg(text)
+
+
 def test_setup_line_is_one_line() -> None:
     assert parse_setup_line("module load cuda/12") == "module load cuda/12"
     with pytest.raises(UsageError, match="give one --setup per shell line"):
