@@ -91,3 +91,83 @@ client.create(sys.argv[2], ephemeral=True, makepath=True)
 print("ready", flush=True)
 time.sleep(600)
 """
+
+
+def _command_lines_mentioning(text: str) -> list[str]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in args:
+            found.append(args)
+    return found
+
+
+def test_node_kill_takes_the_nodes_tasks_with_it(cluster: Cluster, tmp_path: Path) -> None:
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\nsrun bash -c 'echo $SLURMD_NODENAME $$ >> pids; sleep 300'\n")
+    job_id = cluster.run(
+        ["sbatch", "--parsable", "-N4", "-o", "/dev/null", f"--chdir={tmp_path}", str(script)]
+    ).stdout.strip()
+    pids = tmp_path / "pids"
+    assert wait_until(lambda: pids.exists() and len(pids.read_text().splitlines()) == 4, 30)
+    task_on = dict(line.split() for line in pids.read_text().splitlines())
+
+    cluster.node_kill("n4")
+    try:
+        assert not _alive(task_on["n4"])
+        assert all(_alive(task_on[node]) for node in ("n1", "n2", "n3"))
+    finally:
+        cluster.run(["scancel", job_id])
+        cluster.node_start("n4")
+    assert wait_until(lambda: _node_state(cluster, "n4") == "idle", 30)
+
+
+def _alive(pid: str) -> bool:
+    """Running, as opposed to gone or a zombie that nobody has reaped yet."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+def _node_state(cluster: Cluster, node: str) -> str:
+    return cluster.run(["sinfo", "-h", "-n", node, "-o", "%T"]).stdout.strip()
+
+
+def test_zookeeper_restarts_with_its_data(cluster: Cluster, zk_root: str) -> None:
+    client = KazooClient(hosts=cluster.zk_hosts, timeout=5.0)
+    client.start(timeout=10)
+    client.create(f"{zk_root}/kept", b"v1", makepath=True)
+    client.stop()
+    client.close()
+
+    cluster.zk_stop()
+    cluster.zk_start()
+
+    client = KazooClient(hosts=cluster.zk_hosts, timeout=5.0)
+    client.start(timeout=10)
+    try:
+        assert client.get(f"{zk_root}/kept")[0] == b"v1"
+    finally:
+        client.stop()
+        client.close()
+
+
+def test_down_leaves_nothing_behind_even_after_a_node_crash(tmp_path: Path) -> None:
+    """A second, private cluster, so that stopping it cannot disturb the shared one."""
+    private = Cluster.start(tmp_path / "state")
+    try:
+        private.run(["sbatch", "-N2", "-o", "/dev/null", "--wrap", "srun sleep 300"])
+        assert wait_until(lambda: [state for _, state in private.squeue()] == ["RUNNING"], 30)
+        private.node_kill("n2")
+        assert private.strays()
+    finally:
+        private.stop()
+        private.stop()
+
+    assert private.strays() == []
+    assert _command_lines_mentioning(str(tmp_path / "state")) == []

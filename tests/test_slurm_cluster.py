@@ -14,7 +14,8 @@ from hpc_elastic.slurm import commands
 
 pytestmark = pytest.mark.integration
 
-SLEEPER = "#!/bin/bash\n#SBATCH --output=/dev/null\nsleep 300\n"
+# exec: with proctrack/linuxproc, a child of a killed batch shell escapes Slurm and lingers.
+SLEEPER = "#!/bin/bash\n#SBATCH --output=/dev/null\nexec sleep 300\n"
 
 
 def _state(cluster: Cluster, job_id: str) -> str:
