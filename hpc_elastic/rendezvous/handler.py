@@ -52,12 +52,15 @@ class StoreRendezvous(Rendezvous):
         self._expected_nodes = expected_nodes
         self._owns_store = owns_store
         self._round = 0
+        self._in_round = False
+        """From returning a round until the next ``next_round``: only then is ``changed`` set."""
         self._generation = 0
         self._wake = threading.Condition()
         self._rejoin = threading.Event()
         store.subscribe(self._on_change, self._on_session_lost)
 
     def next_round(self) -> Round:
+        self._in_round = False
         self.changed.clear()
         self._join()
         min_deadline = time.monotonic() + self.settings.min_wait
@@ -80,6 +83,7 @@ class StoreRendezvous(Rendezvous):
             deadline: float | None = None
             if action is st.Action.RETURN:
                 self._round = state.round
+                self._in_round = True
                 self._on_change()
                 return state.to_round()
             if action is st.Action.PUBLISH_PORT:
@@ -208,7 +212,7 @@ class StoreRendezvous(Rendezvous):
         with self._wake:
             self._generation += 1
             self._wake.notify_all()
-        if self._round and not self.changed.is_set() and self._superseded():
+        if self._in_round and not self.changed.is_set() and self._superseded():
             self.changed.set()
 
     def _on_session_lost(self) -> None:
