@@ -1,0 +1,184 @@
+"""Agents as real processes against the real ZooKeeper, with real torch/gloo workers.
+
+Each test runs ``python -m hpc_elastic agent`` processes on this machine (the fast path),
+or through Slurm for the node-crash test, and checks training went on from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from cluster import Cluster, wait_until
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).parent.parent
+TRAIN = Path(__file__).parent / "workloads" / "train_gloo.py"
+
+
+class Job:
+    """Several agents of one run, their output, and the training progress they made."""
+
+    def __init__(self, cluster: Cluster, zk_root: str, tmp_path: Path, nodes: str) -> None:
+        self.cluster = cluster
+        self.zk = f"{cluster.zk_hosts}{zk_root}"
+        self.nodes = nodes
+        self.dir = tmp_path / "job"
+        self.out = tmp_path / "out"
+        self.out.mkdir()
+        self.agents: list[subprocess.Popen[str]] = []
+
+    def argv(self, slot: str, *train_args: str, **flags: str) -> list[str]:
+        options = {
+            "run-id": "run",
+            "job-dir": str(self.dir),
+            "zk": self.zk,
+            "nodes": self.nodes,
+            "max-restarts": "3",
+            "grace": "5",
+            "session-timeout": "2",
+            "last-call": "1",
+            "min-wait": "20",
+            "slot": slot,
+            "host": "127.0.0.1",
+            **{key.replace("_", "-"): value for key, value in flags.items()},
+        }
+        return [
+            sys.executable,
+            "-m",
+            "hpc_elastic",
+            "agent",
+            *(f"--{key}={value}" for key, value in options.items()),
+            "--",
+            sys.executable,
+            "-u",
+            str(TRAIN),
+            f"--out={self.out}",
+            *train_args,
+        ]
+
+    def start(self, count: int, *train_args: str, **flags: str) -> None:
+        env = {**self.cluster.env, "PYTHONPATH": str(REPO)}
+        for _ in range(count):
+            slot = f"a{len(self.agents)}"
+            self.agents.append(
+                subprocess.Popen(
+                    self.argv(slot, *train_args, **flags),
+                    env=env,
+                    cwd=REPO,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
+
+    def wait(self, timeout: float = 90) -> list[tuple[int, str]]:
+        results = []
+        for agent in self.agents:
+            output, _ = agent.communicate(timeout=timeout)
+            results.append((agent.returncode, output))
+        return results
+
+    def progress(self) -> list[tuple[float, int, int, int]]:
+        path = self.out / "progress"
+        if not path.exists():
+            return []
+        rows = [line.split() for line in path.read_text().splitlines()]
+        return [(float(t), int(s), int(w), int(r)) for t, s, w, r in rows]
+
+    def worker_pids(self, agent: subprocess.Popen[str]) -> list[int]:
+        children = Path(f"/proc/{agent.pid}/task/{agent.pid}/children").read_text().split()
+        return [int(pid) for pid in children]
+
+    def kill_all(self) -> None:
+        for agent in self.agents:
+            if agent.poll() is None:
+                agent.kill()
+            agent.wait()
+
+
+MakeJob = Callable[[str], Job]
+
+
+@pytest.fixture
+def job(cluster: Cluster, zk_root: str, tmp_path: Path) -> Iterator[MakeJob]:
+    created: list[Job] = []
+
+    def make(nodes: str) -> Job:
+        created.append(Job(cluster, zk_root, tmp_path, nodes))
+        return created[-1]
+
+    yield make
+    for each in created:
+        each.kill_all()
+
+
+def test_sigkilled_worker_restarts_the_group_from_its_checkpoint(job: MakeJob) -> None:
+    run = job("3")
+    run.start(3, "--steps=40")
+    assert wait_until(lambda: len(run.progress()) >= 5, 60)
+    os.kill(run.worker_pids(run.agents[1])[0], signal.SIGKILL)
+    results = run.wait()
+    assert [code for code, _ in results] == [0, 0, 0], results
+    progress = run.progress()
+    steps = [step for _, step, _, _ in progress]
+    assert steps == list(range(1, 41)), "training resumed from its checkpoint, no step lost"
+    assert progress[-1][3] == 1, "one restart spent"
+    assert sum("root cause" in output for _, output in results) == 1
+    assert "SIGKILL" in results[1][1]
+
+
+def test_sigkilled_agent_leaves_and_the_survivors_reform(job: MakeJob) -> None:
+    run = job("2:3")
+    run.start(3, "--steps=60")
+    assert wait_until(lambda: len(run.progress()) >= 5, 60)
+    workers = run.worker_pids(run.agents[2])
+    run.agents[2].kill()
+    assert wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in workers), 5)
+    results = run.wait()
+    assert [code for code, _ in results[:2]] == [0, 0], results
+    worlds = [world for _, _, world, _ in run.progress()]
+    assert worlds[0] == 3
+    assert worlds[-1] == 2
+    assert run.progress()[-1][3] == 0, "losing a node spends no restart"
+
+
+def test_a_stopped_worker_is_caught_by_the_heartbeat(job: MakeJob) -> None:
+    run = job("2")
+    run.start(2, "--steps=40", hang_timeout="2")
+    assert wait_until(lambda: len(run.progress()) >= 5, 60)
+    os.kill(run.worker_pids(run.agents[0])[0], signal.SIGSTOP)
+    results = run.wait()
+    assert [code for code, _ in results] == [0, 0], results
+    assert "made no progress" in results[0][1]
+    assert run.progress()[-1][3] == 1
+
+
+def test_spent_budget_fails_the_job_and_shows_the_root_cause(job: MakeJob) -> None:
+    run = job("2")
+    run.start(2, "--fail", max_restarts="1")
+    results = run.wait()
+    assert [code for code, _ in results] == [1, 1], results
+    everything = "".join(output for _, output in results)
+    assert "ValueError: rank" in everything
+    assert "refuses to train" in everything
+    assert "budget" in everything or "restart" in everything
+
+
+def test_preemption_signal_reaches_workers_and_exits_for_requeue(job: MakeJob) -> None:
+    run = job("2")
+    run.start(2, "--steps=1000")
+    assert wait_until(lambda: len(run.progress()) >= 3, 60)
+    started = time.monotonic()
+    for agent in run.agents:
+        agent.send_signal(signal.SIGUSR2)
+    results = run.wait()
+    assert time.monotonic() - started < 10
+    assert [code for code, _ in results] == [75, 75], results
