@@ -182,3 +182,36 @@ def test_preemption_signal_reaches_workers_and_exits_for_requeue(job: MakeJob) -
     results = run.wait()
     assert time.monotonic() - started < 10
     assert [code for code, _ in results] == [75, 75], results
+
+
+def test_crashed_slurm_node_is_dropped_and_the_rest_go_on(
+    cluster: Cluster, zk_root: str, tmp_path: Path
+) -> None:
+    """One step per node, so a crashed node takes only its own agent with it."""
+    run = Job(cluster, zk_root, tmp_path, "2:3")
+    agent = " ".join(run.argv("$node", "--steps=80"))
+    script = tmp_path / "job.sh"
+    script.write_text(
+        "#!/bin/bash\n"
+        f"#SBATCH --nodes=3 --no-kill --no-requeue --output={tmp_path}/slurm.out\n"
+        'for node in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do\n'
+        f'  srun --nodes=1 --ntasks=1 --nodelist="$node" {agent} > {tmp_path}/$node.log 2>&1 &\n'
+        "done\n"
+        "wait\n"
+    )
+    env = {**cluster.env, "PYTHONPATH": str(REPO)}
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", str(script)], env=env, capture_output=True, text=True, check=True
+    )
+    job_id = submitted.stdout.strip()
+    try:
+        assert wait_until(lambda: len(run.progress()) >= 5, 90), tmp_path / "slurm.out"
+        assert run.progress()[-1][2] == 3
+        cluster.node_kill("n3")
+        assert wait_until(lambda: run.progress()[-1][2] == 2, 30), "no step at world size 2"
+        assert wait_until(lambda: run.progress()[-1][1] == 80, 60), "training did not finish"
+        for log in (tmp_path / "n1.log", tmp_path / "n2.log"):
+            assert wait_until(lambda log=log: "finished" in log.read_text(), 20), log.read_text()
+    finally:
+        cluster.run(["scancel", job_id], check=False)
+        cluster.node_start("n3")
