@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -211,7 +212,11 @@ def test_crashed_slurm_node_is_dropped_and_the_rest_go_on(
         assert wait_until(lambda: run.progress()[-1][2] == 2, 30), "no step at world size 2"
         assert wait_until(lambda: run.progress()[-1][1] == 80, 60), "training did not finish"
         for log in (tmp_path / "n1.log", tmp_path / "n2.log"):
-            assert wait_until(lambda log=log: "finished" in log.read_text(), 20), log.read_text()
+            assert wait_until(partial(_says, log, "finished"), 20), log.read_text()
     finally:
         cluster.run(["scancel", job_id], check=False)
         cluster.node_start("n3")
+
+
+def _says(log: Path, text: str) -> bool:
+    return text in log.read_text()
