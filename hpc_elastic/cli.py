@@ -29,6 +29,7 @@ from hpc_elastic.agent.command import CONTEXT as AGENT_CONTEXT
 from hpc_elastic.agent.command import agent
 from hpc_elastic.config import DEFAULT_ZK, load_config
 from hpc_elastic.errors import HpcElasticError, UsageError
+from hpc_elastic.local import RUN_HELP, run_command
 from hpc_elastic.slurm import commands
 from hpc_elastic.spec import (
     JobSpec,
@@ -109,10 +110,21 @@ def _click_sentence(err: ClickException) -> str:
     return f"{message}; see '{context.command_path} --help'."
 
 
+ROOT_HELP = """Keep multi-node PyTorch training alive on Slurm while nodes come and go.
+
+\b
+Examples:
+  hpc-elastic submit --nodes 2:8 --nproc-per-node 8 --partition gpu train.py -- --lr 3e-4
+  hpc-elastic render --nodes 4 train.py        # print the sbatch script, submit nothing
+  hpc-elastic submit --help                    # every option, with defaults
+
+Defaults can live in hpc-elastic.toml or [tool.hpc-elastic] in pyproject.toml.
+"""
+
 app = typer.Typer(
     cls=_App,
     name="hpc-elastic",
-    help="Keep multi-node PyTorch training alive on Slurm while nodes come and go.",
+    help=ROOT_HELP,
     no_args_is_help=True,
     add_completion=False,
     rich_markup_mode=None,
@@ -139,7 +151,7 @@ def _root(
         ),
     ] = False,
 ) -> None:
-    """Keep multi-node PyTorch training alive on Slurm while nodes come and go."""
+    """Only carries --version; the help text is ROOT_HELP."""
 
 
 def parse_script(text: str) -> Path:
@@ -425,6 +437,7 @@ def _submit(job: Plan) -> None:
 
 
 app.command("agent", context_settings=AGENT_CONTEXT)(agent)
+app.command("run", help=RUN_HELP)(run_command)
 
 
 def main() -> None:
