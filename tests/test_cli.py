@@ -221,11 +221,22 @@ def test_broken_template(workdir: Path, slurm: FakeSlurm) -> None:
     assert err.startswith("error: --template 'job.sh.j2' has a syntax error at line 1")
 
 
-def test_malformed_config_file(workdir: Path, slurm: FakeSlurm) -> None:
-    (workdir / "hpc-elastic.toml").write_text("nodes = 2\ngpus = 4\n")
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("nodes = 2\ngpus = 4\n", "unknown key 'gpus'; use one of"),
+        ("nodes = [\n", "is not valid TOML"),
+        ('nproc-per-node = "8"\n', "key 'nproc-per-node' must be an integer, not str '8'"),
+        ('nodes = "4:1"\n', "key 'nodes' is invalid: --nodes '4:1' is inverted"),
+    ],
+)
+def test_malformed_config_file(workdir: Path, slurm: FakeSlurm, text: str, message: str) -> None:
+    (workdir / "hpc-elastic.toml").write_text(text)
     code, _, err = invoke("submit", "train.py")
     assert code == 2
-    assert err.startswith(f"error: {workdir / 'hpc-elastic.toml'}: unknown key 'gpus'")
+    assert err.startswith(f"error: {workdir / 'hpc-elastic.toml'}")
+    assert message in err
+    assert err.count("\n") == 1
 
 
 def test_unknown_partition_submits_nothing(workdir: Path, slurm: FakeSlurm) -> None:
