@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from torch.distributed.elastic.rendezvous import (
     RendezvousError,
-    RendezvousGracefulExitError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
@@ -57,7 +58,11 @@ class ZooKeeperRendezvousHandler(RendezvousHandler):
         try:
             round_ = self._rendezvous.next_round()
         except errors.RendezvousClosedError as error:
-            raise RendezvousGracefulExitError(str(error)) from error
+            # torch 2.13's launch_agent crashes on its own RendezvousGracefulExitError
+            # (agent.run returns None), so a late agent leaves the way torchrun's
+            # @record entry point treats as a clean exit.
+            print(f"hpc-elastic: {error}", file=sys.stderr)
+            raise SystemExit(0) from error
         except errors.HpcElasticError as error:
             raise RendezvousError(str(error)) from error
         rank = round_.group_rank(self._rendezvous.node.node_id)
@@ -100,8 +105,13 @@ class ZooKeeperRendezvousHandler(RendezvousHandler):
         return True
 
 
-def create_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """The ``torchrun.handlers`` factory."""
+def create_handler() -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """The ``torchrun.handlers`` entry point: torch calls it with no arguments and registers
+    what it returns as the factory of ``--rdzv-backend=zookeeper``."""
+    return handler_for
+
+
+def handler_for(params: RendezvousParameters) -> RendezvousHandler:
     try:
         settings = RendezvousSettings(
             run_id=params.run_id,

@@ -1,0 +1,392 @@
+"""The embedded Store for local mode: a tiny server on a unix socket, no ZooKeeper needed.
+
+``hpc-elastic run`` serves one job from a thread of its own process; every agent connects as
+a client. The wire is newline-delimited JSON, bytes travel as base64, nothing is pickled::
+
+    request   {"id": 7, "op": "cas", "data": "<b64>", "token": 3}
+    reply     {"id": 7, "ok": true, "data": "<b64>", "token": 4, "won": true}
+    push      {"push": true, "data": "<b64>|null", "token": 4, "alive": ["n1-..", ...]}
+
+It keeps ZooKeeper's semantics where the rendezvous relies on them: the state has an integer
+version for compare-and-set (``ABSENT`` before it exists), a membership belongs to the
+connection that made it and vanishes the moment that connection closes (a SIGKILLed agent is
+gone at once), and every change is pushed to every connection, so nobody polls.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import queue
+import socket
+import threading
+from collections.abc import Callable, Iterable
+from contextlib import suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpc_elastic.errors import RendezvousClosedError, RendezvousError
+from hpc_elastic.rendezvous import state as st
+from hpc_elastic.rendezvous.api import NodeInfo, RendezvousSettings
+from hpc_elastic.rendezvous.backend import ABSENT, Store
+from hpc_elastic.rendezvous.handler import StoreRendezvous
+
+SCHEME = "local:"
+"""``--zk local:/path/to/socket`` picks this store instead of ZooKeeper."""
+REQUEST_TIMEOUT = 30.0
+
+
+def is_local(address: str) -> bool:
+    return address.startswith(SCHEME)
+
+
+def socket_path(address: str) -> Path:
+    path = address.removeprefix(SCHEME)
+    if not path:
+        raise RendezvousError(
+            f"--zk '{address}' names no socket; give 'local:/path/to/socket', as "
+            "`hpc-elastic run` does."
+        )
+    return Path(path)
+
+
+def _b64(data: bytes | None) -> str | None:
+    return None if data is None else base64.b64encode(data).decode()
+
+
+def _unb64(text: str | None) -> bytes | None:
+    return None if text is None else base64.b64decode(text)
+
+
+# --- the server ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Member:
+    order: int
+    data: bytes
+    connection: _Connection
+
+
+@dataclass(eq=False)
+class _Connection:
+    sock: socket.socket
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def send(self, message: dict[str, Any]) -> None:
+        line = (json.dumps(message) + "\n").encode()
+        with self.lock, suppress(OSError):
+            self.sock.sendall(line)
+
+
+class LocalStoreServer:
+    """One job's rendezvous state, served to the agents of a local run."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._state: bytes | None = None
+        self._version = ABSENT
+        self._members: dict[str, _Member] = {}
+        self._order = itertools.count()
+        self._closed = False
+        self._connections: set[_Connection] = set()
+        self._broadcasting = threading.Lock()
+        """Held from snapshot to send, so every connection sees the views in order."""
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._thread = threading.Thread(target=self._accept, name="local-store", daemon=True)
+
+    def start(self) -> None:
+        with suppress(FileNotFoundError):
+            self.path.unlink()
+        self._listener.bind(str(self.path))
+        self._listener.listen(64)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop serving; connected agents see their session end."""
+        with suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        with self._lock:
+            connections = list(self._connections)
+        for connection in connections:
+            with suppress(OSError):
+                connection.sock.shutdown(socket.SHUT_RDWR)
+        with suppress(FileNotFoundError):
+            self.path.unlink()
+
+    def snapshot(self) -> bytes | None:
+        with self._lock:
+            return self._state
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            connection = _Connection(sock)
+            with self._lock:
+                self._connections.add(connection)
+            threading.Thread(
+                target=self._serve, args=(connection,), name="local-store-conn", daemon=True
+            ).start()
+
+    def _serve(self, connection: _Connection) -> None:
+        try:
+            with connection.sock.makefile("rb") as lines:
+                for line in lines:
+                    request = json.loads(line)
+                    reply, changed = self._handle(request, connection)
+                    connection.send({"id": request["id"], **reply})
+                    if changed:
+                        self._broadcast()
+        except (OSError, ValueError, KeyError):
+            pass
+        finally:
+            self._disconnect(connection)
+
+    def _disconnect(self, connection: _Connection) -> None:
+        """The connection's memberships vanish with it, like ZooKeeper ephemerals."""
+        with self._lock:
+            self._connections.discard(connection)
+            gone = [node for node, m in self._members.items() if m.connection is connection]
+            for node in gone:
+                del self._members[node]
+        connection.sock.close()
+        if gone:
+            self._broadcast()
+
+    def _handle(
+        self, request: dict[str, Any], connection: _Connection
+    ) -> tuple[dict[str, Any], bool]:
+        """Apply one request under the lock; return the reply and whether anything changed."""
+        op = request["op"]
+        with self._lock:
+            if op == "watch":
+                return {"ok": True, **self._view()}, False
+            if op == "cas":
+                return self._compare_and_set(_unb64(request["data"]) or b"", request["token"])
+            if op == "join":
+                if self._closed:
+                    return {"ok": False, "closed": True}, False
+                node = request["node"]
+                member = self._members.get(node)
+                if member is not None and member.connection is connection:
+                    return {"ok": True}, False
+                data = _unb64(request["data"]) or b""
+                self._members[node] = _Member(next(self._order), data, connection)
+                return {"ok": True}, True
+            if op == "leave":
+                return {"ok": True}, self._members.pop(request["node"], None) is not None
+            if op == "members":
+                found = [self._members[n] for n in request["nodes"] if n in self._members]
+                found.sort(key=lambda member: member.order)
+                return {"ok": True, "records": [_b64(m.data) for m in found]}, False
+            if op == "is_closed":
+                return {"ok": True, "closed": self._closed}, False
+            if op == "close_job":
+                changed = not self._closed or self._state is not None or bool(self._members)
+                self._closed = True
+                self._state, self._version = None, ABSENT
+                self._members.clear()
+                return {"ok": True}, changed
+        return {"ok": False, "error": f"unknown operation '{op}'"}, False
+
+    def _compare_and_set(self, data: bytes, token: int) -> tuple[dict[str, Any], bool]:
+        won = (token == ABSENT and self._state is None) or (
+            self._state is not None and token == self._version
+        )
+        if won:
+            self._state = data
+            self._version = 0 if token == ABSENT else self._version + 1
+        return {"ok": True, "data": _b64(self._state), "token": self._version, "won": won}, won
+
+    def _view(self) -> dict[str, Any]:
+        return {
+            "data": _b64(self._state),
+            "token": self._version,
+            "alive": sorted(self._members),
+        }
+
+    def _broadcast(self) -> None:
+        with self._broadcasting:
+            with self._lock:
+                message = {"push": True, **self._view()}
+                connections = list(self._connections)
+            for connection in connections:
+                connection.send(message)
+
+
+# --- the client ----------------------------------------------------------------------------
+
+
+class LocalStore(Store):
+    """An agent's connection to the embedded store; state and membership cached from pushes."""
+
+    def __init__(self, path: Path, run_id: str) -> None:
+        self._path = path
+        self._run_id = run_id
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._pending: dict[int, queue.SimpleQueue[dict[str, Any] | None]] = {}
+        self._state: tuple[bytes | None, int] = (None, ABSENT)
+        self._alive: frozenset[str] = frozenset()
+        self._subscribers: dict[Callable[[], None], Callable[[], None]] = {}
+        self._notices: queue.SimpleQueue[bool] = queue.SimpleQueue()
+        self._connected = True
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.connect(str(path))
+        except OSError as error:
+            self._sock.close()
+            raise RendezvousError(
+                f"The local rendezvous at '{path}' does not answer ({error.strerror}); "
+                "start the job with `hpc-elastic run`, which serves it."
+            ) from error
+        threading.Thread(target=self._read, name="local-store-reader", daemon=True).start()
+        threading.Thread(target=self._deliver, name="local-store-notify", daemon=True).start()
+        reply = self._call("watch")
+        self._remember(_unb64(reply["data"]), reply["token"], reply["alive"])
+
+    def get_state(self) -> tuple[bytes | None, int]:
+        with self._lock:
+            return self._state
+
+    def set_state(self, data: bytes, token: int) -> tuple[bytes | None, int, bool]:
+        reply = self._call("cas", data=_b64(data), token=token)
+        current = _unb64(reply["data"])
+        self._remember(current, reply["token"], None)
+        return current, reply["token"], reply["won"]
+
+    def join(self, node_id: str, data: bytes) -> None:
+        if not self._call("join", node=node_id, data=_b64(data))["ok"]:
+            raise RendezvousClosedError(
+                f"Job '{self._run_id}' is closed (finished or cancelled); nothing to join."
+            )
+
+    def leave(self, node_id: str) -> None:
+        self._call("leave", node=node_id)
+
+    def alive(self) -> frozenset[str]:
+        with self._lock:
+            return self._alive
+
+    def members(self, node_ids: Iterable[str]) -> list[bytes]:
+        records = self._call("members", nodes=list(node_ids))["records"]
+        return [base64.b64decode(record) for record in records]
+
+    def subscribe(self, on_change: Callable[[], None], on_session_lost: Callable[[], None]) -> None:
+        with self._lock:
+            self._subscribers[on_change] = on_session_lost
+
+    def unsubscribe(self, on_change: Callable[[], None]) -> None:
+        with self._lock:
+            self._subscribers.pop(on_change, None)
+
+    def is_closed(self) -> bool:
+        return bool(self._call("is_closed")["closed"])
+
+    def close_job(self) -> None:
+        self._call("close_job")
+
+    def release(self) -> None:
+        with suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+
+    def _call(self, op: str, **fields: Any) -> dict[str, Any]:
+        request_id = next(self._ids)
+        answer: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+        with self._lock:
+            if not self._connected:
+                raise self._gone()
+            self._pending[request_id] = answer
+        try:
+            self._sock.sendall((json.dumps({"id": request_id, "op": op, **fields}) + "\n").encode())
+            reply = answer.get(timeout=REQUEST_TIMEOUT)
+        except (OSError, queue.Empty) as error:
+            raise self._gone() from error
+        finally:
+            with self._lock:
+                self._pending.pop(request_id, None)
+        if reply is None:
+            raise self._gone()
+        return reply
+
+    def _gone(self) -> RendezvousError:
+        return RendezvousError(
+            f"The local rendezvous at '{self._path}' went away; the `hpc-elastic run` that "
+            "served it has stopped."
+        )
+
+    def _read(self) -> None:
+        """Route replies to their callers and apply pushes; on EOF, fail every caller."""
+        try:
+            with self._sock.makefile("rb") as lines:
+                for line in lines:
+                    message = json.loads(line)
+                    if message.get("push"):
+                        self._remember(_unb64(message["data"]), message["token"], message["alive"])
+                        self._notices.put(True)
+                        continue
+                    with self._lock:
+                        waiter = self._pending.get(message["id"])
+                    if waiter is not None:
+                        waiter.put(message)
+        except (OSError, ValueError):
+            pass
+        with self._lock:
+            self._connected = False
+            waiters = list(self._pending.values())
+        for waiter in waiters:
+            waiter.put(None)
+        self._notices.put(False)
+
+    def _deliver(self) -> None:
+        """Run callbacks on their own thread, so a callback may call the store without
+        waiting for the reader thread that it would block."""
+        while True:
+            connected = self._notices.get()
+            with self._lock:
+                subscribers = list(self._subscribers.items())
+            for on_change, on_session_lost in subscribers:
+                (on_change if connected else on_session_lost)()
+            if not connected:
+                return
+
+    def _remember(self, data: bytes | None, token: int, alive: list[str] | None) -> None:
+        """Keep the newest state seen, whether pushed or returned by a compare-and-set."""
+        with self._lock:
+            cached, cached_token = self._state
+            if not (data is not None and cached is not None and token <= cached_token):
+                self._state = (data, token)
+            if alive is not None:
+                self._alive = frozenset(alive)
+
+
+def connect(
+    address: str,
+    settings: RendezvousSettings,
+    node: NodeInfo,
+    *,
+    secret: str | None = None,
+    expected_nodes: Callable[[], int | None] | None = None,
+) -> StoreRendezvous:
+    """The agent's entry point for ``--zk local:/path``; the secret is unused (a private socket)."""
+    del secret
+    store = LocalStore(socket_path(address), settings.run_id)
+    return StoreRendezvous(settings, node, store, expected_nodes)
+
+
+def describe_job(address: str, run_id: str) -> st.JobState | None:
+    """The live state of a local run for ``hpc-elastic status``; None before the first round."""
+    store = LocalStore(socket_path(address), run_id)
+    try:
+        data, _ = store.get_state()
+        return st.decode(data) if data is not None else None
+    finally:
+        store.release()
