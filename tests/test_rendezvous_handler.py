@@ -156,6 +156,9 @@ def test_a_leaving_member_sets_changed_and_ranks_stay(
     second = rounds(pool, agents.values())[0]
     assert second.number == first.number + 1
     assert second.members == first.members[1:], "rank 0 moves to the next survivor"
+    assert not any(survivor.changed.is_set() for survivor in agents.values()), (
+        "changes seen while waiting for a round must not restart the round just returned"
+    )
 
 
 def test_a_late_node_waits_and_the_running_ones_start_the_next_round(
