@@ -48,7 +48,8 @@ def cluster() -> Iterator[Cluster]:
 
 @pytest.fixture(autouse=True)
 def _nothing_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
-    """After each integration test: an empty queue and no stray stepd, agent or worker."""
+    """After each integration test: an empty queue, no stray stepd, agent or worker, and a
+    whole cluster again (ZooKeeper and all four nodes up) for the next test."""
     if request.node.get_closest_marker("integration") is None:
         yield
         return
@@ -60,6 +61,10 @@ def _nothing_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
         jobs = running.squeue()
         running.clean_up()
         pytest.fail(f"test left jobs {jobs} and processes {left} behind", pytrace=False)
+    try:
+        running.dev_cluster("up")
+    except ClusterError as error:
+        pytest.fail(f"test left the cluster broken: {error}", pytrace=False)
 
 
 @pytest.fixture
