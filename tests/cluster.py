@@ -78,7 +78,7 @@ class Cluster:
         missing = [tool for tool in REQUIRED_TOOLS if shutil.which(tool) is None]
         if missing:
             raise ClusterError(
-                f"{', '.join(missing)} not installed; run scripts/test-all, "
+                f"Slurm/ZooKeeper tools are missing ({', '.join(missing)}); run scripts/test-all, "
                 "or apt-get install slurm-wlm munge zookeeper."
             )
         ports = [
