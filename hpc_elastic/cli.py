@@ -29,6 +29,8 @@ from hpc_elastic.agent.command import CONTEXT as AGENT_CONTEXT
 from hpc_elastic.agent.command import agent
 from hpc_elastic.config import DEFAULT_ZK, load_config
 from hpc_elastic.errors import HpcElasticError, UsageError
+from hpc_elastic.local import RUN_HELP, run_command
+from hpc_elastic.ops import commands as ops
 from hpc_elastic.slurm import commands
 from hpc_elastic.spec import (
     JobSpec,
@@ -436,6 +438,11 @@ def _submit(job: Plan) -> None:
 
 
 app.command("agent", context_settings=AGENT_CONTEXT)(agent)
+app.command("run", help=RUN_HELP)(run_command)
+app.command("status")(ops.status_command)
+app.command("list")(ops.list_command)
+app.command("logs")(ops.logs_command)
+app.command("events")(ops.events_command)
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ Blocking rendezvous calls run on a helper thread so a signal is never stuck behi
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import shutil
@@ -31,6 +32,7 @@ from hpc_elastic.agent.api import AgentSpec, ExitCode
 from hpc_elastic.agent.workers import WorkerGroup, attempt_paths, worker_env
 from hpc_elastic.errors import RendezvousClosedError
 from hpc_elastic.rendezvous.api import Failure, JobFailedError, Rendezvous, Round
+from hpc_elastic.train import heartbeat
 
 T = TypeVar("T")
 
@@ -66,11 +68,13 @@ class Agent:
         *,
         environ: Mapping[str, str] | None = None,
         say: Callable[[str], None] | None = None,
+        on_event: Callable[[events.Event], None] | None = None,
     ) -> None:
         self.spec = spec
         self.rdzv = rdzv
         self._environ = dict(os.environ if environ is None else environ)
         self._say = say or _stderr
+        self._on_event = on_event
         self._stop_signal: int | None = None
         self._group: WorkerGroup | None = None
         self._run_dir = Path(tempfile.mkdtemp(prefix=f"hpc-elastic-{rdzv.settings.run_id}-"))
@@ -83,6 +87,15 @@ class Agent:
         """Async-signal-safe: only records the signal; the loop forwards it to the workers."""
         if self._stop_signal is None:
             self._stop_signal = signum
+
+    def step(self) -> int | None:
+        """The highest training step the current workers reported (heartbeat), for metrics."""
+        group = self._group
+        steps = []
+        for worker in group.workers if group is not None else ():
+            with contextlib.suppress(OSError):
+                steps.append(heartbeat.read(worker.paths.heartbeat)[1])
+        return max((step for step in steps if step is not None), default=None)
 
     def run(self) -> ExitCode:
         """The whole life of the agent; always leaves no worker behind."""
@@ -319,16 +332,16 @@ class Agent:
         return result[0]
 
     def _event(self, kind: str, round: int | None = None, **details: object) -> None:
-        events.append(
-            self.spec.events_file,
-            events.Event(
-                kind=kind,
-                job=self.rdzv.settings.run_id,
-                slot=self.rdzv.node.slot,
-                round=round,
-                details={"node_id": self.rdzv.node.node_id, **details},
-            ),
+        event = events.Event(
+            kind=kind,
+            job=self.rdzv.settings.run_id,
+            slot=self.rdzv.node.slot,
+            round=round,
+            details={"node_id": self.rdzv.node.node_id, **details},
         )
+        events.append(self.spec.events_file, event)
+        if self._on_event is not None:
+            self._on_event(event)
 
 
 def _stderr(message: str) -> None:

@@ -19,6 +19,7 @@ import typer
 
 from hpc_elastic.agent.agent import Agent
 from hpc_elastic.agent.api import AgentSpec, parse_signal
+from hpc_elastic.rendezvous import local_store
 from hpc_elastic.rendezvous.api import NodeInfo, RendezvousSettings
 from hpc_elastic.rendezvous.secret import read_secret_file
 from hpc_elastic.spec import NodeRange
@@ -32,15 +33,15 @@ CONTEXT = {"allow_interspersed_args": False}
 def agent(  # noqa: PLR0917 (Typer maps each parameter to a flag)
     command: Annotated[
         list[str],
-        typer.Argument(
-            metavar="COMMAND", help="The worker command, e.g. python -u train.py."
-        ),
+        typer.Argument(metavar="COMMAND", help="The worker command, e.g. python -u train.py."),
     ],
     run_id: Annotated[str, typer.Option(help="The job's rendezvous id, shared by its agents.")],
     job_dir: Annotated[
         Path, typer.Option(help="The job directory: logs, checkpoints, events.jsonl.")
     ],
-    zk: Annotated[str, typer.Option(help="ZooKeeper hosts 'h1:p1,h2:p2[/chroot]'.")],
+    zk: Annotated[
+        str, typer.Option(help="ZooKeeper hosts 'h1:p1,h2:p2[/chroot]', or local:SOCKET.")
+    ],
     nodes: Annotated[
         NodeRange,
         typer.Option(parser=NodeRange.parse, metavar="MIN:MAX", help="Node count or range."),
@@ -80,6 +81,12 @@ def agent(  # noqa: PLR0917 (Typer maps each parameter to a flag)
     tee: Annotated[
         bool, typer.Option(help="Also copy the workers' output to the console.")
     ] = False,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="Serve Prometheus metrics on this port (0: any free one).")
+    ] = None,
+    metrics_textfile: Annotated[
+        Path | None, typer.Option(help="Write Prometheus metrics here for node_exporter.")
+    ] = None,
 ) -> None:
     """Run this node's workers in the job's rendezvous; restart them as nodes come and go."""
     spec = AgentSpec(
@@ -108,17 +115,37 @@ def agent(  # noqa: PLR0917 (Typer maps each parameter to a flag)
     )
     secret = read_secret_file(zk_auth_file) if zk_auth_file is not None else None
 
-    from hpc_elastic.rendezvous.zookeeper import connect  # noqa: PLC0415 (kazoo: only here)
+    if local_store.is_local(zk):
+        rdzv = local_store.connect(zk, settings, node, expected_nodes=_slurm_node_count)
+    else:
+        from hpc_elastic.rendezvous.zookeeper import connect  # noqa: PLC0415 (kazoo: only here)
 
-    rdzv = connect(zk, settings, node, secret, expected_nodes=_slurm_node_count)
-    runner = Agent(spec, rdzv)
+        rdzv = connect(zk, settings, node, secret=secret, expected_nodes=_slurm_node_count)
+    exporter = None
+    if metrics_port is not None or metrics_textfile is not None:
+        from hpc_elastic import metrics  # noqa: PLC0415 (prometheus_client: only when asked)
+
+        gauges = metrics.AgentMetrics(run_id, slot, spec.events_file)
+        runner = Agent(spec, rdzv, on_event=gauges.observe)
+        exporter = metrics.MetricsExporter(
+            gauges, runner.step, port=metrics_port, textfile=metrics_textfile
+        )
+        if exporter.port is not None:
+            typer.echo(f"hpc-elastic agent: metrics on port {exporter.port}", err=True)
+    else:
+        runner = Agent(spec, rdzv)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         runner.request_stop(signum)
 
     for signum in (signal.SIGTERM, signal.SIGINT, spec.preempt_signal):
         signal.signal(signum, on_signal)
-    raise typer.Exit(int(runner.run()))
+    try:
+        code = runner.run()
+    finally:
+        if exporter is not None:
+            exporter.stop()
+    raise typer.Exit(int(code))
 
 
 def default_slot(environ: Mapping[str, str]) -> str:

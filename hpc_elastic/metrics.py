@@ -1,0 +1,190 @@
+"""Prometheus metrics of one agent: served on ``--metrics-port`` or written to a textfile.
+
+HPC nodes often have no open ports but run node_exporter, whose textfile collector reads
+``--metrics-textfile`` (written atomically every second). The only module that imports
+prometheus_client. The agent feeds its own events in (``observe``); the training step comes
+from the workers' heartbeat and the last checkpoint from the job's events file, which any
+rank of any node may have written.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from contextlib import suppress
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import write_to_textfile as _write_textfile
+
+from hpc_elastic.errors import UsageError
+from hpc_elastic.events import Event
+
+INTERVAL = 1.0
+"""Seconds between two refreshes (step rate, checkpoint age, the textfile)."""
+_STOPPED_KINDS = frozenset({"restart", "failure", "preempt", "leave", "done", "failed"})
+
+
+class AgentMetrics:
+    """The gauges and counters of one agent, labelled with its job and slot."""
+
+    def __init__(self, job: str, slot: str, events_file: Path, now: float | None = None) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["job", "slot"]
+        values = {"job": job, "slot": slot or "-"}
+
+        def gauge(name: str, help: str) -> Gauge:
+            return Gauge(name, help, labels, registry=self.registry).labels(**values)
+
+        def counter(name: str, help: str) -> Counter:
+            return Counter(name, help, labels, registry=self.registry).labels(**values)
+
+        self.world_size = gauge("hpc_elastic_world_size", "Workers in the current round.")
+        self.round = gauge("hpc_elastic_round", "Number of the current rendezvous round.")
+        self.restarts = counter(
+            "hpc_elastic_restarts", "Worker-group restarts seen by this agent, of any cause."
+        )
+        self.restarts_used = gauge(
+            "hpc_elastic_restarts_used", "Worker-failure restarts spent of the job's budget."
+        )
+        self.preemptions = counter(
+            "hpc_elastic_preemptions", "Times this agent stopped for preemption."
+        )
+        self.step = gauge("hpc_elastic_training_step", "Latest training step (heartbeat).")
+        self.steps_per_second = gauge(
+            "hpc_elastic_steps_per_second", "Training steps per second over the last interval."
+        )
+        self.checkpoint_age = gauge(
+            "hpc_elastic_last_checkpoint_age_seconds",
+            "Seconds since the job last committed a checkpoint; NaN before the first.",
+        )
+        self.goodput = gauge(
+            "hpc_elastic_goodput_ratio", "Share of this agent's wall time its workers trained."
+        )
+        self._events_file = events_file
+        self._events_offset = 0
+        self._started = time.time() if now is None else now
+        self._training_since: float | None = None
+        self._trained = 0.0
+        self._last_step: tuple[float, int] | None = None
+        self._checkpoint_time: float | None = None
+        self._lock = threading.Lock()
+        self.checkpoint_age.set(float("nan"))
+
+    def observe(self, event: Event) -> None:
+        """Update from one of the agent's own events."""
+        with self._lock:
+            if event.kind == "round":
+                self.round.set(event.round or 0)
+                self.world_size.set(float(event.details.get("world_size", 0)))
+                self.restarts_used.set(float(event.details.get("restarts_used", 0)))
+            elif event.kind == "start":
+                self._training_since = event.time
+            elif event.kind in _STOPPED_KINDS:
+                if self._training_since is not None:
+                    self._trained += max(0.0, event.time - self._training_since)
+                    self._training_since = None
+                if event.kind == "restart":
+                    self.restarts.inc()
+                elif event.kind == "preempt":
+                    self.preemptions.inc()
+                self.steps_per_second.set(0.0)
+                self._last_step = None
+
+    def refresh(self, step: int | None, now: float | None = None) -> None:
+        """Fold in the workers' step and the job's checkpoints; called every ``INTERVAL``."""
+        now = time.time() if now is None else now
+        with self._lock:
+            if step is not None:
+                if self._last_step is not None and now > self._last_step[0]:
+                    then, previous = self._last_step
+                    self.steps_per_second.set(max(0, step - previous) / (now - then))
+                self._last_step = (now, step)
+                self.step.set(step)
+            self._read_checkpoints()
+            if self._checkpoint_time is not None:
+                self.checkpoint_age.set(max(0.0, now - self._checkpoint_time))
+            trained = self._trained
+            if self._training_since is not None:
+                trained += max(0.0, now - self._training_since)
+            wall = now - self._started
+            self.goodput.set(trained / wall if wall > 0 else 0.0)
+
+    def _read_checkpoints(self) -> None:
+        """Tail the events file for ``checkpoint`` events: any rank's commit counts."""
+        try:
+            with self._events_file.open("rb") as file:
+                file.seek(self._events_offset)
+                chunk = file.read()
+        except FileNotFoundError:
+            return
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self._events_offset += len(complete)
+        for line in complete.splitlines():
+            try:
+                raw = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(raw, dict) and raw.get("kind") == "checkpoint":
+                self._checkpoint_time = float(raw.get("time", 0.0))
+
+
+class MetricsExporter:
+    """Serves ``metrics`` over HTTP and/or rewrites a textfile, refreshed by a daemon thread."""
+
+    def __init__(
+        self,
+        metrics: AgentMetrics,
+        progress: Callable[[], int | None],
+        *,
+        port: int | None = None,
+        textfile: Path | None = None,
+        interval: float = INTERVAL,
+    ) -> None:
+        self.metrics = metrics
+        self._progress = progress
+        self._textfile = textfile
+        self._interval = interval
+        self._stopped = threading.Event()
+        self._server = None
+        self.port: int | None = None
+        if port is not None:
+            try:
+                self._server, _ = start_http_server(port, addr="0.0.0.0", registry=metrics.registry)
+            except OSError as error:
+                raise UsageError(
+                    f"--metrics-port '{port}' cannot be served ({error.strerror}); pick a free "
+                    "port, or 0 for any."
+                ) from error
+            self.port = int(self._server.server_port)
+        if textfile is not None:
+            try:
+                _write_textfile(str(textfile), metrics.registry)
+            except OSError as error:
+                raise UsageError(
+                    f"--metrics-textfile '{textfile}' cannot be written ({error.strerror}); "
+                    "give a file in a writable directory, e.g. node_exporter's textfile dir."
+                ) from error
+        self._thread = threading.Thread(target=self._loop, name="metrics", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """A last refresh (so the textfile ends true), then stop serving."""
+        self._stopped.set()
+        self._thread.join(self._interval + 1.0)
+        self._refresh()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+    def _loop(self) -> None:
+        while not self._stopped.wait(self._interval):
+            self._refresh()
+
+    def _refresh(self) -> None:
+        self.metrics.refresh(self._progress())
+        if self._textfile is not None:
+            with suppress(OSError):
+                _write_textfile(str(self._textfile), self.metrics.registry)

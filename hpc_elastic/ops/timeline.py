@@ -1,0 +1,140 @@
+"""The job's story told from its events: one line per event, and the figures ``status`` shows."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
+
+from hpc_elastic.events import Event
+
+FAILURE_KINDS = frozenset({"failure", "failed"})
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What the events say about a job, newest facts winning."""
+
+    round: int | None = None
+    world_size: int | None = None
+    members: tuple[str, ...] = ()
+    restarts_used: int = 0
+    restarts: int = 0
+    """Restarts of any cause (membership change, worker failure), counted once per round."""
+    preemptions: int = 0
+    requeues: int = 0
+    last_checkpoint_step: int | None = None
+    last_checkpoint_time: float | None = None
+    last_failure: str | None = None
+    outcome: str = "running"
+    """running, succeeded or failed, as the agents last reported."""
+    first_time: float | None = None
+    last_time: float | None = None
+
+
+def summarize(events: Iterable[Event]) -> Summary:
+    round_number = world = None
+    members: tuple[str, ...] = ()
+    restarts_used = preemptions = requeues = 0
+    restarted: set[int | None] = set()
+    checkpoint_step: int | None = None
+    checkpoint_time = failure = first = last = None
+    outcome = "running"
+    for event in events:
+        first = event.time if first is None else first
+        last = event.time
+        details = event.details
+        if event.kind == "round":
+            round_number = event.round
+            world = details.get("world_size")
+            members = tuple(details.get("members", ()))
+            restarts_used = int(details.get("restarts_used", restarts_used))
+            outcome = "running"
+        elif event.kind == "restart":
+            restarted.add(event.round)
+        elif event.kind == "preempt":
+            preemptions += 1
+        elif event.kind == "requeue":
+            requeues += 1
+        elif event.kind == "checkpoint":
+            checkpoint_step = details.get("step")
+            checkpoint_time = event.time
+        elif event.kind == "failure":
+            failure = _failure_line(event)
+        elif event.kind == "failed":
+            failure = failure or str(details.get("reason", ""))
+            outcome = "failed"
+        elif event.kind == "done":
+            outcome = "succeeded"
+    return Summary(
+        round=round_number,
+        world_size=world,
+        members=members,
+        restarts_used=restarts_used,
+        restarts=len(restarted),
+        preemptions=preemptions,
+        requeues=requeues,
+        last_checkpoint_step=checkpoint_step,
+        last_checkpoint_time=checkpoint_time,
+        last_failure=failure,
+        outcome=outcome,
+        first_time=first,
+        last_time=last,
+    )
+
+
+def _failure_line(event: Event) -> str:
+    details = event.details
+    cause = (
+        f"signal {details['signal']}"
+        if details.get("signal")
+        else (f"exit code {details.get('exit_code')}")
+    )
+    message = str(details.get("message", "")).strip().splitlines()
+    where = event.slot or event.node
+    text = f"rank {details.get('rank')} on {where} ({cause}) in round {event.round}"
+    return f"{text}: {message[-1]}" if message else text
+
+
+def clock(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp).strftime("%H:%M:%S")
+
+
+def describe(event: Event) -> str:
+    """One human sentence for an event, without time or place."""
+    d = event.details
+    kind = event.kind
+    if kind == "round":
+        members = ", ".join(d.get("members", ()))
+        return (
+            f"round {event.round}: world size {d.get('world_size')} ({members}), "
+            f"restarts used {d.get('restarts_used', 0)}"
+        )
+    if kind == "join":
+        return f"agent joined ({d.get('nproc')} workers on {d.get('host')})"
+    if kind == "start":
+        return f"workers started, ranks {d.get('ranks')}"
+    if kind == "restart":
+        return f"workers stopped: {d.get('reason')}"
+    if kind == "failure":
+        return f"worker failure: {_failure_line(event)}"
+    if kind == "failed":
+        return f"job failed: {d.get('reason')}"
+    if kind == "checkpoint":
+        return f"checkpoint step {d.get('step')} committed"
+    if kind == "preempt":
+        return "preempted: workers saved and stopped, waiting for requeue"
+    if kind == "leave":
+        return f"agent left (exit code {d.get('exit_code')})"
+    if kind == "done":
+        return "all workers finished"
+    if kind == "churn":
+        return f"simulated churn: {d.get('action')} {d.get('target', '')}".rstrip()
+    extra = " ".join(f"{key}={value}" for key, value in d.items() if key != "node_id")
+    return f"{kind} {extra}".rstrip()
+
+
+def line(event: Event) -> str:
+    """``12:03:04  n2    round 3: world size ...`` for ``hpc-elastic events``."""
+    place = event.slot or event.node
+    return f"{clock(event.time)}  {place:<8} {describe(event)}"
