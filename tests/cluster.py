@@ -59,16 +59,21 @@ class Cluster:
             for line in env_file.read_text().splitlines()
             if line.startswith("export ")
         )
+        if not {"SLURM_CONF", "HPC_ELASTIC_ZK"} <= exported.keys():
+            raise ClusterError(
+                f"{env_file} lacks SLURM_CONF or HPC_ELASTIC_ZK; "
+                f"run `scripts/dev-cluster --state-dir {state_dir} up` again."
+            )
         env = {
             **os.environ,
+            "PATH": _with_sbin(os.environ.get("PATH", "")),
             "SLURM_CONF": exported["SLURM_CONF"],
-            "HPC_ELASTIC_ZK_HOSTS": exported["HPC_ELASTIC_ZK_HOSTS"],
             MARKER: str(state_dir),
         }
         return cls(
             state_dir=state_dir,
             slurm_conf=Path(exported["SLURM_CONF"]),
-            zk_port=int(exported["HPC_ELASTIC_ZK_HOSTS"].rsplit(":", 1)[1]),
+            zk_port=int(exported["HPC_ELASTIC_ZK"].rsplit(":", 1)[1]),
             env=env,
         )
 
@@ -167,6 +172,12 @@ def _dev_cluster(state_dir: Path, *args: str) -> subprocess.CompletedProcess[str
     env = {key: value for key, value in os.environ.items() if key != MARKER}
     argv = [str(DEV_CLUSTER), "--state-dir", str(state_dir), *args]
     return subprocess.run(argv, env=env, check=False, capture_output=True, text=True, timeout=120)
+
+
+def _with_sbin(path: str) -> str:
+    """Slurm's daemons live in /usr/sbin, which a non-login PATH may lack."""
+    parts = path.split(os.pathsep) if path else []
+    return os.pathsep.join(parts + [d for d in ("/usr/sbin", "/sbin") if d not in parts])
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.1) -> bool:
