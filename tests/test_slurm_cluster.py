@@ -81,3 +81,12 @@ def test_context_read_inside_a_real_step(cluster: Cluster) -> None:
     ]
     assert contexts[0]["hosts"] == ["n1", "n2"]
     assert contexts[0]["num_nodes"] == 2
+
+
+def test_unknown_job_is_one_sentence(cluster: Cluster) -> None:
+    with pytest.raises(SlurmError) as caught:
+        commands.requeue("999999", env=cluster.env)
+    assert str(caught.value) == (
+        "`scontrol requeue 999999` failed: Invalid job id specified for job 999999; "
+        "check the job id with `squeue` and that slurmctld is up with `scontrol ping`."
+    )

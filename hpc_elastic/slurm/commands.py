@@ -19,6 +19,8 @@ SlurmJobId = NewType("SlurmJobId", str)
 """A job id as Slurm prints it: ``123``, or ``123_4`` for one task of an array."""
 
 _TIMEOUT_S = 60.0
+_PING_HINT = "check that slurmctld is up with `scontrol ping`"
+_JOB_HINT = "check the job id with `squeue` and that slurmctld is up with `scontrol ping`"
 
 
 @dataclass(frozen=True)
@@ -149,18 +151,14 @@ def _run(
         ) from error
     except subprocess.TimeoutExpired as error:
         raise SlurmError(
-            f"`{' '.join(argv)}` did not answer within {_TIMEOUT_S:.0f} s; "
-            "check that slurmctld is up with `scontrol ping`."
+            f"`{' '.join(argv)}` did not answer within {_TIMEOUT_S:.0f} s; {_PING_HINT}."
         ) from error
 
 
-def _checked(argv: Sequence[str], env: Mapping[str, str] | None = None) -> str:
+def _checked(argv: Sequence[str], env: Mapping[str, str] | None, hint: str = _PING_HINT) -> str:
     result = _run(argv, env)
     if result.returncode != 0:
-        raise SlurmError(
-            f"`{' '.join(argv)}` failed: {_last_error(result.stderr)}; "
-            "check the job id and that slurmctld is up with `scontrol ping`."
-        )
+        raise SlurmError(f"`{' '.join(argv)}` failed: {_last_error(result.stderr)}; {hint}.")
     return result.stdout
 
 
@@ -187,25 +185,24 @@ def squeue(job_ids: Sequence[str] = (), env: Mapping[str, str] | None = None) ->
     if result.returncode != 0:
         if "Invalid job id specified" in result.stderr:
             return []
-        raise SlurmError(
-            f"squeue failed: {_last_error(result.stderr)}; "
-            "check that slurmctld is up with `scontrol ping`."
-        )
+        raise SlurmError(f"squeue failed: {_last_error(result.stderr)}; {_PING_HINT}.")
     return parse_squeue(result.stdout)
 
 
 def scontrol_show_job(job_id: str, env: Mapping[str, str] | None = None) -> dict[str, str]:
     """``scontrol show job`` as a dict (JobState, Reason, NodeList, Restarts, ...)."""
-    return parse_scontrol_record(_checked(["scontrol", "-o", "show", "job", job_id], env))
+    return parse_scontrol_record(
+        _checked(["scontrol", "-o", "show", "job", job_id], env, _JOB_HINT)
+    )
 
 
 def cancel(job_id: str, signal: str | None = None, env: Mapping[str, str] | None = None) -> None:
     """Cancel the job, or with ``signal`` only send that signal to its steps (``scancel -s``)."""
-    _checked(["scancel", *(["-s", signal] if signal else []), job_id], env)
+    _checked(["scancel", *(["-s", signal] if signal else []), job_id], env, _JOB_HINT)
 
 
 def requeue(job_id: str, env: Mapping[str, str] | None = None) -> None:
-    _checked(["scontrol", "requeue", job_id], env)
+    _checked(["scontrol", "requeue", job_id], env, _JOB_HINT)
 
 
 def update_job(job_id: str, env: Mapping[str, str] | None = None, **fields: str) -> None:
@@ -213,7 +210,7 @@ def update_job(job_id: str, env: Mapping[str, str] | None = None, **fields: str)
     if not fields:
         raise SlurmError(f"update_job({job_id}) got no fields; pass e.g. ExcNodeList='n3'.")
     pairs = [f"{key}={value}" for key, value in fields.items()]
-    _checked(["scontrol", "update", f"JobId={job_id}", *pairs], env)
+    _checked(["scontrol", "update", f"JobId={job_id}", *pairs], env, _JOB_HINT)
 
 
 def node_state(name: str, env: Mapping[str, str] | None = None) -> str:
