@@ -45,7 +45,7 @@ def test_high_partition_preempts_and_requeues_low(cluster: Cluster, tmp_path: Pa
     assert wait_until(lambda: _job_field(cluster, low, "JobState") == "RUNNING", 30)
 
     high = cluster.run(
-        ["sbatch", "--parsable", "-p", "high", "-N4", "-o", "/dev/null", "--wrap", "sleep 300"]
+        ["sbatch", "--parsable", "-p", "high", "-N4", "-o", "/dev/null", "--wrap", "exec sleep 300"]
     ).stdout.strip()
 
     assert wait_until(lambda: _job_field(cluster, high, "JobState") == "RUNNING", 60)
