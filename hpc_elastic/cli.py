@@ -28,6 +28,7 @@ from hpc_elastic import __version__
 from hpc_elastic.agent.command import CONTEXT as AGENT_CONTEXT
 from hpc_elastic.agent.command import agent
 from hpc_elastic.config import DEFAULT_ZK, load_config
+from hpc_elastic.doctor import doctor_command
 from hpc_elastic.errors import HpcElasticError, UsageError
 from hpc_elastic.local import RUN_HELP, run_command
 from hpc_elastic.ops import commands as ops
@@ -443,6 +444,7 @@ app.command("status")(ops.status_command)
 app.command("list")(ops.list_command)
 app.command("logs")(ops.logs_command)
 app.command("events")(ops.events_command)
+app.command("doctor")(doctor_command)
 
 
 def main() -> None:
