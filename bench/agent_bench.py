@@ -17,6 +17,7 @@ recovers at all) and the c10d rendezvous; an attempt that has not recovered with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -34,6 +35,8 @@ REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "tests" / "workloads" / "train_gloo.py"
 AGENTS = 4
 
+Probe = Callable[["Launch", float], "float | None"]
+
 
 @dataclass
 class Launch:
@@ -41,6 +44,7 @@ class Launch:
 
     agents: list[subprocess.Popen[bytes]]
     out: Path
+    standbys: bool = False
 
     def progress(self) -> list[tuple[float, int, int, int]]:
         path = self.out / "progress"
@@ -50,25 +54,30 @@ class Launch:
         return [(float(t), int(s), int(w), int(r)) for t, s, w, r in rows]
 
     def workers(self, agent: subprocess.Popen[bytes]) -> list[int]:
-        """The agent's worker pids (torchrun: its children that run the script)."""
-        found = []
-        for pid in _descendants(agent.pid):
-            if str(TRAIN) in _cmdline(pid) and "torchrun" not in _cmdline(pid):
-                found.append(pid)
-        return found
+        """The agent's training processes: they run the script and write to a log file
+        (standby workers also run it, but their output still goes to /dev/null)."""
+        return [
+            pid
+            for pid in _descendants(agent.pid)
+            if str(TRAIN) in _cmdline(pid)
+            and "torch.distributed.run" not in _cmdline(pid)
+            and not (self.standbys and _stdout(pid) == os.devnull)
+        ]
 
     def stop(self) -> None:
+        """Kill the agents and everything they started (torchrun's workers may outlive it)."""
+        everything = [pid for agent in self.agents for pid in _descendants(agent.pid)]
         for agent in self.agents:
             if agent.poll() is None:
                 os.killpg(agent.pid, signal.SIGKILL)
+        for pid in everything:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         for agent in self.agents:
             agent.wait()
-        for agent in self.agents:
-            for pid in _descendants(agent.pid):
-                os.kill(pid, signal.SIGKILL)
 
 
-def ours(zk: str, nodes: str, out: Path) -> Launch:
+def ours(zk: str, nodes: str, out: Path, prewarm: bool) -> Launch:
     run_id = uuid.uuid4().hex[:8]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     agents = [
@@ -77,7 +86,7 @@ def ours(zk: str, nodes: str, out: Path) -> Launch:
                 sys.executable, "-m", "hpc_elastic", "agent",
                 f"--run-id={run_id}", f"--job-dir={out / 'job'}", f"--zk={zk}/bench",
                 f"--nodes={nodes}", "--session-timeout=2", "--last-call=1", "--grace=3",
-                f"--slot=a{index}", "--host=127.0.0.1",
+                f"--slot=a{index}", "--host=127.0.0.1", *(["--prewarm=torch"] if prewarm else []),
                 "--", sys.executable, "-u", str(TRAIN), f"--out={out}", "--steps=100000",
             ],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -85,11 +94,12 @@ def ours(zk: str, nodes: str, out: Path) -> Launch:
         )
         for index in range(AGENTS)
     ]  # fmt: skip
-    return Launch(agents, out)
+    return Launch(agents, out, standbys=prewarm)
 
 
 def torchrun(nodes: str, out: Path) -> Launch:
     port = _free_port()
+    run_id = uuid.uuid4().hex[:8]
     env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     agents = []
     for _ in range(AGENTS):
@@ -98,7 +108,7 @@ def torchrun(nodes: str, out: Path) -> Launch:
                 [
                     sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}",
                     "--nproc-per-node=1", "--rdzv-backend=c10d",
-                    f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={uuid.uuid4().hex[:8]}",
+                    f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
                     "--max-restarts=3", "--monitor-interval=0.1", "--local-addr=127.0.0.1",
                     str(TRAIN), f"--out={out}", "--steps=100000",
                 ],
@@ -141,7 +151,8 @@ def agent_kill(launch: Launch, give_up: float) -> float | None:
     killed = time.time()
     os.killpg(victim.pid, signal.SIGKILL)
     for pid in node:
-        os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     if not _wait(lambda: launch.progress()[-1][2] == 3, give_up):
         return None
     return next(t for t, _, w, _ in launch.progress() if t > killed and w == 3) - killed
@@ -161,7 +172,7 @@ def idle_cost(launch: Launch, seconds: float = 5.0) -> tuple[float, float]:
 def measure(
     name: str,
     start: Callable[[Path], Launch],
-    probe: Callable[[Launch, float], float | None],
+    probe: Probe,
     give_up: float,
 ) -> float | None:
     with tempfile.TemporaryDirectory(prefix="agent-bench-") as tmp:
@@ -192,25 +203,41 @@ def main() -> None:
     give_up = args.give_up
 
     def ours_fixed(out: Path) -> Launch:
-        return ours(args.zk, "4", out)
+        return ours(args.zk, "4", out, prewarm=False)
 
-    def ours_elastic(out: Path) -> Launch:
-        return ours(args.zk, "3:4", out)
+    def ours_fixed_warm(out: Path) -> Launch:
+        return ours(args.zk, "4", out, prewarm=True)
 
-    rows = []
-    for label, start, probe, repeats in (
-        ("hpc-elastic: worker SIGKILL -> next step", ours_fixed, worker_kill, args.repeats),
-        ("torchrun: worker SIGKILL -> next step", lambda o: torchrun("4", o), worker_kill,
+    def ours_elastic_warm(out: Path) -> Launch:
+        return ours(args.zk, "3:4", out, prewarm=True)
+
+    def torchrun_fixed(out: Path) -> Launch:
+        return torchrun("4", out)
+
+    def torchrun_elastic(out: Path) -> Launch:
+        return torchrun("3:4", out)
+
+    plan: list[tuple[str, Callable[[Path], Launch], Probe, int]] = [
+        ("hpc-elastic --prewarm torch: worker SIGKILL -> next step", ours_fixed_warm,
+         worker_kill, args.repeats),
+        ("hpc-elastic (cold workers): worker SIGKILL -> next step", ours_fixed, worker_kill,
          args.repeats),
-        ("hpc-elastic: agent SIGKILL -> step at 3 nodes", ours_elastic, agent_kill,
-         args.node_repeats),
-        ("torchrun: agent SIGKILL -> step at 3 nodes", lambda o: torchrun("3:4", o), agent_kill,
+        ("torchrun: worker SIGKILL -> next step", torchrun_fixed, worker_kill, args.repeats),
+        ("hpc-elastic --prewarm torch: agent SIGKILL -> step at 3 nodes", ours_elastic_warm,
+         agent_kill, args.node_repeats),
+        ("torchrun: agent SIGKILL -> step at 3 nodes", torchrun_elastic, agent_kill,
          args.torchrun_node_repeats),
-    ):  # fmt: skip
+    ]  # fmt: skip
+    rows = []
+    for label, start, probe, repeats in plan:
         print(label, flush=True)
         results = [measure(f"try {n + 1}", start, probe, give_up) for n in range(repeats)]
         rows.append(report(label, results))
-    for label, start in (("hpc-elastic", ours_fixed), ("torchrun", lambda o: torchrun("4", o))):
+    for label, start in (
+        ("hpc-elastic", ours_fixed),
+        ("hpc-elastic --prewarm torch", ours_fixed_warm),
+        ("torchrun", torchrun_fixed),
+    ):
         with tempfile.TemporaryDirectory(prefix="agent-bench-") as tmp:
             launch = start(Path(tmp))
             try:
@@ -237,6 +264,13 @@ def _descendants(pid: int) -> list[int]:
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _stdout(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/fd/1")
     except OSError:
         return ""
 

@@ -240,3 +240,34 @@ def _wait_for(condition: object, timeout: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.05)
+
+
+def test_standby_command_wraps_only_python_scripts_and_modules() -> None:
+    from hpc_elastic.agent.standby import standby_command  # noqa: PLC0415
+
+    script = standby_command(("python3", "-u", "train.py", "--lr", "1"), ("torch",))
+    assert script is not None
+    assert script[:3] == ["python3", "-u", "-c"]
+    assert script[4:] == ["torch", "train.py", "--lr", "1"]
+    module = standby_command(("/usr/bin/python", "-m", "pkg.train"), ("torch", "numpy"))
+    assert module is not None
+    assert module[3:] == ["torch,numpy", "-m", "pkg.train"]
+    assert standby_command(("bash", "run.sh"), ("torch",)) is None
+    assert standby_command(("python", "-c", "pass"), ("torch",)) is None
+    assert standby_command(("python", "train.py"), ()) is None
+
+
+def test_prewarmed_workers_get_the_rank_environment_and_logs(tmp_path: Path) -> None:
+    cluster = Cluster(tmp_path, nodes="1", nproc_per_node=2, prewarm=("json",))
+    cluster.start(1, FAKE_WORKER_FAIL="1:1:3", FAKE_WORKER_SECONDS="0.5")
+    assert cluster.join() == {0: ExitCode.SUCCESS}
+    assert cluster.envs(1)[1]["HPC_ELASTIC_ROUND"] == "1"
+    envs = cluster.envs(2)
+    assert sorted(envs) == [0, 1]
+    assert envs[1]["LOCAL_RANK"] == "1"
+    assert envs[1]["HPC_ELASTIC_ROUND"] == "2"
+    log = cluster.job_dir / "logs" / "attempt_2" / "rank_1.log"
+    assert "rank 1 of 2 starting round 2" in log.read_text()
+    root = cluster.job.root_cause
+    assert root is not None
+    assert "ValueError: rank 1 fails" in root.message

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -29,12 +31,17 @@ from typing import TypeVar
 from hpc_elastic import events
 from hpc_elastic.agent import rootcause
 from hpc_elastic.agent.api import AgentSpec, ExitCode
-from hpc_elastic.agent.workers import WorkerGroup, attempt_paths, worker_env
+from hpc_elastic.agent.standby import StandbyPool, standby_command
+from hpc_elastic.agent.workers import WorkerGroup, attempt_paths, launch, worker_env
 from hpc_elastic.errors import RendezvousClosedError
 from hpc_elastic.rendezvous.api import Failure, JobFailedError, Rendezvous, Round
 from hpc_elastic.train import heartbeat
 
 T = TypeVar("T")
+
+REFILL_AFTER = 30.0
+"""New standbys start importing once every local rank has beaten its heartbeat, or this many
+seconds into a round, so that they do not slow the round's own start."""
 
 
 class _Outcome(enum.Enum):
@@ -78,6 +85,22 @@ class Agent:
         self._stop_signal: int | None = None
         self._group: WorkerGroup | None = None
         self._run_dir = Path(tempfile.mkdtemp(prefix=f"hpc-elastic-{rdzv.settings.run_id}-"))
+        self._standbys = self._standby_pool()
+
+    def _standby_pool(self) -> StandbyPool | None:
+        if not self.spec.prewarm:
+            return None
+        argv = standby_command(self.spec.command, self.spec.prewarm)
+        if argv is None:
+            self._say(
+                "--prewarm needs a 'python [-u] SCRIPT' or 'python -m MODULE' command; "
+                "workers start cold."
+            )
+            return None
+        env = {"OMP_NUM_THREADS": "1", **self._environ}
+        stdout = subprocess.PIPE if self.spec.tee else subprocess.DEVNULL
+        launcher = functools.partial(launch, stdin=subprocess.PIPE, stdout=stdout)
+        return StandbyPool(argv, env, self.spec.nproc_per_node, launcher)
 
     @property
     def _node(self) -> str:
@@ -102,10 +125,14 @@ class Agent:
         self.spec.job_dir.mkdir(parents=True, exist_ok=True)
         self._event("join", host=self.rdzv.node.host, nproc=self.spec.nproc_per_node)
         try:
+            if self._standbys is not None:
+                self._standbys.fill()
             return self._loop()
         finally:
             if self._group is not None:
                 self._group.stop(0.0)
+            if self._standbys is not None:
+                self._standbys.close()
             shutil.rmtree(self._run_dir, ignore_errors=True)
 
     def _loop(self) -> ExitCode:
@@ -158,12 +185,15 @@ class Agent:
             )
             for local in range(self.spec.nproc_per_node)
         ]
-        return WorkerGroup.start(self.spec, envs, paths)
+        return WorkerGroup.start(self.spec, envs, paths, self._standbys)
 
     def _monitor(self, group: WorkerGroup) -> _Ended:
         """Wake every ``poll_interval``: a few waitpid and stat calls, well under 1% CPU."""
         preempted = ExitCode.PREEMPTED
+        refill_at = time.monotonic() + REFILL_AFTER
         while True:
+            if self._standbys is not None and self._training(group, refill_at):
+                self._standbys.fill()
             if self._stop_signal is not None:
                 return _Ended(_Outcome.SIGNALLED)
             if self.rdzv.changed.is_set():
@@ -180,6 +210,13 @@ class Agent:
             if hung is not None:
                 return hung
             time.sleep(self.spec.poll_interval)
+
+    @staticmethod
+    def _training(group: WorkerGroup, deadline: float) -> bool:
+        if time.monotonic() > deadline:
+            return True
+        now = time.time()
+        return all(worker.heartbeat_age(now) is not None for worker in group.workers)
 
     def _hung_rank(self, group: WorkerGroup) -> _Ended | None:
         timeout = self.spec.hang_timeout

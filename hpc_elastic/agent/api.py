@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import enum
+import re
 import signal
 from dataclasses import dataclass
 from pathlib import Path
 
 from hpc_elastic.errors import UsageError
 from hpc_elastic.train.exitcodes import PREEMPTED_EXIT_CODE
+
+_MODULE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
 class ExitCode(enum.IntEnum):
@@ -42,6 +45,8 @@ class AgentSpec:
     hang_timeout: float | None = None
     """A rank whose heartbeat is older than this is killed and counted as a failure."""
     tee: bool = False
+    prewarm: tuple[str, ...] = ()
+    """Modules warm standby workers import ahead of a restart (``torch``); see standby.py."""
     poll_interval: float = 0.1
 
     def __post_init__(self) -> None:
@@ -62,6 +67,9 @@ class AgentSpec:
                 f"--hang-timeout '{self.hang_timeout}' must be positive; give seconds, "
                 "or leave it out to disable hang detection."
             )
+        for module in self.prewarm:
+            if not _MODULE.match(module):
+                raise UsageError(f"--prewarm '{module}' is not a module name; give e.g. 'torch'.")
         if self.preempt_signal not in (signal.SIGUSR1, signal.SIGUSR2):
             raise UsageError(
                 f"--preempt-signal '{self.preempt_signal.name}' is not supported; "

@@ -78,6 +78,13 @@ def agent(  # noqa: PLR0917 (Typer maps each parameter to a flag)
         str | None,
         typer.Option(help=f"Address other nodes reach this one at (default: ${HOST_ENV}, DNS)."),
     ] = None,
+    prewarm: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="MODULE",
+            help="Keep standby workers that imported MODULE (e.g. torch): faster restarts.",
+        ),
+    ] = None,
     tee: Annotated[
         bool, typer.Option(help="Also copy the workers' output to the console.")
     ] = False,
@@ -97,6 +104,7 @@ def agent(  # noqa: PLR0917 (Typer maps each parameter to a flag)
         grace=grace,
         hang_timeout=hang_timeout,
         tee=tee,
+        prewarm=tuple(prewarm or ()),
     )
     settings = RendezvousSettings(
         run_id=run_id,

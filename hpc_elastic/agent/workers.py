@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import IO
 
 from hpc_elastic.agent.api import AgentSpec
+from hpc_elastic.agent.standby import StandbyPool, hand_off
 from hpc_elastic.errors import AgentError
 from hpc_elastic.rendezvous.api import NodeInfo, Round
 from hpc_elastic.train import heartbeat
@@ -39,6 +40,27 @@ except OSError as error:
 """
 """prctl(PR_SET_PDEATHSIG=1, SIGKILL=9); the getppid check closes the race with an agent
 that died before the prctl took effect."""
+
+
+def launch(
+    command: list[str], env: Mapping[str, str], *, stdin: int | IO[bytes], stdout: int | IO[bytes]
+) -> subprocess.Popen[bytes]:
+    """Start ``command`` in its own process group, to be SIGKILLed if the agent dies."""
+    argv = [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()), *command]
+    try:
+        return subprocess.Popen(
+            argv,
+            env=env,
+            stdin=stdin,
+            stdout=stdout,
+            stderr=subprocess.STDOUT,
+            process_group=0,
+        )
+    except OSError as error:
+        raise AgentError(
+            f"Could not start worker '{command[0]}': {error.strerror}; "
+            "check the command after '--'."
+        ) from error
 
 
 @dataclass(frozen=True)
@@ -137,50 +159,51 @@ class WorkerGroup:
 
     @classmethod
     def start(
-        cls, spec: AgentSpec, envs: list[dict[str, str]], paths: list[WorkerPaths]
+        cls,
+        spec: AgentSpec,
+        envs: list[dict[str, str]],
+        paths: list[WorkerPaths],
+        standbys: StandbyPool | None = None,
     ) -> WorkerGroup:
         group = cls([])
         try:
             for local_rank, (env, worker_paths) in enumerate(zip(envs, paths, strict=True)):
-                group.workers.append(group._spawn(spec, env, worker_paths, local_rank))
+                group.workers.append(group._spawn(spec, env, worker_paths, local_rank, standbys))
         except BaseException:
             group.stop(0.0)
             raise
         return group
 
     def _spawn(
-        self, spec: AgentSpec, env: dict[str, str], paths: WorkerPaths, local_rank: int
+        self,
+        spec: AgentSpec,
+        env: dict[str, str],
+        paths: WorkerPaths,
+        local_rank: int,
+        standbys: StandbyPool | None,
     ) -> Worker:
         paths.log.parent.mkdir(parents=True, exist_ok=True)
         paths.heartbeat.unlink(missing_ok=True)
         paths.error_file.unlink(missing_ok=True)
-        argv = [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()), *spec.command]
-        log = paths.log.open("ab")
-        try:
-            process = subprocess.Popen(
-                argv,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE if spec.tee else log,
-                stderr=subprocess.STDOUT,
-                process_group=0,
-            )
-        except OSError as error:
-            log.close()
-            raise AgentError(
-                f"Could not start worker '{spec.command[0]}': {error.strerror}; "
-                "check the command after '--'."
-            ) from error
+        process = standbys.take() if standbys is not None else None
+        if process is None or not hand_off(process, env, None if spec.tee else paths.log):
+            with paths.log.open("ab") as log:
+                process = launch(
+                    list(spec.command),
+                    env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE if spec.tee else log,
+                )
         rank = int(env["RANK"])
         if spec.tee:
             assert process.stdout is not None
             tee = threading.Thread(
-                target=_tee, args=(process.stdout, log, f"[rank {rank}]: "), daemon=True
+                target=_tee,
+                args=(process.stdout, paths.log.open("ab"), f"[rank {rank}]: "),
+                daemon=True,
             )
             tee.start()
             self._tees.append(tee)
-        else:
-            log.close()
         return Worker(rank, local_rank, paths, process, time.monotonic())
 
     def forward(self, signum: int) -> None:
