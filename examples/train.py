@@ -149,6 +149,7 @@ def main() -> None:
     if rank == 0:
         log_line(f"done step={state.step} weights_sha256={weights_hash(model)}", args.log_file)
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 

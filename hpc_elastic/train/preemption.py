@@ -78,8 +78,10 @@ def should_stop(step: int | None = None) -> bool:
 def exit_preempted() -> NoReturn:
     """Leave with ``PREEMPTED_EXIT_CODE`` so the agent requeues instead of counting a failure.
 
-    Call it after the final checkpoint; exit code 0 means the training really finished.
+    Call it after the final checkpoint; exit code 0 means the training really finished. The
+    barrier keeps rank 0, which hosts the store, alive until every rank has let go of it.
     """
     if _dist.active():
+        dist.barrier()
         dist.destroy_process_group()
     sys.exit(PREEMPTED_EXIT_CODE)

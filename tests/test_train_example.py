@@ -1,0 +1,142 @@
+"""examples/train.py under plain torchrun: bitwise resume after SIGKILL, and 4 -> 2 -> 4 ranks.
+
+These launch real processes (a few seconds each) but need no cluster. The same checks under
+the hpc-elastic agent live with the agent's integration tests.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+SMALL = ["--hidden", "32", "--lr", "0.01", "--checkpoint-every", "5"]
+STEP_LINE = re.compile(r"^step=(\d+) loss=(\S+) world=(\d+)$")
+
+
+def torchrun_command(nproc: int, *example_args: str) -> list[str]:
+    return [
+        str(TORCHRUN),
+        "--nnodes=1",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=127.0.0.1:0",
+        "--max-restarts=0",
+        str(ROOT / "examples" / "train.py"),
+        *SMALL,
+        *example_args,
+    ]
+
+
+def environment() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    env["OMP_NUM_THREADS"] = "1"
+    for name in ("HPC_ELASTIC_CHECKPOINT_DIR", "HPC_ELASTIC_EVENTS_FILE"):
+        env.pop(name, None)
+    return env
+
+
+def run(command: list[str], cwd: Path) -> None:
+    """Run torchrun to completion; on a hang, SIGTERM it so it takes its workers down too."""
+    with subprocess.Popen(
+        command, cwd=cwd, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    ) as launcher:
+        try:
+            output, _ = launcher.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            launcher.terminate()
+            output, _ = launcher.communicate(timeout=60)
+            pytest.fail(f"torchrun hung: {output.decode()[-3000:]}")
+    assert launcher.returncode == 0, output.decode()[-3000:]
+
+
+def losses(log: Path) -> dict[int, list[str]]:
+    """Every loss each step logged, in order; a step redone after a crash appears twice."""
+    seen: dict[int, list[str]] = {}
+    for line in log.read_text().splitlines():
+        if match := STEP_LINE.match(line):
+            seen.setdefault(int(match.group(1)), []).append(match.group(2))
+    return seen
+
+
+def final_hash(log: Path) -> str:
+    return log.read_text().split("weights_sha256=")[-1].strip()
+
+
+def worker_pids(launcher: int) -> list[int]:
+    children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
+    return [int(pid) for pid in children]
+
+
+def wait_for_step(log: Path, step: int, process: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and process.poll() is None:
+        if log.exists() and max(losses(log), default=0) >= step:
+            return
+        time.sleep(0.05)
+    pytest.fail(f"run never reached step {step}")
+
+
+def test_sigkilled_run_resumes_bitwise_identical(tmp_path: Path) -> None:
+    common = ["--steps", "50", "--batch-size", "16", "--micro-batch-size", "8"]
+    common += ["--dataset-size", "320"]
+    run(torchrun_command(2, *common, "--checkpoint-dir", "a", "--log-file", "a.log"), tmp_path)
+
+    log_b = tmp_path / "b.log"
+    args_b = [*common, "--checkpoint-dir", "b", "--log-file", "b.log", "--sleep-per-step", "0.2"]
+    launcher = subprocess.Popen(
+        torchrun_command(2, *args_b),
+        cwd=tmp_path,
+        env=environment(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for_step(log_b, 22, launcher)
+        for pid in worker_pids(launcher.pid):
+            os.kill(pid, signal.SIGKILL)
+        assert launcher.wait(timeout=60) != 0
+    finally:
+        if launcher.poll() is None:
+            launcher.terminate()
+            launcher.wait(timeout=60)
+    run(torchrun_command(2, *args_b), tmp_path)
+
+    expected, resumed = losses(tmp_path / "a.log"), losses(log_b)
+    assert sorted(expected) == sorted(resumed) == list(range(1, 51))
+    assert any(len(values) > 1 for values in resumed.values()), "no step was redone"
+    for step, values in resumed.items():
+        assert set(values) == set(expected[step]), f"step {step} differs"
+    assert final_hash(tmp_path / "a.log") == final_hash(log_b)
+
+
+def test_four_two_four_ranks_see_every_sample_once(tmp_path: Path) -> None:
+    common = ["--steps", "20", "--batch-size", "24", "--micro-batch-size", "6"]
+    common += ["--dataset-size", "480", "--log-indices", "indices.log"]
+    run(torchrun_command(4, *common, "--stop-after-steps", "7"), tmp_path)
+    run(torchrun_command(2, *common, "--stop-after-steps", "6", "--num-workers", "1"), tmp_path)
+    run(torchrun_command(4, *common), tmp_path)
+
+    per_step: dict[int, list[int]] = {}
+    worlds: dict[int, int] = {}
+    for line in (tmp_path / "indices.log").read_text().splitlines():
+        step, _, world, indices = line.split(" ")
+        number = int(step.removeprefix("step="))
+        per_step.setdefault(number, []).extend(int(i) for i in indices.split(","))
+        worlds[number] = int(world.removeprefix("world="))
+    assert [worlds[step] for step in range(1, 21)] == [4] * 7 + [2] * 6 + [4] * 7
+    assert all(len(indices) == 24 for indices in per_step.values())
+    counts = Counter(index for indices in per_step.values() for index in indices)
+    assert sorted(counts) == list(range(480))
+    assert set(counts.values()) == {1}
