@@ -270,18 +270,18 @@ def test_the_readme_command_trains_elastically_with_examples_train(
         tmp_path,
         "--nodes=1:2",
         "--simulate-churn",
-        "--churn-every=20:25",
-        "--churn-downtime=3",
+        "--churn-every=30:40",
+        "--churn-downtime=5",
         str(REPO / "examples" / "train.py"),
         "--",
-        "--steps=150",
+        "--steps=400",
         "--sleep-per-step=0.1",
         "--checkpoint-every=10",
     )
     runs.append(run)
-    assert run.finish(300) == 0, run.text()
+    assert run.finish(600) == 0, run.text()
     text = run.text()
     assert "world size 2" in text
     assert "simulated churn: kill" in text
     logs = hpc_elastic("logs", run.job_dir.name, "--rank", "0", cwd=tmp_path).stdout
-    assert "done step=150" in logs
+    assert "done step=400" in logs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -113,6 +114,8 @@ def _rendezvous(record: JobRecord) -> Any:
 
         return local_store.describe_job(record.zk, record.run_id)
     from hpc_elastic.rendezvous import zookeeper  # noqa: PLC0415 (kazoo: only when live)
+
+    logging.getLogger("kazoo").addHandler(logging.NullHandler())  # its retries are not news
     from hpc_elastic.rendezvous.secret import read_secret_file  # noqa: PLC0415
 
     secret = read_secret_file(record.secret_file) if record.secret_file.exists() else None
