@@ -142,8 +142,9 @@ def test_default_directory_follows_the_agent_then_the_working_directory(
 
 
 @pytest.fixture
-def single_rank_group() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+def single_rank_group(tmp_path: Path) -> Iterator[None]:
+    store = f"file://{tmp_path / 'store'}"
+    dist.init_process_group("gloo", init_method=store, rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 
