@@ -40,7 +40,7 @@ Probe = Callable[["Launch", float], "float | None"]
 
 @dataclass
 class Launch:
-    """One run of 4 agents; ``progress`` rows are (time, step, world, restart count)."""
+    """One run of 4 agents; ``progress`` rows are (time, step, world, rank 0's pid)."""
 
     agents: list[subprocess.Popen[bytes]]
     out: Path
@@ -50,8 +50,8 @@ class Launch:
         path = self.out / "progress"
         if not path.exists():
             return []
-        rows = [line.split() for line in path.read_text().splitlines() if line.count(" ") == 3]
-        return [(float(t), int(s), int(w), int(r)) for t, s, w, r in rows]
+        rows = [line.split() for line in path.read_text().splitlines() if line.count(" ") == 4]
+        return [(float(t), int(s), int(w), int(pid)) for t, s, w, _, pid in rows]
 
     def workers(self, agent: subprocess.Popen[bytes]) -> list[int]:
         """The agent's training processes: they run the script and write to a log file
@@ -130,16 +130,17 @@ def _wait(condition: Callable[[], bool], timeout: float) -> bool:
 
 
 def worker_kill(launch: Launch, give_up: float) -> float | None:
-    """Seconds from a worker's SIGKILL to the first step of the next restart."""
+    """Seconds from a worker's SIGKILL to the first step of the restarted group (a new rank 0
+    process: torchrun's restart count does not move on nodes whose own workers did not fail)."""
     if not _wait(lambda: len(launch.progress()) >= 10, 90):
         return None
     victim = launch.workers(launch.agents[-1])[0]
     before = launch.progress()[-1][3]
     killed = time.time()
     os.kill(victim, signal.SIGKILL)
-    if not _wait(lambda: launch.progress()[-1][3] > before, give_up):
+    if not _wait(lambda: launch.progress()[-1][3] != before, give_up):
         return None
-    return next(t for t, _, _, r in launch.progress() if r > before) - killed
+    return next(t for t, _, _, pid in launch.progress() if t > killed and pid != before) - killed
 
 
 def agent_kill(launch: Launch, give_up: float) -> float | None:

@@ -92,11 +92,12 @@ class Job:
         if not path.exists():
             return []
         rows = [line.split() for line in path.read_text().splitlines()]
-        return [(float(t), int(s), int(w), int(r)) for t, s, w, r in rows]
+        return [(float(t), int(s), int(w), int(r)) for t, s, w, r, _ in rows]
 
     def worker_pids(self, agent: subprocess.Popen[str]) -> list[int]:
+        """The agent's running workers; standbys still write to /dev/null."""
         children = Path(f"/proc/{agent.pid}/task/{agent.pid}/children").read_text().split()
-        return [int(pid) for pid in children]
+        return [int(pid) for pid in children if _stdout(int(pid)) != os.devnull]
 
     def kill_all(self) -> None:
         for agent in self.agents:
@@ -121,9 +122,12 @@ def job(cluster: Cluster, zk_root: str, tmp_path: Path) -> Iterator[MakeJob]:
         each.kill_all()
 
 
-def test_sigkilled_worker_restarts_the_group_from_its_checkpoint(job: MakeJob) -> None:
+@pytest.mark.parametrize("prewarm", [False, True], ids=["cold", "prewarm"])
+def test_sigkilled_worker_restarts_the_group_from_its_checkpoint(
+    job: MakeJob, prewarm: bool
+) -> None:
     run = job("3")
-    run.start(3, "--steps=40")
+    run.start(3, "--steps=40", **({"prewarm": "torch"} if prewarm else {}))
     assert wait_until(lambda: len(run.progress()) >= 5, 60)
     os.kill(run.worker_pids(run.agents[1])[0], signal.SIGKILL)
     results = run.wait()
@@ -220,3 +224,10 @@ def test_crashed_slurm_node_is_dropped_and_the_rest_go_on(
 
 def _says(log: Path, text: str) -> bool:
     return text in log.read_text()
+
+
+def _stdout(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/fd/1")
+    except OSError:
+        return ""

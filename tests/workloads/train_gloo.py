@@ -1,7 +1,7 @@
 """A tiny torchrun-style training script: a gloo all_reduce per step, resumable by step.
 
 Rank 0 commits the next step to ``<out>/ckpt`` after every step (write + rename) and appends
-``<time> <step> <world> <restart count>`` to ``<out>/progress``, which tests and benchmarks
+``<time> <step> <world> <restart count> <pid>`` to ``<out>/progress``, which tests and benchmarks
 read to see when training moved again and at which world size.
 """
 
@@ -43,7 +43,7 @@ def main() -> None:
             (args.out / "ckpt.tmp").write_text(str(step))
             os.replace(args.out / "ckpt.tmp", ckpt)
             with (args.out / "progress").open("a") as progress:
-                progress.write(f"{time.time():.3f} {step} {world} {restarts}\n")
+                progress.write(f"{time.time():.3f} {step} {world} {restarts} {os.getpid()}\n")
         heartbeat.beat(step)
         time.sleep(args.sleep)
     dist.barrier()
