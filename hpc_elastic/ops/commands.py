@@ -113,6 +113,9 @@ def _write_flushed(text: str) -> None:
 def events_command(
     job: JobArg,
     as_json: Annotated[bool, typer.Option("--json", help="Print the raw JSON lines.")] = False,
+    every: Annotated[
+        bool, typer.Option("--all", help="One line per agent report, not one per happening.")
+    ] = False,
     plot: Annotated[
         Path | None,
         typer.Option(metavar="PNG", help="Draw world size and step over time to this file."),
@@ -130,5 +133,12 @@ def events_command(
         return
     if not history:
         typer.echo(f"Job '{record.run_id}' has no events yet.", err=True)
-    for event in history:
-        typer.echo(json.dumps(asdict(event), sort_keys=True) if as_json else timeline.line(event))
+    if as_json:
+        for event in history:
+            typer.echo(json.dumps(asdict(event), sort_keys=True))
+    elif every:
+        for event in history:
+            typer.echo(timeline.line(event))
+    else:
+        for event, places in timeline.compact(history):
+            typer.echo(timeline.compact_line(event, places))

@@ -190,9 +190,12 @@ def render(view: JobView) -> None:
     facts.add_row(
         "Restarts",
         f"{view.restarts_used}/{view.max_restarts} of the failure budget used; "
-        f"{view.restarts} rounds restarted in all",
+        f"{_count(view.restarts, 'group restart')} in all, node changes included",
     )
-    facts.add_row("Preemptions", f"{view.preemptions} (requeues: {view.requeues})")
+    facts.add_row(
+        "Preemptions",
+        f"{_count(view.preemptions, 'preemption')}, {_count(view.requeues, 'requeue')}",
+    )
     if view.last_checkpoint_step is not None and view.last_checkpoint_time is not None:
         age = time.time() - view.last_checkpoint_time
         facts.add_row(
@@ -220,3 +223,7 @@ def _ago(seconds: float) -> str:
     if seconds < 7200:
         return f"{seconds / 60:.0f} min"
     return f"{seconds / 3600:.1f} h"
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"

@@ -23,6 +23,7 @@ class Summary:
     """Restarts of any cause (membership change, worker failure), counted once per round."""
     preemptions: int = 0
     requeues: int = 0
+    """A slot's agent joining again after it stopped for preemption (or a ``requeue`` event)."""
     last_checkpoint_step: int | None = None
     last_checkpoint_time: float | None = None
     last_failure: str | None = None
@@ -40,10 +41,15 @@ def summarize(events: Iterable[Event]) -> Summary:
     checkpoint_step: int | None = None
     checkpoint_time = failure = first = last = None
     outcome = "running"
+    last_by_slot: dict[str, str] = {}
     for event in events:
         first = event.time if first is None else first
         last = event.time
         details = event.details
+        if event.kind == "join" and last_by_slot.get(event.slot) == "preempt":
+            requeues += 1
+        if "node_id" in details:
+            last_by_slot[event.slot] = event.kind
         if event.kind == "round":
             round_number = event.round
             world = details.get("world_size")
@@ -138,3 +144,28 @@ def line(event: Event) -> str:
     """``12:03:04  n2    round 3: world size ...`` for ``hpc-elastic events``."""
     place = event.slot or event.node
     return f"{clock(event.time)}  {place:<8} {describe(event)}"
+
+
+SAME_MOMENT = 5.0
+"""Seconds within which the agents' reports of one thing (a round, a restart) are one line."""
+
+
+def compact(history: Iterable[Event]) -> list[tuple[Event, list[str]]]:
+    """Each event once, with every place that reported it: three agents seeing round 4
+    make one line, ``node0,node1,node2``."""
+    merged: list[tuple[Event, list[str]]] = []
+    open_lines: dict[tuple[str, int | None, str], int] = {}
+    for event in history:
+        key = (event.kind, event.round, describe(event))
+        index = open_lines.get(key)
+        if index is not None and event.time - merged[index][0].time <= SAME_MOMENT:
+            merged[index][1].append(event.slot or event.node)
+            continue
+        open_lines[key] = len(merged)
+        merged.append((event, [event.slot or event.node]))
+    return merged
+
+
+def compact_line(event: Event, places: list[str]) -> str:
+    where = ",".join(sorted(set(places), key=lambda place: (len(place), place)))
+    return f"{clock(event.time)}  {where:<17} {describe(event)}"
