@@ -61,18 +61,35 @@ def emit(kind: str, **details: Any) -> None:
 
 def read(path: Path | str) -> Iterator[Event]:
     """Events in time order; a torn or foreign line is skipped rather than trusted."""
-    events: list[Event] = []
     try:
         lines = Path(path).read_text(errors="replace").splitlines()
     except FileNotFoundError:
         return iter(())
+    return iter(sorted(_parse(lines), key=lambda event: event.time))
+
+
+def read_new(path: Path | str, offset: int) -> tuple[list[Event], int]:
+    """Events appended after byte ``offset`` (whole lines only), in file order, and the
+    offset to read from next: for readers that follow the file as it grows."""
+    try:
+        with open(path, "rb") as file:
+            file.seek(offset)
+            chunk = file.read()
+    except FileNotFoundError:
+        return [], offset
+    complete = chunk[: chunk.rfind(b"\n") + 1]
+    return _parse(complete.decode(errors="replace").splitlines()), offset + len(complete)
+
+
+def _parse(lines: list[str]) -> list[Event]:
+    events: list[Event] = []
     for line in lines:
         try:
             raw = json.loads(line)
             events.append(Event(**raw))
         except (ValueError, TypeError):
             continue
-    return iter(sorted(events, key=lambda event: event.time))
+    return events
 
 
 def _int_or_none(text: str | None) -> int | None:

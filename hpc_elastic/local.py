@@ -106,20 +106,7 @@ class _Progress:
     seen: set[tuple[str, int | None, object, object]] = field(default_factory=set)
 
     def poll(self) -> list[events.Event]:
-        try:
-            with self.path.open("rb") as file:
-                file.seek(self.offset)
-                chunk = file.read()
-        except FileNotFoundError:
-            return []
-        complete = chunk[: chunk.rfind(b"\n") + 1]
-        self.offset += len(complete)
-        new = []
-        for raw in complete.decode(errors="replace").splitlines():
-            try:
-                new.append(events.Event(**json.loads(raw)))
-            except (ValueError, TypeError):
-                continue
+        new, self.offset = events.read_new(self.path, self.offset)
         for event in new:
             key = (event.kind, event.round, event.details.get("step"), _teller(event))
             if event.kind in SHOWN and key not in self.seen:

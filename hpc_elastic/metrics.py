@@ -9,7 +9,6 @@ rank of any node may have written.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 from prometheus_client import write_to_textfile as _write_textfile
 
+from hpc_elastic import events
 from hpc_elastic.errors import UsageError
 from hpc_elastic.events import Event
 
@@ -113,22 +113,11 @@ class AgentMetrics:
             self.goodput.set(trained / wall if wall > 0 else 0.0)
 
     def _read_checkpoints(self) -> None:
-        """Tail the events file for ``checkpoint`` events: any rank's commit counts."""
-        try:
-            with self._events_file.open("rb") as file:
-                file.seek(self._events_offset)
-                chunk = file.read()
-        except FileNotFoundError:
-            return
-        complete = chunk[: chunk.rfind(b"\n") + 1]
-        self._events_offset += len(complete)
-        for line in complete.splitlines():
-            try:
-                raw = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(raw, dict) and raw.get("kind") == "checkpoint":
-                self._checkpoint_time = float(raw.get("time", 0.0))
+        """Follow the events file for ``checkpoint`` events: any rank's commit counts."""
+        new, self._events_offset = events.read_new(self._events_file, self._events_offset)
+        for event in new:
+            if event.kind == "checkpoint":
+                self._checkpoint_time = event.time
 
 
 class MetricsExporter:

@@ -127,3 +127,17 @@ def test_logs_select_by_rank_and_attempt(tmp_path: Path) -> None:
     written: list[str] = []
     logs.follow(record, 1, None, written.append, lambda: False)
     assert written == ["==> attempt 2, rank 1 <==\n", "step=2 on rank 1\n"]
+
+
+def test_following_the_events_file_reads_whole_lines_only(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    assert events.read_new(path, 0) == ([], 0)
+    events.append(path, events.Event("round", round=1, time=1.0))
+    with path.open("a") as file:
+        file.write('{"kind": "tor')
+    new, offset = events.read_new(path, 0)
+    assert [event.kind for event in new] == ["round"]
+    with path.open("a") as file:
+        file.write('n"}\n')
+    again, _ = events.read_new(path, offset)
+    assert [event.kind for event in again] == ["torn"]
