@@ -22,7 +22,7 @@ def make_job(log_dir: Path, run_id: str = "train-1", job_id: str | None = "4242"
         "run_id": run_id,
         "job_id": job_id,
         "job_dir": str(job_dir),
-        "spec": {"nodes": "1:2", "nproc_per_node": 1, "max_restarts": 3, "zk": "127.0.0.1:1"},
+        "spec": {"nodes": "1:2", "nproc_per_node": 1, "max_restarts": 3},
     }
     (job_dir / "job.json").write_text(json.dumps(record))
     (job_dir / "logs" / "attempt_1" / "rank_0.log").write_text("step=1\n")
