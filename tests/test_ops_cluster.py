@@ -60,7 +60,7 @@ def test_status_events_and_logs_of_a_running_elastic_job(cluster: Cluster, tmp_p
 
     def training_on_two_nodes() -> bool:
         view = status(cluster, tmp_path, job)
-        return view["state"] == "running" and view["world_size"] == 2
+        return bool(view["state"] == "running" and view["world_size"] == 2)
 
     assert wait_until(training_on_two_nodes, 90), status(cluster, tmp_path, job)
     view = status(cluster, tmp_path, job)
