@@ -22,6 +22,7 @@ if TYPE_CHECKING:
         should_stop,
     )
     from hpc_elastic.train.sampler import ElasticSampler
+    from hpc_elastic.train.sharded import load_sharded, save_sharded
 
 _LAZY = {
     "BatchPlan": "batch",
@@ -37,6 +38,8 @@ _LAZY = {
     "requested": "preemption",
     "should_stop": "preemption",
     "ElasticSampler": "sampler",
+    "load_sharded": "sharded",
+    "save_sharded": "sharded",
 }
 
 __all__ = [
@@ -49,9 +52,11 @@ __all__ = [
     "group",
     "install_signal_handlers",
     "load",
+    "load_sharded",
     "plan",
     "requested",
     "save",
+    "save_sharded",
     "should_stop",
     "verify",
 ]

@@ -170,7 +170,7 @@ class Checkpointer:
 
     def load(self, state: TrainState) -> Path | None:
         """Restore the newest intact checkpoint into ``state``; None when there is none yet."""
-        chosen = _dist.broadcast_from_rank0(self._newest_intact() if _dist.rank() == 0 else None)
+        chosen = _dist.broadcast_from_rank0(self.newest_intact() if _dist.rank() == 0 else None)
         if isinstance(chosen, str):
             raise CheckpointError(chosen)
         if chosen is None:
@@ -181,7 +181,45 @@ class Checkpointer:
         rng.restore(saved_rng[_dist.rank() % len(saved_rng)])
         return chosen
 
-    def _newest_intact(self) -> Path | str | None:
+    def _write(self, payload: dict[str, Any], step: int) -> Path:
+        staging = self.prepare_staging(step)
+        with open(staging / STATE_FILE, "wb") as file:
+            checksummed = _ChecksumWriter(file)
+            torch.save(payload, cast(IO[bytes], checksummed))
+            file.flush()
+            os.fsync(file.fileno())
+        files = {STATE_FILE: {"size": checksummed.size, "crc32": checksummed.crc32}}
+        return self.commit(staging, step, payload["world_size"], files)
+
+    def prepare_staging(self, step: int) -> Path:
+        """A fresh hidden directory to write ``step`` into; removes half-written leftovers."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for leftover in self.directory.glob(".step-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+        staging = self.directory / f".{_name(step)}.tmp-{os.getpid()}"
+        staging.mkdir()
+        return staging
+
+    def commit(
+        self, staging: Path, step: int, world_size: int, files: dict[str, dict[str, int]]
+    ) -> Path:
+        """Seal ``staging`` with its manifest and rename it into place; then drop the oldest."""
+        manifest = {"format": FORMAT_VERSION, "step": step, "world_size": world_size}
+        _write_synced(staging / MANIFEST_FILE, json.dumps({**manifest, "files": files}).encode())
+        _fsync_directory(staging)
+        final = self.directory / _name(step)
+        if final.exists():
+            replaced = final.rename(self.directory / f".{_name(step)}.old-{os.getpid()}")
+            staging.rename(final)
+            shutil.rmtree(replaced)
+        else:
+            staging.rename(final)
+        _fsync_directory(self.directory)
+        for old in self.committed()[self.keep :]:
+            shutil.rmtree(old)
+        return final
+
+    def newest_intact(self) -> Path | str | None:
         """Rank 0's choice: a path, None for a fresh start, or why nothing can be trusted."""
         candidates = self.committed()
         for candidate in candidates:
@@ -200,42 +238,6 @@ class Checkpointer:
             )
         return None
 
-    def _write(self, payload: dict[str, Any], step: int) -> Path:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._remove_leftovers()
-        staging = self.directory / f".{_name(step)}.tmp-{os.getpid()}"
-        staging.mkdir()
-        with open(staging / STATE_FILE, "wb") as file:
-            checksummed = _ChecksumWriter(file)
-            torch.save(payload, cast(IO[bytes], checksummed))
-            file.flush()
-            os.fsync(file.fileno())
-        manifest = {
-            "format": FORMAT_VERSION,
-            "step": step,
-            "world_size": payload["world_size"],
-            "size": checksummed.size,
-            "crc32": checksummed.crc32,
-        }
-        _write_synced(staging / MANIFEST_FILE, json.dumps(manifest, indent=2).encode())
-        _fsync_directory(staging)
-        final = self.directory / _name(step)
-        if final.exists():
-            replaced = final.rename(self.directory / f".{_name(step)}.old-{os.getpid()}")
-            staging.rename(final)
-            shutil.rmtree(replaced)
-        else:
-            staging.rename(final)
-        _fsync_directory(self.directory)
-        for old in self.committed()[self.keep :]:
-            shutil.rmtree(old)
-        return final
-
-    def _remove_leftovers(self) -> None:
-        """Half-written checkpoints of a crashed save: never committed, never to be read."""
-        for entry in self.directory.glob(".step-*"):
-            shutil.rmtree(entry, ignore_errors=True)
-
 
 def save(state: TrainState, directory: Path | str | None = None, keep: int = 3) -> Path:
     """Save ``state`` as the newest checkpoint in ``directory`` (default: the job's)."""
@@ -248,24 +250,31 @@ def load(state: TrainState, directory: Path | str | None = None) -> Path | None:
 
 
 def verify(checkpoint: Path) -> str | None:
-    """Why ``checkpoint`` cannot be trusted, or None when its size and checksum match."""
+    """Why ``checkpoint`` cannot be trusted, or None when every file's size and checksum match."""
     try:
         manifest = json.loads((checkpoint / MANIFEST_FILE).read_text())
-        expected_size, expected_crc = int(manifest["size"]), int(manifest["crc32"])
         if manifest.get("format") != FORMAT_VERSION:
             return f"format {manifest.get('format')!r} is not {FORMAT_VERSION}"
-        crc32, size = 0, 0
-        with open(checkpoint / STATE_FILE, "rb") as file:
-            while chunk := file.read(_CHUNK):
-                crc32 = zlib.crc32(chunk, crc32)
-                size += len(chunk)
-    except (OSError, ValueError, KeyError, TypeError) as error:
+        for name, expected in manifest["files"].items():
+            size, crc32 = _size_and_crc32(checkpoint / name, "crc32" in expected)
+            if size != expected["size"]:
+                return f"{name} truncated: {size} of {expected['size']} bytes"
+            if crc32 is not None and crc32 != expected["crc32"]:
+                return f"{name} checksum mismatch"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         return f"unreadable: {error}"
-    if size != expected_size:
-        return f"truncated: {size} of {expected_size} bytes"
-    if crc32 != expected_crc:
-        return "checksum mismatch"
     return None
+
+
+def _size_and_crc32(path: Path, checksum: bool) -> tuple[int, int | None]:
+    if not checksum:
+        return path.stat().st_size, None
+    crc32, size = 0, 0
+    with open(path, "rb") as file:
+        while chunk := file.read(_CHUNK):
+            crc32 = zlib.crc32(chunk, crc32)
+            size += len(chunk)
+    return size, crc32
 
 
 def _read(path: Path) -> dict[str, Any]:
