@@ -271,3 +271,19 @@ def test_prewarmed_workers_get_the_rank_environment_and_logs(tmp_path: Path) -> 
     root = cluster.job.root_cause
     assert root is not None
     assert "ValueError: rank 1 fails" in root.message
+
+
+def test_the_agent_imports_neither_torch_nor_kazoo_up_front() -> None:
+    code = (
+        "import sys, hpc_elastic.agent.command, hpc_elastic.agent.agent; "
+        "print(sorted(m for m in ('torch', 'kazoo') if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).parent.parent,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
+    )
+    assert result.stdout.strip() == "[]"
