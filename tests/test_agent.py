@@ -158,6 +158,8 @@ def test_node_leaving_reforms_the_rest_without_spending_the_budget(tmp_path: Pat
     assert cluster.job.restarts_used == 0
     assert sorted(cluster.envs(2)) == [0, 1]
     assert cluster.envs(2)[0]["WORLD_SIZE"] == "2"
+    lost = [e for e in events.read(cluster.job_dir / "events.jsonl") if e.kind == "node_lost"]
+    assert [event.details["nodes"] for event in lost] == [["n2"]]
 
 
 def test_preemption_signal_is_forwarded_and_exits_for_requeue(tmp_path: Path) -> None:

@@ -84,6 +84,8 @@ class Agent:
         self._on_event = on_event
         self._stop_signal: int | None = None
         self._group: WorkerGroup | None = None
+        self._members: dict[str, str] | None = None
+        """node_id -> slot of the last round, to log which nodes were lost or arrived."""
         self._run_dir = Path(tempfile.mkdtemp(prefix=f"hpc-elastic-{rdzv.settings.run_id}-"))
         self._standbys = self._standby_pool()
 
@@ -154,6 +156,7 @@ class Agent:
                 return code
 
     def _run_round(self, rdzv_round: Round) -> _Ended:
+        self._log_membership(rdzv_round)
         members = [member.slot or member.node_id for member in rdzv_round.members]
         self._event(
             "round",
@@ -165,6 +168,19 @@ class Agent:
         self._group = self._start_workers(rdzv_round)
         self._event("start", round=rdzv_round.number, ranks=[w.rank for w in self._group.workers])
         return self._monitor(self._group)
+
+    def _log_membership(self, rdzv_round: Round) -> None:
+        """Node losses and arrivals, logged once per round by the node with group rank 0."""
+        current = {member.node_id: member.slot or member.node_id for member in rdzv_round.members}
+        previous, self._members = self._members, current
+        if previous is None or rdzv_round.group_rank(self.rdzv.node.node_id) != 0:
+            return
+        lost = sorted(previous[node] for node in previous.keys() - current.keys())
+        arrived = sorted(current[node] for node in current.keys() - previous.keys())
+        if lost:
+            self._event("node_lost", round=rdzv_round.number, nodes=lost)
+        if arrived:
+            self._event("node_arrived", round=rdzv_round.number, nodes=arrived)
 
     def _start_workers(self, rdzv_round: Round) -> WorkerGroup:
         node = self.rdzv.node
