@@ -9,6 +9,8 @@ restart, a requeue or a different number of ranks continues where the last check
 
 from __future__ import annotations
 
+import gc
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -21,8 +23,7 @@ STEPS = 200
 GLOBAL_BATCH = 48
 
 
-def main() -> None:
-    dist.init_process_group("gloo")
+def train() -> None:
     torch.manual_seed(0)
     dataset = TensorDataset(torch.randn(960, 16), torch.randn(960, 1))
     model = DistributedDataParallel(nn.Linear(16, 1))
@@ -45,9 +46,11 @@ def main() -> None:
                 elastic.exit_preempted()  # elastic
             if state.step == STEPS:
                 break
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    dist.init_process_group("gloo")
+    train()
+    gc.collect()  # elastic: free DDP before its process group (see docs/training.md)
+    dist.barrier()
+    dist.destroy_process_group()

@@ -10,6 +10,7 @@ runs can be compared bit for bit.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import os
 import random
@@ -101,14 +102,19 @@ def main() -> None:
     torch.set_num_threads(1)
     elastic.install_signal_handlers()
     device = setup_distributed()
+    train(args, device)
+    if dist.is_initialized():
+        leave_process_group()
+
+
+def train(args: argparse.Namespace, device: torch.device) -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     plan = elastic.plan(args.batch_size, world, args.micro_batch_size)
 
     model = build_model(args.hidden, args.seed).to(device)
     seed_everything(args.seed + 1 + rank)
-    ddp = DistributedDataParallel(model) if dist.is_initialized() else model
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=100, gamma=0.5)
     dataset = synthetic_dataset(args.dataset_size, args.seed)
     sampler = elastic.ElasticSampler(dataset, args.batch_size, seed=args.seed)
@@ -119,7 +125,8 @@ def main() -> None:
         num_workers=args.num_workers,
         generator=torch.Generator().manual_seed(args.seed),
     )
-    state = elastic.TrainState(ddp, optimizer, scheduler, sampler)
+    replicated = DistributedDataParallel(model) if dist.is_initialized() else model
+    state = elastic.TrainState(replicated, optimizer, scheduler, sampler)
     checkpoints = elastic.Checkpointer.at(args.checkpoint_dir)
     checkpoints.load(state)
     last_step = args.steps
@@ -128,7 +135,7 @@ def main() -> None:
 
     while state.step < last_step:
         for micro_batches in elastic.group(loader, plan.accumulation_steps):
-            loss = train_step(ddp, optimizer, micro_batches, device)
+            loss = train_step(state.model, optimizer, micro_batches, device)
             scheduler.step()
             if args.log_indices is not None:
                 indices = ",".join(str(i) for _, _, batch in micro_batches for i in batch.tolist())
@@ -148,9 +155,15 @@ def main() -> None:
 
     if rank == 0:
         log_line(f"done step={state.step} weights_sha256={weights_hash(model)}", args.log_file)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+
+
+def leave_process_group() -> None:
+    """Only once DDP is gone (``train`` returned): if its Reducer held the last reference to
+    the gloo group, the group's destructor would run under the GIL and deadlock with gloo's
+    own threads. The barrier keeps rank 0, which hosts the store, up until all ranks are done."""
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def train_step(

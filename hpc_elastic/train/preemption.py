@@ -10,6 +10,7 @@ and a second Ctrl-C raises ``KeyboardInterrupt`` as usual, so a stuck script sti
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -79,9 +80,12 @@ def exit_preempted() -> NoReturn:
     """Leave with ``PREEMPTED_EXIT_CODE`` so the agent requeues instead of counting a failure.
 
     Call it after the final checkpoint; exit code 0 means the training really finished. The
-    barrier keeps rank 0, which hosts the store, alive until every rank has let go of it.
+    barrier keeps rank 0, which hosts the store, alive until every rank is done with it. It
+    then exits at once, skipping destructors: with DDP alive, tearing down the gloo group from
+    the Reducer's destructor deadlocks on the GIL (seen here in one run out of a few).
     """
     if _dist.active():
         dist.barrier()
-        dist.destroy_process_group()
-    sys.exit(PREEMPTED_EXIT_CODE)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(PREEMPTED_EXIT_CODE)
