@@ -35,6 +35,10 @@ REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "tests" / "workloads" / "train_gloo.py"
 AGENTS = 4
 
+SETTLE = 15.0
+"""Seconds of training before the fault: a failure in the first seconds is rare, and the next
+set of standby workers needs that long to import torch on this loaded two-core machine."""
+
 Probe = Callable[["Launch", float], "float | None"]
 
 
@@ -120,6 +124,12 @@ def torchrun(nodes: str, out: Path) -> Launch:
     return Launch(agents, out)
 
 
+def _trained(launch: Launch, world: int = AGENTS) -> bool:
+    """Training has run for ``SETTLE`` seconds at this world size, so standbys are warm."""
+    rows = launch.progress()
+    return bool(rows) and rows[-1][2] == world and time.time() - rows[0][0] > SETTLE
+
+
 def _wait(condition: Callable[[], bool], timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -132,7 +142,7 @@ def _wait(condition: Callable[[], bool], timeout: float) -> bool:
 def worker_kill(launch: Launch, give_up: float) -> float | None:
     """Seconds from a worker's SIGKILL to the first step of the restarted group (a new rank 0
     process: torchrun's restart count does not move on nodes whose own workers did not fail)."""
-    if not _wait(lambda: len(launch.progress()) >= 10, 90):
+    if not _wait(lambda: _trained(launch), 120):
         return None
     victim = launch.workers(launch.agents[-1])[0]
     before = launch.progress()[-1][3]
@@ -145,7 +155,7 @@ def worker_kill(launch: Launch, give_up: float) -> float | None:
 
 def agent_kill(launch: Launch, give_up: float) -> float | None:
     """Seconds from an agent's SIGKILL to the first step at world size 3."""
-    if not _wait(lambda: len(launch.progress()) >= 10 and launch.progress()[-1][2] == 4, 90):
+    if not _wait(lambda: _trained(launch), 120):
         return None
     victim = launch.agents[-1]
     node = _descendants(victim.pid)
