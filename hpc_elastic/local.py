@@ -5,7 +5,7 @@ thread on a unix socket) and starts one ``hpc-elastic agent`` per local "node", 
 command a Slurm step runs. ``--simulate-churn`` SIGKILLs a random node now and then and
 starts it again a little later, so a user can watch elasticity before going near a cluster.
 
-    hpc-elastic run --nodes 1:3 --nproc-per-node 1 --simulate-churn examples/train.py
+    hpc-elastic run --nodes 1:3 --simulate-churn examples/train.py -- --sleep-per-step 0.1
 """
 
 from __future__ import annotations
@@ -330,8 +330,8 @@ RUN_HELP = """Run SCRIPT elastically on this machine: MAX local agents, no Slurm
 
 \b
 Examples:
-  hpc-elastic run --nodes 1:3 --nproc-per-node 1 --simulate-churn examples/train.py -- --steps 300
-  hpc-elastic run --nodes 2 --nproc-per-node 2 train.py --tee
+  hpc-elastic run --nodes 1:3 --simulate-churn examples/train.py -- --sleep-per-step 0.1
+  hpc-elastic run --nodes 2 --nproc-per-node 2 --tee train.py -- --lr 3e-4
 """
 
 
