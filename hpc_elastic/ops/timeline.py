@@ -134,6 +134,9 @@ def describe(event: Event) -> str:
         return f"agent left (exit code {d.get('exit_code')})"
     if kind == "done":
         return "all workers finished"
+    if kind in ("node_lost", "node_arrived"):
+        nodes = ", ".join(str(node) for node in d.get("nodes", ()))
+        return f"{'lost' if kind == 'node_lost' else 'new'} nodes: {nodes}"
     if kind == "churn":
         return f"simulated churn: {d.get('action')} {d.get('target', '')}".rstrip()
     extra = " ".join(f"{key}={value}" for key, value in d.items() if key != "node_id")
