@@ -55,16 +55,18 @@ def _nothing_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     running: Cluster = request.getfixturevalue("cluster")
     yield
+    problems = []
     queue_empty = running.wait_queue_empty(30)
     left = [] if running.wait_no_strays(15) else running.strays()
     if not queue_empty or left:
-        jobs = running.squeue()
+        problems.append(f"left jobs {running.squeue()} and processes {left} behind")
         running.clean_up()
-        pytest.fail(f"test left jobs {jobs} and processes {left} behind", pytrace=False)
     try:
         running.dev_cluster("up")
     except ClusterError as error:
-        pytest.fail(f"test left the cluster broken: {error}", pytrace=False)
+        problems.append(f"left the cluster broken: {error}")
+    if problems:
+        pytest.fail(f"test {' and '.join(problems)}", pytrace=False)
 
 
 @pytest.fixture
