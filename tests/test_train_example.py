@@ -140,3 +140,31 @@ def test_four_two_four_ranks_see_every_sample_once(tmp_path: Path) -> None:
     counts = Counter(index for indices in per_step.values() for index in indices)
     assert sorted(counts) == list(range(480))
     assert set(counts.values()) == {1}
+
+
+def test_preempted_rank_stops_all_ranks_with_a_checkpoint(tmp_path: Path) -> None:
+    args = ["--steps", "30", "--batch-size", "16", "--micro-batch-size", "8"]
+    args += ["--dataset-size", "320", "--log-file", "run.log", "--sleep-per-step", "0.2"]
+    log = tmp_path / "run.log"
+    launcher = subprocess.Popen(
+        torchrun_command(2, *args),
+        cwd=tmp_path,
+        env=environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_for_step(log, 12, launcher)
+        os.kill(worker_pids(launcher.pid)[-1], signal.SIGUSR1)
+        output, _ = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.terminate()
+            launcher.wait(timeout=60)
+    assert "exitcode  : 75" in output.decode()
+    stopped_at = max(losses(log))
+    assert stopped_at < 30
+    assert (tmp_path / "checkpoints" / f"step-{stopped_at:08d}").is_dir()
+
+    run(torchrun_command(2, *args), tmp_path)
+    assert sorted(losses(log)) == list(range(1, 31))
