@@ -10,18 +10,21 @@ import os
 import signal
 import socket
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 from typing import Annotated
 
 import typer
 
+from hpc_elastic import events
 from hpc_elastic.agent.agent import Agent
 from hpc_elastic.agent.api import AgentSpec, parse_signal
 from hpc_elastic.rendezvous import local_store
 from hpc_elastic.rendezvous.api import NodeInfo, RendezvousSettings
 from hpc_elastic.rendezvous.secret import read_secret_file
+from hpc_elastic.slurm.elastic import ElasticSlot, SlotLimits
 from hpc_elastic.spec import NodeRange
 
 HOST_ENV = "HPC_ELASTIC_HOST"
@@ -71,6 +74,15 @@ def agent(  # noqa: PLR0917 (Typer maps each parameter to a flag)
     min_wait: Annotated[
         float, typer.Option(help="Seconds the job may stay below MIN nodes before failing.")
     ] = 600.0,
+    max_preemptions: Annotated[
+        int, typer.Option(help="Requeues of this slot after preemption before it gives up.")
+    ] = 100,
+    max_time_limits: Annotated[
+        int, typer.Option(help="Requeues of this slot after its time limit before it gives up.")
+    ] = 10,
+    exclude_after: Annotated[
+        int, typer.Option(help="Failures of this slot on one node before it avoids that node.")
+    ] = 2,
     slot: Annotated[
         str | None, typer.Option(help="This node's slot name (default: from Slurm).")
     ] = None,
@@ -122,26 +134,34 @@ def agent(  # noqa: PLR0917 (Typer maps each parameter to a flag)
         slot=slot,
     )
     secret = read_secret_file(zk_auth_file) if zk_auth_file is not None else None
+    limits = SlotLimits(max_preemptions, max_time_limits, exclude_after)
+    array_slot = ElasticSlot.from_env(os.environ, spec.job_dir, limits)
+    expected = array_slot.expected_nodes() if array_slot is not None else _slurm_node_count
 
     if local_store.is_local(zk):
-        rdzv = local_store.connect(zk, settings, node, expected_nodes=_slurm_node_count)
+        rdzv = local_store.connect(zk, settings, node, expected_nodes=expected)
     else:
         from hpc_elastic.rendezvous.zookeeper import connect  # noqa: PLC0415 (kazoo: only here)
 
-        rdzv = connect(zk, settings, node, secret=secret, expected_nodes=_slurm_node_count)
+        rdzv = connect(zk, settings, node, secret=secret, expected_nodes=expected)
+    observers: list[Callable[[events.Event], None]] = []
     exporter = None
     if metrics_port is not None or metrics_textfile is not None:
         from hpc_elastic import metrics  # noqa: PLC0415 (prometheus_client: only when asked)
 
         gauges = metrics.AgentMetrics(run_id, slot, spec.events_file)
-        runner = Agent(spec, rdzv, on_event=gauges.observe)
+        observers.append(gauges.observe)
+        runner = Agent(spec, rdzv, on_event=_fan_out(observers))
         exporter = metrics.MetricsExporter(
             gauges, runner.step, port=metrics_port, textfile=metrics_textfile
         )
         if exporter.port is not None:
             typer.echo(f"hpc-elastic agent: metrics on port {exporter.port}", err=True)
     else:
-        runner = Agent(spec, rdzv)
+        runner = Agent(spec, rdzv, on_event=_fan_out(observers))
+    if array_slot is not None:
+        observers.append(_bad_node_watch(array_slot, runner, spec.preempt_signal))
+        _arrive(array_slot, spec, run_id)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         runner.request_stop(signum)
@@ -149,11 +169,49 @@ def agent(  # noqa: PLR0917 (Typer maps each parameter to a flag)
     for signum in (signal.SIGTERM, signal.SIGINT, spec.preempt_signal):
         signal.signal(signum, on_signal)
     try:
-        code = runner.run()
+        code = int(runner.run())
     finally:
         if exporter is not None:
             exporter.stop()
-    raise typer.Exit(int(code))
+    if array_slot is not None:
+        code = array_slot.settle(code, spec.grace, _emitter(spec, run_id, array_slot))
+    raise typer.Exit(code)
+
+
+def _fan_out(observers: list[Callable[[events.Event], None]]) -> Callable[[events.Event], None]:
+    def observe(event: events.Event) -> None:
+        for observer in observers:
+            observer(event)
+
+    return observe
+
+
+def _bad_node_watch(
+    array_slot: ElasticSlot, runner: Agent, preempt_signal: signal.Signals
+) -> Callable[[events.Event], None]:
+    """Count this slot's worker failures on its node; at the limit, stop and move elsewhere."""
+
+    def observe(event: events.Event) -> None:
+        if event.kind == "failure" and array_slot.count_failure():
+            runner.request_stop(preempt_signal)
+
+    return observe
+
+
+def _emitter(spec: AgentSpec, run_id: str, array_slot: ElasticSlot) -> Callable[..., None]:
+    def emit(kind: str, **details: object) -> None:
+        event = events.Event(kind=kind, job=run_id, slot=str(array_slot.context.array_task_id))
+        events.append(spec.events_file, replace(event, details=dict(details)))
+
+    return emit
+
+
+def _arrive(array_slot: ElasticSlot, spec: AgentSpec, run_id: str) -> None:
+    """Record this incarnation; one that died with its node counts against that node."""
+    spec.job_dir.mkdir(parents=True, exist_ok=True)
+    crashed_on = array_slot.arrive()
+    if crashed_on is not None:
+        _emitter(spec, run_id, array_slot)("node_failure", node=crashed_on)
 
 
 def default_slot(environ: Mapping[str, str]) -> str:
