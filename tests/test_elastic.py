@@ -5,8 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from hpc_elastic.cli import app
 from hpc_elastic.errors import SlurmError
+from hpc_elastic.ops import cancel
+from hpc_elastic.ops.jobs import JobRecord
 from hpc_elastic.slurm import commands, elastic
 from hpc_elastic.slurm.commands import JobStatus
 from hpc_elastic.slurm.elastic import (
@@ -215,3 +219,31 @@ def test_an_unreadable_ledger_is_one_sentence(tmp_path: Path) -> None:
     path.write_text("{not json")
     with pytest.raises(SlurmError, match="delete it"):
         elastic.load_ledger(path)
+
+
+def test_cancel_ends_the_array_then_closes_the_rendezvous(tmp_path: Path) -> None:
+    record = JobRecord(
+        run_id="train-1",
+        job_dir=tmp_path,
+        job_id="9",
+        local=False,
+        zk="127.0.0.1:2181",
+        nodes="1:4",
+        nproc_per_node=2,
+        max_restarts=3,
+    )
+    order: list[str] = []
+    done = cancel.cancel(
+        record,
+        lambda job_id: order.append(f"scancel {job_id}"),
+        lambda rec: order.append(f"close {rec.run_id}"),
+    )
+    assert order == ["scancel 9", "close train-1"]
+    assert done == ["cancelled Slurm job 9 (every slot)", "closed the rendezvous"]
+    assert [event.kind for event in record.events()] == ["cancel"]
+
+
+def test_cancel_of_an_unknown_job_is_one_sentence(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["cancel", "nope", "--log-dir", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "Job 'nope' is unknown" in result.output
