@@ -32,6 +32,7 @@ from hpc_elastic.doctor import doctor_command
 from hpc_elastic.errors import HpcElasticError, UsageError
 from hpc_elastic.local import RUN_HELP, run_command
 from hpc_elastic.ops import commands as ops
+from hpc_elastic.ops.cancel import cancel_command
 from hpc_elastic.slurm import commands
 from hpc_elastic.spec import (
     JobSpec,
@@ -444,6 +445,7 @@ app.command("status")(ops.status_command)
 app.command("list")(ops.list_command)
 app.command("logs")(ops.logs_command)
 app.command("events")(ops.events_command)
+app.command("cancel")(cancel_command)
 app.command("doctor")(doctor_command)
 
 
