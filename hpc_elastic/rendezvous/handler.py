@@ -26,6 +26,10 @@ from hpc_elastic.rendezvous.api import (
 )
 from hpc_elastic.rendezvous.backend import ABSENT, Store
 
+PROPOSER_STAGGER = 0.1
+"""Seconds between the turns of successive node ids to complete a round."""
+MAX_STAGGER = 5.0
+
 
 def free_port() -> int:
     """A port that is free now; the master binds it moments later (the usual small race)."""
@@ -55,6 +59,7 @@ class StoreRendezvous(Rendezvous):
         self._in_round = False
         """From returning a round until the next ``next_round``: only then is ``changed`` set."""
         self._generation = 0
+        self._waiting_on: st.Action | None = None
         self._wake = threading.Condition()
         self._rejoin = threading.Event()
         store.subscribe(self._on_change, self._on_session_lost)
@@ -65,6 +70,7 @@ class StoreRendezvous(Rendezvous):
         self._join()
         min_deadline = time.monotonic() + self.settings.min_wait
         last_call_deadline: float | None = None
+        propose_at: float | None = None
         while True:
             generation = self._generation
             if self._rejoin.is_set():
@@ -75,12 +81,8 @@ class StoreRendezvous(Rendezvous):
                 continue
             state = self._usable(st.decode(data))
             alive = self._store.alive()
-            expected = self._expected_nodes() if self._expected_nodes else None
-            action = st.next_action(
-                state, alive, self.node.node_id, self._round, self.settings.nodes, expected=expected
-            )
+            action = self._action(state, alive)
             now = time.monotonic()
-            deadline: float | None = None
             if action is st.Action.RETURN:
                 self._round = state.round
                 self._in_round = True
@@ -91,19 +93,27 @@ class StoreRendezvous(Rendezvous):
                     st.encode(st.publish_master(state, state.round, free_port())), token
                 )
                 continue
+            if action is st.Action.BELOW_MIN:
+                last_call_deadline = propose_at = None
+                if now >= min_deadline:
+                    self._fail_below_min(state, token, len(alive))
+                    continue
+                self._sleep(generation, min_deadline, action)
+                continue
             if action is st.Action.LAST_CALL:
                 last_call_deadline = last_call_deadline or now + self.settings.last_call
-                deadline = last_call_deadline
-            elif action is st.Action.BELOW_MIN:
-                last_call_deadline = None
-                deadline = min_deadline
-            if action is st.Action.COMPLETE or (deadline is not None and now >= deadline):
-                if action is st.Action.BELOW_MIN:
-                    self._fail_below_min(state, token, len(alive))
-                else:
+                if now < last_call_deadline:
+                    self._sleep(generation, last_call_deadline, action)
+                    continue
+            if action in (st.Action.COMPLETE, st.Action.LAST_CALL):
+                propose_at = propose_at or now + self._stagger(alive)
+                if now >= propose_at:
                     self._complete(state, token, alive)
+                    continue
+                self._sleep(generation, propose_at, action)
                 continue
-            self._sleep(generation, deadline)
+            propose_at = None
+            self._sleep(generation, None, action)
 
     def report_failure(self, failure: Failure) -> None:
         self._update(lambda state: st.record_failure(state, self._round, failure))
@@ -125,7 +135,7 @@ class StoreRendezvous(Rendezvous):
                 raise JobFailedError(
                     f"Job '{self.settings.run_id}' failed: {state.failure_summary}"
                 )
-            missing = state.member_ids() - self._store.alive() - set(state.succeeded)
+            missing = state.member_ids - self._store.alive() - set(state.succeeded)
             if missing:
                 summary = (
                     f"node '{sorted(missing)[0]}' left round {state.round} before its workers "
@@ -178,6 +188,12 @@ class StoreRendezvous(Rendezvous):
             st.encode(st.complete_round(state, candidates, self.settings.nodes)), token
         )
 
+    def _stagger(self, alive: frozenset[str]) -> float:
+        """Seconds to let lower node ids complete the round first: with hundreds of nodes,
+        one proposal instead of a stampede of compare-and-sets that all but one lose."""
+        position = sum(1 for other in alive if other < self.node.node_id)
+        return min(position * PROPOSER_STAGGER, MAX_STAGGER)
+
     def _fail_below_min(self, state: st.JobState, token: int, present: int) -> None:
         summary = (
             f"only {present} of the {self.settings.nodes.min} nodes needed joined within "
@@ -200,20 +216,46 @@ class StoreRendezvous(Rendezvous):
             f"Job '{self.settings.run_id}' is closed (finished or cancelled); nothing to update."
         )
 
-    def _sleep(self, generation: int, deadline: float | None) -> None:
+    def _action(self, state: st.JobState, alive: frozenset[str]) -> st.Action:
+        expected = self._expected_nodes() if self._expected_nodes else None
+        return st.next_action(
+            state, alive, self.node.node_id, self._round, self.settings.nodes, expected=expected
+        )
+
+    def _sleep(
+        self, generation: int, deadline: float | None, action: st.Action | None = None
+    ) -> None:
+        """Sleep until a change (one that alters ``action``, if given) or the deadline."""
         with self._wake:
             if self._generation != generation:
                 return
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._waiting_on = action
             self._wake.wait(timeout)
+            self._waiting_on = None
 
     def _on_change(self) -> None:
-        """Called from the store's watch thread: wake the loop, flag a superseded round."""
+        """Called from the store's watch thread: flag a superseded round, wake the loop."""
+        if self._in_round and not self.changed.is_set() and self._superseded():
+            self.changed.set()
+        if self._nothing_new():
+            return
         with self._wake:
             self._generation += 1
             self._wake.notify_all()
-        if self._in_round and not self.changed.is_set() and self._superseded():
-            self.changed.set()
+
+    def _nothing_new(self) -> bool:
+        """Whether the sleeping loop would decide what it already waits on. Deciding here,
+        in the watch thread, spares hundreds of handlers sharing a store from waking up
+        for every join (the 1024-agent benchmark)."""
+        waiting_on = self._waiting_on
+        data, _ = self._store.get_state()
+        if waiting_on is None or data is None:
+            return False
+        state = st.decode(data)
+        if state.closed or state.failed:
+            return False
+        return self._action(state, self._store.alive()) is waiting_on
 
     def _on_session_lost(self) -> None:
         self._rejoin.set()

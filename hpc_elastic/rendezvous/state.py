@@ -11,7 +11,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from enum import Enum
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
 from hpc_elastic.errors import RendezvousError
@@ -55,6 +55,7 @@ class JobState:
     def world_size(self) -> int:
         return sum(member.nproc for member in self.members)
 
+    @cached_property
     def member_ids(self) -> frozenset[str]:
         return frozenset(member.node_id for member in self.members)
 
@@ -116,7 +117,7 @@ def round_is_live(state: JobState, alive: frozenset[str], nodes: NodeRange) -> b
     """Whether the latest round may keep training: nobody left, failed or is waiting to join."""
     if state.round in (0, state.failed_round):
         return False
-    members = state.member_ids()
+    members = state.member_ids
     if not members <= alive:
         return False
     return len(members) >= nodes.max or alive <= members
@@ -157,11 +158,11 @@ def next_action(
     if state.succeeded:
         return Action.WAIT
     if round_is_live(state, alive, nodes):
-        if me in state.member_ids() and state.round > last_round:
+        if me in state.member_ids and state.round > last_round:
             if state.master_port is not None:
                 return Action.RETURN
             return Action.PUBLISH_PORT if state.members[0].node_id == me else Action.WAIT
-        if me not in state.member_ids() and len(state.members) >= nodes.max:
+        if me not in state.member_ids and len(state.members) >= nodes.max:
             return Action.WAIT
     if me not in alive:
         return Action.WAIT
@@ -227,7 +228,7 @@ def record_success(state: JobState, round_number: int, node_id: str) -> JobState
 
 
 def all_succeeded(state: JobState) -> bool:
-    return state.round > 0 and state.member_ids() <= set(state.succeeded)
+    return state.round > 0 and state.member_ids <= set(state.succeeded)
 
 
 def fail(state: JobState, summary: str) -> JobState:

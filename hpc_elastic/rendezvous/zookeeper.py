@@ -150,6 +150,10 @@ class ZooKeeperStore(Store):
         self._lock = threading.Lock()
         self._state: tuple[bytes | None, int] = (None, ABSENT)
         self._alive: frozenset[str] = frozenset()
+        self._records: dict[str, tuple[int, bytes]] = {}
+        """Member records by node id, with their creation order (czxid)."""
+        self._fetching = threading.Lock()
+        """One fetch of member records at a time, so handlers sharing this store share it."""
         self._subscribers: dict[Callable[[], None], Callable[[], None]] = {}
         with self._converted():
             self._ensure_paths()
@@ -180,17 +184,24 @@ class ZooKeeperStore(Store):
             return self._alive
 
     def members(self, node_ids: Iterable[str]) -> list[bytes]:
-        with self._converted():
+        """Fetched once per member (a member's record never changes), all in flight at once."""
+        wanted = list(node_ids)
+        with self._fetching, self._converted():
+            with self._lock:
+                missing = [node_id for node_id in wanted if node_id not in self._records]
             pending = [
-                self._client.get_async(self._path("members", node_id)) for node_id in node_ids
+                (node_id, self._client.get_async(self._path("members", node_id)))
+                for node_id in missing
             ]
-            records: list[tuple[int, bytes]] = []
-            for result in pending:
+            for node_id, result in pending:
                 try:
                     data, stat = result.get(timeout=RETRY_DEADLINE)
                 except NoNodeError:
                     continue
-                records.append((stat.czxid, data))
+                with self._lock:
+                    self._records[node_id] = (stat.czxid, data)
+        with self._lock:
+            records = [self._records[node_id] for node_id in wanted if node_id in self._records]
         return [data for _, data in sorted(records)]
 
     def subscribe(self, on_change: Callable[[], None], on_session_lost: Callable[[], None]) -> None:
@@ -285,6 +296,8 @@ class ZooKeeperStore(Store):
     def _on_members(self, children: list[str]) -> None:
         with self._lock:
             self._alive = frozenset(children)
+            for gone in self._records.keys() - self._alive:
+                del self._records[gone]
         self._notify()
 
     def _on_connection_state(self, state: str) -> None:
