@@ -23,13 +23,26 @@ from torch import nn
 import hpc_elastic.train as elastic
 
 
-def median_seconds(action: Callable[[], object], repeats: int) -> float:
-    timings = []
+def interleaved_medians(
+    actions: dict[str, Callable[[], object]], repeats: int
+) -> dict[str, tuple[float, float]]:
+    """Median (wall, CPU) seconds per action, taking turns so load slows all of them alike.
+
+    CPU time is the steadier figure on a shared machine; wall time adds waiting for the disk.
+    """
+    timings: dict[str, list[tuple[float, float]]] = {name: [] for name in actions}
     for _ in range(repeats):
-        start = time.perf_counter()
-        action()
-        timings.append(time.perf_counter() - start)
-    return statistics.median(timings)
+        for name, action in actions.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            action()
+            timings[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+    return {
+        name: (
+            statistics.median(wall for wall, _ in values),
+            statistics.median(cpu for _, cpu in values),
+        )
+        for name, values in timings.items()
+    }
 
 
 def fsynced_torch_save(payload: object, path: Path) -> None:
@@ -48,22 +61,28 @@ def bench_checkpoint(megabytes: int, repeats: int) -> None:
     with tempfile.TemporaryDirectory(dir=Path.cwd()) as scratch:
         plain = Path(scratch) / "plain.pt"
         checkpointer = elastic.Checkpointer(Path(scratch) / "checkpoints", keep=2)
-        results = {
-            "torch.save": median_seconds(lambda: torch.save(state.state_dict(), plain), repeats),
-            "torch.save + fsync": median_seconds(
-                lambda: fsynced_torch_save(state.state_dict(), plain), repeats
-            ),
-            "Checkpointer.save": median_seconds(lambda: checkpointer.save(state), repeats),
-            "torch.load": median_seconds(lambda: torch.load(plain, weights_only=True), repeats),
-            "Checkpointer.load": median_seconds(lambda: checkpointer.load(state), repeats),
-        }
-    print(f"model state {size:.0f} MiB, median of {repeats}")
-    for name, seconds in results.items():
-        print(f"{name:20s} {seconds:.3f} s")
-    save_overhead = results["Checkpointer.save"] / results["torch.save"] - 1
-    load_overhead = results["Checkpointer.load"] / results["torch.load"] - 1
-    print(f"save overhead vs torch.save: {save_overhead:+.0%}")
-    print(f"load overhead vs torch.load: {load_overhead:+.0%}")
+        checkpointer.save(state)
+        torch.save(state.state_dict(), plain)
+        results = interleaved_medians(
+            {
+                "torch.save": lambda: torch.save(state.state_dict(), plain),
+                "torch.save + fsync": lambda: fsynced_torch_save(state.state_dict(), plain),
+                "Checkpointer.save": lambda: checkpointer.save(state),
+                "torch.load": lambda: torch.load(plain, weights_only=True),
+                "Checkpointer.load": lambda: checkpointer.load(state),
+            },
+            repeats,
+        )
+    print(f"model state {size:.0f} MiB, median of {repeats}: wall s, CPU s")
+    for name, (wall, cpu) in results.items():
+        print(f"{name:20s} {wall:.3f} {cpu:.3f}")
+    for ours, plain_name in (
+        ("Checkpointer.save", "torch.save"),
+        ("Checkpointer.load", "torch.load"),
+    ):
+        wall = results[ours][0] / results[plain_name][0] - 1
+        cpu = results[ours][1] / results[plain_name][1] - 1
+        print(f"{ours} vs {plain_name}: wall {wall:+.0%}, CPU {cpu:+.0%}")
 
 
 def bench_should_stop(calls: int) -> None:
