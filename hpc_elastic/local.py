@@ -79,7 +79,6 @@ class LocalRun:
     churn: Churn | None = None
     seed: int = 0
     tee: bool = False
-    last_call: float = 1.0
     grace: float = 10.0
     metrics_port: int | None = None
     """Node ``i`` serves Prometheus metrics on this port + i; 0 lets each agent pick one."""
@@ -136,6 +135,7 @@ class LocalJob:
         self._nodes = [_Node(f"node{i}") for i in range(run.nodes.max)]
         self._random = random.Random(run.seed)
         self._next_kill: float | None = None
+        """Set once the first round has formed: churn starts when training does."""
         self._stop_signal: int | None = None
         self._progress = _Progress(self.job_dir / "events.jsonl", say)
         self._ending = False
@@ -156,7 +156,6 @@ class LocalJob:
                 f"{self.run.nproc_per_node} workers, nodes {self.run.nodes}; "
                 f"job directory {self.job_dir}"
             )
-            self._schedule_kill(time.monotonic())
             return self._supervise()
         finally:
             self._stop_all()
@@ -165,8 +164,11 @@ class LocalJob:
 
     def _supervise(self) -> int:
         while True:
-            if any(event.kind in ("done", "failed") for event in self._progress.poll()):
-                self._ending = True
+            for event in self._progress.poll():
+                if event.kind in ("done", "failed"):
+                    self._ending = True
+                elif event.kind == "round" and self._next_kill is None:
+                    self._schedule_kill(time.monotonic())
             if self._stop_signal is not None:
                 self.say("Stopping: the agents get their grace period to save.")
                 self._stop_all()
@@ -251,7 +253,6 @@ class LocalJob:
             f"--max-restarts={run.max_restarts}",
             f"--slot={slot}",
             "--host=127.0.0.1",
-            f"--last-call={run.last_call:g}",
             f"--grace={run.grace:g}",
         ]
         if run.tee:
