@@ -91,6 +91,7 @@ class LocalStoreServer:
         self._version = ABSENT
         self._members: dict[str, _Member] = {}
         self._order = itertools.count()
+        self._views = itertools.count(1)
         self._closed = False
         self._connections: set[_Connection] = set()
         self._broadcasting = threading.Lock()
@@ -206,10 +207,12 @@ class LocalStoreServer:
         return {"ok": True, "data": _b64(self._state), "token": self._version, "won": won}, won
 
     def _view(self) -> dict[str, Any]:
+        """The whole picture, numbered: a reply may overtake a push, the number tells."""
         return {
             "data": _b64(self._state),
             "token": self._version,
             "alive": sorted(self._members),
+            "seq": next(self._views),
         }
 
     def _broadcast(self) -> None:
@@ -235,6 +238,7 @@ class LocalStore(Store):
         self._pending: dict[int, queue.SimpleQueue[dict[str, Any] | None]] = {}
         self._state: tuple[bytes | None, int] = (None, ABSENT)
         self._alive: frozenset[str] = frozenset()
+        self._alive_seq = 0
         self._subscribers: dict[Callable[[], None], Callable[[], None]] = {}
         self._notices: queue.SimpleQueue[bool] = queue.SimpleQueue()
         self._connected = True
@@ -250,7 +254,7 @@ class LocalStore(Store):
         threading.Thread(target=self._read, name="local-store-reader", daemon=True).start()
         threading.Thread(target=self._deliver, name="local-store-notify", daemon=True).start()
         reply = self._call("watch")
-        self._remember(_unb64(reply["data"]), reply["token"], reply["alive"])
+        self._remember(_unb64(reply["data"]), reply["token"], (reply["seq"], reply["alive"]))
 
     def get_state(self) -> tuple[bytes | None, int]:
         with self._lock:
@@ -330,14 +334,15 @@ class LocalStore(Store):
                 for line in lines:
                     message = json.loads(line)
                     if message.get("push"):
-                        self._remember(_unb64(message["data"]), message["token"], message["alive"])
+                        view = (message["seq"], message["alive"])
+                        self._remember(_unb64(message["data"]), message["token"], view)
                         self._notices.put(True)
                         continue
                     with self._lock:
                         waiter = self._pending.get(message["id"])
                     if waiter is not None:
                         waiter.put(message)
-        except (OSError, ValueError):
+        except (OSError, ValueError, KeyError, TypeError):
             pass
         with self._lock:
             self._connected = False
@@ -358,13 +363,14 @@ class LocalStore(Store):
             if not connected:
                 return
 
-    def _remember(self, data: bytes | None, token: int, alive: list[str] | None) -> None:
-        """Keep the newest state seen, whether pushed or returned by a compare-and-set."""
+    def _remember(self, data: bytes | None, token: int, view: tuple[int, list[str]] | None) -> None:
+        """Keep the newest state and membership seen, whether pushed or in a reply."""
         with self._lock:
             cached, cached_token = self._state
             if not (data is not None and cached is not None and token <= cached_token):
                 self._state = (data, token)
-            if alive is not None:
+            if view is not None and view[0] > self._alive_seq:
+                self._alive_seq, alive = view
                 self._alive = frozenset(alive)
 
 
