@@ -1,0 +1,252 @@
+"""Elastic jobs on the real local Slurm + ZooKeeper: grow, shrink by preemption, finish, cancel.
+
+Every job goes through the real CLI (``python -m hpc_elastic submit``) with examples/train.py;
+the waits read the job's events.jsonl, the single timeline the agents write.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from cluster import Cluster, wait_until
+
+from hpc_elastic import events
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN = REPO / "examples" / "train.py"
+
+
+def hpc_elastic(cluster: Cluster, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hpc_elastic", *args],
+        cwd=cwd,
+        env={**cluster.env, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def submit_training(
+    cluster: Cluster, cwd: Path, nodes: str, steps: int, *extra: str
+) -> tuple[str, Path]:
+    """Submit examples/train.py; returns the Slurm job id and the job directory."""
+    result = hpc_elastic(
+        cluster,
+        cwd,
+        "submit",
+        f"--nodes={nodes}",
+        "--nproc-per-node=2",
+        "--partition=low",
+        f"--zk={cluster.zk_hosts}",
+        "--last-call=2",
+        "--signal=USR2@15",
+        *extra,
+        str(TRAIN),
+        "--",
+        f"--steps={steps}",
+        "--checkpoint-every=5",
+        "--sleep-per-step=0.2",
+        f"--log-file={cwd / 'steps.log'}",
+    )
+    assert result.returncode == 0, result.stderr
+    job = re.search(r"Submitted batch job (\d+)", result.stdout)
+    job_dir = re.search(r"Job directory: (\S+)", result.stdout)
+    assert job is not None, result.stdout
+    assert job_dir is not None, result.stdout
+    return job.group(1), Path(job_dir.group(1))
+
+
+def hold(cluster: Cluster, partition: str, nodes: int, seconds: int) -> str:
+    """A plain job that keeps ``nodes`` nodes busy for ``seconds``."""
+    result = cluster.run(
+        [
+            "sbatch",
+            "--parsable",
+            f"--partition={partition}",
+            f"--nodes={nodes}",
+            "--output=/dev/null",
+            f"--wrap=srun sleep {seconds}",
+        ]
+    )
+    job = result.stdout.strip()
+    assert wait_until(lambda: (job, "RUNNING") in cluster.squeue(), 30), cluster.squeue()
+    return job
+
+
+def rounds(job_dir: Path) -> list[int]:
+    """World sizes of the job's rounds, in order (one entry per round, not per agent)."""
+    seen: dict[int, int] = {}
+    for event in events.read(job_dir / "events.jsonl"):
+        if event.kind == "round" and event.round is not None:
+            seen.setdefault(event.round, int(event.details["world_size"]))
+    return [seen[number] for number in sorted(seen)]
+
+
+def training_at(job_dir: Path, log: Path, world_size: int, timeout: float) -> bool:
+    """Wait until the newest round has this size and rank 0 has logged a step in it."""
+
+    def reached() -> bool:
+        sizes = rounds(job_dir)
+        lines = log.read_text().splitlines() if log.exists() else []
+        stepping = bool(lines) and lines[-1].endswith(f" world={world_size}")
+        return bool(sizes) and sizes[-1] == world_size and stepping
+
+    return wait_until(reached, timeout, interval=0.5)
+
+
+def kinds(job_dir: Path) -> list[str]:
+    return [event.kind for event in events.read(job_dir / "events.jsonl")]
+
+
+def step_lines(log: Path) -> list[int]:
+    return [int(m.group(1)) for m in re.finditer(r"^step=(\d+) ", log.read_text(), re.M)]
+
+
+def checkpoint_steps(job_dir: Path) -> set[int]:
+    return {
+        int(event.details["step"])
+        for event in events.read(job_dir / "events.jsonl")
+        if event.kind == "checkpoint"
+    }
+
+
+def test_grows_shrinks_on_preemption_grows_back_and_finishes(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    steps = 200
+    log = tmp_path / "steps.log"
+    holder = hold(cluster, "high", 3, 600)
+    _, job_dir = submit_training(cluster, tmp_path, "1:4", steps)
+    # 1. The job starts on the one free node, without waiting a last call for the others.
+    assert training_at(job_dir, log, 2, 120), rounds(job_dir)
+    # 2. The other job ends: the three pending slots start and join the next round.
+    cluster.run(["scancel", holder])
+    assert training_at(job_dir, log, 8, 150), rounds(job_dir)
+    # 3. A high-priority job needs two nodes: two slots are preempted, save and are requeued.
+    high = hold(cluster, "high", 2, 45)
+    assert training_at(job_dir, log, 4, 120), rounds(job_dir)
+    # 4. The high job ends; the requeued slots come back.
+    assert wait_until(lambda: high not in {j for j, _ in cluster.squeue()}, 90)
+    assert training_at(job_dir, log, 8, 150), rounds(job_dir)
+    # 5. Training finishes; nothing stays queued.
+    assert wait_until(lambda: not cluster.squeue(), 240), cluster.squeue()
+
+    history = kinds(job_dir)
+    assert history.count("done") == 4, history
+    requeues = [
+        event.details["cause"]
+        for event in events.read(job_dir / "events.jsonl")
+        if event.kind == "requeue"
+    ]
+    assert requeues == ["preemption", "preemption"], requeues
+    sizes = rounds(job_dir)
+    assert sizes[0] == 2, sizes
+    assert 4 in sizes, sizes
+    assert sizes[-1] == 8, sizes
+    assert max(checkpoint_steps(job_dir)) == steps
+    ran = step_lines(log)
+    saved = checkpoint_steps(job_dir)
+    for before, after in itertools.pairwise(ran):
+        if after != before + 1:
+            assert after - 1 in saved, f"resumed at {after} after {before}, saved {sorted(saved)}"
+    assert set(ran) == set(range(1, steps + 1))
+
+
+def test_cancel_in_the_middle_ends_every_slot(cluster: Cluster, tmp_path: Path) -> None:
+    job, job_dir = submit_training(cluster, tmp_path, "2:4", 10_000)
+    assert wait_until(lambda: rounds(job_dir)[-1:] == [8], 90), rounds(job_dir)
+    result = hpc_elastic(cluster, tmp_path, "cancel", job, "--log-dir", str(job_dir.parent))
+    assert result.returncode == 0, result.stderr
+    assert f"cancelled Slurm job {job}" in result.stdout
+    assert cluster.wait_queue_empty(60), cluster.squeue()
+    assert "cancel" in kinds(job_dir)
+
+
+def test_a_job_whose_min_never_comes_fails_and_leaves_nothing_queued(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    holder = hold(cluster, "high", 3, 600)
+    try:
+        started = time.monotonic()
+        job, job_dir = submit_training(cluster, tmp_path, "2:4", 100, "--min-wait=10")
+        assert wait_until(lambda: job not in {j.split("_")[0] for j, _ in cluster.squeue()}, 90)
+        assert time.monotonic() - started < 90
+        failed = [e for e in events.read(job_dir / "events.jsonl") if e.kind == "failed"]
+        assert failed
+        assert "only 1 of the 2 nodes needed joined" in failed[0].details["reason"]
+        assert "cancel_pending" in kinds(job_dir)
+    finally:
+        cluster.run(["scancel", holder])
+
+
+def slot_node(cluster: Cluster, job: str, task: int) -> str:
+    return cluster.run(["squeue", "-h", "-j", f"{job}_{task}", "-o", "%N"]).stdout.strip()
+
+
+def agent_pid(task: int, job: str) -> int:
+    """The agent process of one array task, found by its environment."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = set((entry / "environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        is_agent = b"hpc_elastic" in cmdline and b"agent" in cmdline
+        if (
+            is_agent
+            and {
+                f"SLURM_ARRAY_JOB_ID={job}".encode(),
+                f"SLURM_ARRAY_TASK_ID={task}".encode(),
+            }
+            <= environ
+        ):
+            return int(entry.name)
+    raise AssertionError(f"no agent process for task {job}_{task}")
+
+
+def test_a_node_marked_down_shrinks_the_job_and_its_slot_comes_back(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    job, job_dir = submit_training(cluster, tmp_path, "2:4", 10_000)
+    assert wait_until(lambda: rounds(job_dir)[-1:] == [8], 120), rounds(job_dir)
+    node = slot_node(cluster, job, 3)
+    try:
+        cluster.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=test"])
+        assert wait_until(lambda: rounds(job_dir)[-1:] == [6], 60), rounds(job_dir)
+    finally:
+        cluster.run(["scontrol", "update", f"nodename={node}", "state=resume"], check=False)
+    cluster.run(["scontrol", "update", f"JobId={job}_3", "StartTime=now"], check=False)
+    assert wait_until(lambda: rounds(job_dir)[-1:] == [8], 120), rounds(job_dir)
+    assert (
+        hpc_elastic(cluster, tmp_path, "cancel", job, "--log-dir", str(job_dir.parent)).returncode
+        == 0
+    )
+    assert cluster.wait_queue_empty(60), cluster.squeue()
+
+
+def test_a_slot_whose_agent_is_killed_leaves_and_the_rest_train_on(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    job, job_dir = submit_training(cluster, tmp_path, "2:4", 10_000)
+    assert wait_until(lambda: rounds(job_dir)[-1:] == [8], 120), rounds(job_dir)
+    os.kill(agent_pid(3, job), signal.SIGKILL)
+    assert wait_until(lambda: rounds(job_dir)[-1:] == [6], 60), rounds(job_dir)
+    assert (
+        hpc_elastic(cluster, tmp_path, "cancel", job, "--log-dir", str(job_dir.parent)).returncode
+        == 0
+    )
+    assert cluster.wait_queue_empty(60), cluster.squeue()
