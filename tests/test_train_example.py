@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.timeout(900)  # three torchrun launches each; slow on a busy 2-core box
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 SMALL = ["--hidden", "32", "--lr", "0.01", "--checkpoint-every", "5"]
