@@ -99,7 +99,8 @@ def training_at(job_dir: Path, log: Path, world_size: int, timeout: float) -> bo
 
     def reached() -> bool:
         sizes = rounds(job_dir)
-        lines = log.read_text().splitlines() if log.exists() else []
+        text = log.read_text() if log.exists() else ""
+        lines = [line for line in text.splitlines() if line.startswith("step=")]
         stepping = bool(lines) and lines[-1].endswith(f" world={world_size}")
         return bool(sizes) and sizes[-1] == world_size and stepping
 
