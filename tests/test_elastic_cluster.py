@@ -225,17 +225,21 @@ def test_a_node_marked_down_shrinks_the_job_and_its_slot_comes_back(
     job, job_dir = submit_training(cluster, tmp_path, "2:4", 10_000)
     assert wait_until(lambda: rounds(job_dir)[-1:] == [8], 120), rounds(job_dir)
     node = slot_node(cluster, job, 3)
+    task = f"{job}_3"
     try:
+        # Down requeues the task at once; drain keeps the node out until it is clean again
+        # (ReturnToService=2 would otherwise hand it back while the old task still exits).
         cluster.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=test"])
+        cluster.run(["scontrol", "update", f"nodename={node}", "state=drain", "reason=test"])
         assert wait_until(lambda: rounds(job_dir)[-1:] == [6], 60), rounds(job_dir)
+        assert wait_until(lambda: (task, "PENDING") in cluster.squeue(), 60), cluster.squeue()
     finally:
         cluster.run(["scontrol", "update", f"nodename={node}", "state=resume"], check=False)
-    cluster.run(["scontrol", "update", f"JobId={job}_3", "StartTime=now"], check=False)
+    cluster.run(["scontrol", "release", task], check=False)
+    cluster.run(["scontrol", "update", f"JobId={task}", "StartTime=now"], check=False)
     assert wait_until(lambda: rounds(job_dir)[-1:] == [8], 120), rounds(job_dir)
-    assert (
-        hpc_elastic(cluster, tmp_path, "cancel", job, "--log-dir", str(job_dir.parent)).returncode
-        == 0
-    )
+    cancelled = hpc_elastic(cluster, tmp_path, "cancel", job, "--log-dir", str(job_dir.parent))
+    assert cancelled.returncode == 0, cancelled.stderr
     assert cluster.wait_queue_empty(60), cluster.squeue()
 
 
