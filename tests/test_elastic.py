@@ -247,3 +247,13 @@ def test_cancel_of_an_unknown_job_is_one_sentence(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["cancel", "nope", "--log-dir", str(tmp_path)])
     assert result.exit_code == 2
     assert "Job 'nope' is unknown" in result.output
+
+
+def test_pending_slots_already_gone_are_no_error(
+    tmp_path: Path, calls: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def gone(job_id: str, signal: str | None = None, env: object = None) -> None:
+        raise SlurmError("`scancel 9_[1,3]` failed: Job has already finished.")
+
+    monkeypatch.setattr(commands, "cancel", gone)
+    assert slot(tmp_path).settle(0, 30.0, lambda kind, **d: None) == 0

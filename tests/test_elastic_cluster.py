@@ -129,7 +129,7 @@ def test_grows_shrinks_on_preemption_grows_back_and_finishes(
     steps = 200
     log = tmp_path / "steps.log"
     holder = hold(cluster, "high", 3, 600)
-    _, job_dir = submit_training(cluster, tmp_path, "1:4", steps)
+    job, job_dir = submit_training(cluster, tmp_path, "1:4", steps)
     # 1. The job starts on the one free node, without waiting a last call for the others.
     assert training_at(job_dir, log, 2, 120), rounds(job_dir)
     # 2. The other job ends: the three pending slots start and join the next round.
@@ -144,6 +144,10 @@ def test_grows_shrinks_on_preemption_grows_back_and_finishes(
     # 5. Training finishes; nothing stays queued.
     assert wait_until(lambda: not cluster.squeue(), 240), cluster.squeue()
 
+    for task in range(4):
+        record = cluster.run(["scontrol", "-o", "show", "job", f"{job}_{task}"]).stdout
+        assert "JobState=COMPLETED" in record, record
+        assert "ExitCode=0:0" in record, record
     history = kinds(job_dir)
     assert history.count("done") == 4, history
     requeues = [

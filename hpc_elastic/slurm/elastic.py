@@ -351,7 +351,10 @@ class ElasticSlot:
             return 1
         self.leave()
         if exit_code in (0, 1):
-            cancelled = self.cancel_pending()
+            try:
+                cancelled = self.cancel_pending()
+            except SlurmError:
+                cancelled = []  # Another slot's agent got there first: they are gone.
             if cancelled:
                 emit("cancel_pending", tasks=cancelled)
         return exit_code
