@@ -200,26 +200,26 @@ def slot_node(cluster: Cluster, job: str, task: int) -> str:
     return cluster.run(["squeue", "-h", "-j", f"{job}_{task}", "-o", "%N"]).stdout.strip()
 
 
-def agent_pid(task: int, job: str) -> int:
-    """The agent process of one array task, found by its environment."""
+def task_processes(job: str, task: int) -> dict[int, list[bytes]]:
+    """pid -> argv of every process of one array task (agent, workers), found by environment."""
+    wanted = {f"SLURM_ARRAY_JOB_ID={job}".encode(), f"SLURM_ARRAY_TASK_ID={task}".encode()}
+    found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
             environ = set((entry / "environ").read_bytes().split(b"\0"))
+            if wanted <= environ:
+                found[int(entry.name)] = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        is_agent = b"hpc_elastic" in cmdline and b"agent" in cmdline
-        if (
-            is_agent
-            and {
-                f"SLURM_ARRAY_JOB_ID={job}".encode(),
-                f"SLURM_ARRAY_TASK_ID={task}".encode(),
-            }
-            <= environ
-        ):
-            return int(entry.name)
+    return found
+
+
+def agent_pid(job: str, task: int) -> int:
+    for pid, argv in task_processes(job, task).items():
+        if b"hpc_elastic" in argv and b"agent" in argv:
+            return pid
     raise AssertionError(f"no agent process for task {job}_{task}")
 
 
@@ -231,12 +231,13 @@ def test_a_node_marked_down_shrinks_the_job_and_its_slot_comes_back(
     node = slot_node(cluster, job, 3)
     task = f"{job}_3"
     try:
-        # Down requeues the task at once; drain keeps the node out until it is clean again
-        # (ReturnToService=2 would otherwise hand it back while the old task still exits).
+        # Down requeues the task at once; drain keeps the node out until the old task's
+        # agent and workers are gone, or Slurm starts the task there again too early and
+        # drains the node for a duplicate job id.
         cluster.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=test"])
         cluster.run(["scontrol", "update", f"nodename={node}", "state=drain", "reason=test"])
         assert wait_until(lambda: rounds(job_dir)[-1:] == [6], 60), rounds(job_dir)
-        assert wait_until(lambda: (task, "PENDING") in cluster.squeue(), 60), cluster.squeue()
+        assert wait_until(lambda: not task_processes(job, 3), 60), task_processes(job, 3)
     finally:
         cluster.run(["scontrol", "update", f"nodename={node}", "state=resume"], check=False)
     cluster.run(["scontrol", "release", task], check=False)
@@ -252,7 +253,7 @@ def test_a_slot_whose_agent_is_killed_leaves_and_the_rest_train_on(
 ) -> None:
     job, job_dir = submit_training(cluster, tmp_path, "2:4", 10_000)
     assert wait_until(lambda: rounds(job_dir)[-1:] == [8], 120), rounds(job_dir)
-    os.kill(agent_pid(3, job), signal.SIGKILL)
+    os.kill(agent_pid(job, 3), signal.SIGKILL)
     assert wait_until(lambda: rounds(job_dir)[-1:] == [6], 60), rounds(job_dir)
     assert (
         hpc_elastic(cluster, tmp_path, "cancel", job, "--log-dir", str(job_dir.parent)).returncode
