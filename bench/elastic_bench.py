@@ -220,7 +220,10 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             if bigger is not None:
                 grows.append(round(bigger - joined, 1))
         result["grow_s"] = sorted(set(grows))
-    shutil.rmtree(work, ignore_errors=True)
+    if args.keep:
+        result["work_dir"] = str(work)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     return result
 
 
@@ -233,6 +236,7 @@ def main() -> None:
     parser.add_argument("--release", type=float, default=30.0)
     parser.add_argument("--preempt", type=float, default=150.0)
     parser.add_argument("--high-for", type=int, default=20)
+    parser.add_argument("--keep", action="store_true", help="keep the logs and the job dir")
     parser.add_argument("--give-up", type=float, default=600.0)
     print(json.dumps(run(parser.parse_args())))
 
