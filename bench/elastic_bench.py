@@ -52,12 +52,18 @@ PLAIN_SCRIPT = """#!/bin/bash
 #SBATCH --nodes=4
 #SBATCH --ntasks-per-node=1
 #SBATCH --requeue
+#SBATCH --signal=B:USR1@15
 #SBATCH --output={out}/slurm-%j.out
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 OMP_NUM_THREADS=1
+# submitit's way: on the warning signal, requeue the whole job (a job that merely exits during
+# GraceTime is not requeued by PreemptMode=REQUEUE).
+trap 'scontrol requeue "$SLURM_JOB_ID"' USR1
 srun {python} -m torch.distributed.run --nnodes=4 --nproc-per-node=2 \\
   --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:{port} \\
   --rdzv-id="$SLURM_JOB_ID-${{SLURM_RESTART_COUNT:-0}}" \\
-  {train} {args}
+  {train} {args} &
+wait
+wait
 """
 
 
