@@ -232,12 +232,14 @@ def test_a_node_marked_down_shrinks_the_job_and_its_slot_comes_back(
     task = f"{job}_3"
     try:
         # Down requeues the task at once; drain keeps the node out until the old task's
-        # agent and workers are gone, or Slurm starts the task there again too early and
-        # drains the node for a duplicate job id.
+        # processes and its slurmstepd (its socket in the node's spool dir) are gone, or
+        # Slurm starts the task there again too early and drains the node ("Duplicate jobid").
         cluster.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=test"])
         cluster.run(["scontrol", "update", f"nodename={node}", "state=drain", "reason=test"])
         assert wait_until(lambda: rounds(job_dir)[-1:] == [6], 60), rounds(job_dir)
         assert wait_until(lambda: not task_processes(job, 3), 60), task_processes(job, 3)
+        spool = cluster.state_dir / "slurm" / "spool" / node
+        assert wait_until(lambda: not list(spool.glob(f"{node}_*")), 60), "a slurmstepd stayed"
     finally:
         cluster.run(["scontrol", "update", f"nodename={node}", "state=resume"], check=False)
     cluster.run(["scontrol", "release", task], check=False)
