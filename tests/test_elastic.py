@@ -34,7 +34,7 @@ AFTER_PREEMPTION = """\
 9|0|RUNNING|None|n1
 """
 RUNNING_JOB = (
-    "JobId=9 ArrayJobId=9 ArrayTaskId=2 JobName=train JobState=RUNNING Reason=None "
+    "JobId=9 ArrayJobId=9 ArrayTaskId=2 JobName=train JobState={state} Reason=None "
     "RunTime=00:01:10 TimeLimit={limit} PreemptEligibleTime=2026-11-29T10:00:00 "
     "PreemptTime={preempt} SuspendTime=None NodeList=n3\n"
 )
@@ -84,7 +84,9 @@ def test_parse_duration(text: str, seconds: float | None) -> None:
     ],
 )
 def test_departure_tells_causes_apart(limit: str, preempt: str, why: Departure) -> None:
-    record = commands.parse_scontrol_record(RUNNING_JOB.format(limit=limit, preempt=preempt))
+    record = commands.parse_scontrol_record(
+        RUNNING_JOB.format(state="RUNNING", limit=limit, preempt=preempt)
+    )
     assert elastic.departure(record, warning_s=30) is why
 
 
@@ -137,7 +139,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         lambda job_id, env=None, **fields: made.append(f"update {job_id} {fields}"),
     )
     record = commands.parse_scontrol_record(
-        RUNNING_JOB.format(limit="UNLIMITED", preempt="2026-11-29T10:01:10")
+        RUNNING_JOB.format(state="RUNNING", limit="UNLIMITED", preempt="2026-11-29T10:01:10")
     )
     monkeypatch.setattr(commands, "scontrol_show_job", lambda job_id, env=None: record)
     return made
@@ -257,3 +259,16 @@ def test_pending_slots_already_gone_are_no_error(
 
     monkeypatch.setattr(commands, "cancel", gone)
     assert slot(tmp_path).settle(0, 30.0, lambda kind, **d: None) == 0
+
+
+def test_a_cancelled_slot_is_not_requeued(
+    tmp_path: Path, calls: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """scancel sends SIGTERM, which the workers also answer by saving and exiting 75."""
+    cancelled = RUNNING_JOB.format(state="CANCELLED", limit="UNLIMITED", preempt="None")
+    record = commands.parse_scontrol_record(cancelled)
+    monkeypatch.setattr(commands, "scontrol_show_job", lambda job_id, env=None: record)
+    said: list[str] = []
+    assert slot(tmp_path).settle(75, 30.0, lambda kind, **d: said.append(kind)) == 75
+    assert calls == []
+    assert said == []

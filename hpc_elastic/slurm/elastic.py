@@ -39,6 +39,8 @@ class Departure(enum.Enum):
     TIME_LIMIT = "time_limit"
     BAD_NODE = "bad_node"
     BY_HAND = "by_hand"
+    CANCELLED = "cancelled"
+    """scancel, or Slurm no longer runs the job: nothing to requeue."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,8 @@ def departure(job: Mapping[str, str], warning_s: float) -> Departure:
     Slurm sets ``PreemptTime`` when it starts preempting a job; the time limit is near when
     what is left of ``TimeLimit`` is within the ``--signal`` warning.
     """
+    if job.get("JobState") != "RUNNING":
+        return Departure.CANCELLED
     if job.get("PreemptTime", "None") not in ("None", "Unknown", ""):
         return Departure.PREEMPTION
     limit = parse_duration(job.get("TimeLimit", "UNLIMITED"))
@@ -305,12 +309,15 @@ class ElasticSlot:
         return ComingSlots(self.context.array_job_id, lambda ids: commands.squeue(ids, self.env))
 
     def why_stopping(self, warning_s: float) -> Departure:
-        if self.placed_badly():
-            return Departure.BAD_NODE
+        """Workers stopped to be requeued (exit 75): why? A Slurm that cannot say is
+        treated as a cancel, since it could not requeue us either."""
         try:
-            return departure(commands.scontrol_show_job(self.job_id, self.env), warning_s)
+            why = departure(commands.scontrol_show_job(self.job_id, self.env), warning_s)
         except SlurmError:
-            return Departure.BY_HAND
+            return Departure.CANCELLED
+        if why is not Departure.CANCELLED and self.placed_badly():
+            return Departure.BAD_NODE
+        return why
 
     def requeue(self, why: Departure) -> str | None:
         """Requeue this task (away from its bad nodes); returns why it may not, if so."""
@@ -334,8 +341,8 @@ class ElasticSlot:
     def settle(self, exit_code: int, warning_s: float, emit: Callable[..., None]) -> int:
         """After the agent: requeue a slot that stopped to be moved, or, once the job is over
         (0: done, 1: failed), cancel the array's pending tasks. Returns the slot's exit code."""
-        if exit_code == PREEMPTED_EXIT_CODE:
-            why = self.why_stopping(warning_s)
+        why = self.why_stopping(warning_s) if exit_code == PREEMPTED_EXIT_CODE else None
+        if why is not None and why is not Departure.CANCELLED:
             if why is Departure.BAD_NODE:
                 emit("exclude", node=self.node, failures=self._ledger.node_failures.get(self.node))
             refused = self.requeue(why)
