@@ -99,7 +99,9 @@ class _App(TyperGroup):
 
 
 def _fail(sentence: str, exit_code: int) -> NoReturn:
-    typer.echo(f"error: {sentence}", err=True)
+    """One line whatever the sentence quotes: a newline in a bad value is shown as ``\\n``."""
+    line = "".join(char if char.isprintable() else repr(char)[1:-1] for char in sentence)
+    typer.echo(f"error: {line}", err=True)
     sys.exit(exit_code)
 
 
@@ -416,7 +418,7 @@ def submit_command(  # noqa: PLR0917 (Typer reads the options from the signature
     argv = cast(Invocation, ctx.find_root().obj).argv
     job = plan(spec, ("hpc-elastic", *argv), interpreter, datetime.now())
     if dry_run or ctx.info_name == "render":
-        typer.echo(job.script.text, nl=False)
+        typer.echo(job.script.text, nl=False, color=True)  # the exact script, escapes and all
         return
     _submit(job)
 
