@@ -85,7 +85,7 @@ def _read_toml(path: Path) -> dict[str, object]:
     try:
         with path.open("rb") as file:
             return tomllib.load(file)
-    except tomllib.TOMLDecodeError as err:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
         raise ConfigError(f"{path} is not valid TOML ({err}); fix the file.") from err
     except OSError as err:
         raise ConfigError(
