@@ -92,7 +92,7 @@ def decode(data: bytes) -> JobState:
                 "last_failure": Failure(**failure) if failure is not None else None,
             }
         )
-    except (ValueError, TypeError, KeyError, AttributeError) as error:
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as error:
         raise RendezvousError(
             f"The rendezvous state '{data[:80]!r}' is not a hpc-elastic state of format {FORMAT}; "
             "check that every agent runs the same hpc-elastic version."
@@ -106,7 +106,7 @@ def encode_node(node: NodeInfo) -> bytes:
 def decode_node(data: bytes) -> NodeInfo:
     try:
         return NodeInfo(**json.loads(data))
-    except (ValueError, TypeError) as error:
+    except (ValueError, TypeError, RecursionError) as error:
         raise RendezvousError(
             f"The member record '{data[:80]!r}' is not a hpc-elastic node; "
             "check that every agent runs the same hpc-elastic version."
