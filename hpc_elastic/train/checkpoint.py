@@ -183,8 +183,12 @@ class Checkpointer:
     def _write(self, payload: dict[str, Any], step: int) -> Path:
         staging = self.prepare_staging(step)
         path = staging / STATE_FILE
-        torch.save(payload, path)
-        _fsync_file(path)
+        try:
+            torch.save(payload, path)
+            _fsync_file(path)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)  # a full disk must not stay full of it
+            raise
         files = {STATE_FILE: {"size": path.stat().st_size, "zip_crc32": True}}
         return self.commit(staging, step, payload["world_size"], files)
 
