@@ -1,0 +1,27 @@
+"""The fault matrix: one real elastic job per fault, with the invariants checked afterwards.
+
+tests/faults.py holds the faults and the checks; docs/reliability.md records the results.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from cluster import Cluster
+from faults import FAULTS, reference_losses, run_fault
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
+    """The uninterrupted run's losses, computed once for the whole matrix."""
+    return reference_losses(tmp_path_factory.mktemp("reference"))
+
+
+@pytest.mark.parametrize("name", sorted(FAULTS))
+def test_fault(cluster: Cluster, tmp_path: Path, reference: dict[int, str], name: str) -> None:
+    result = run_fault(cluster, tmp_path, FAULTS[name], reference)
+    print(f"{name}: {result.outcome} ({result.detail}); recovery {result.recovery_s} s")
+    assert not result.violations, f"{name}: {result.outcome} ({result.detail}): {result.violations}"
