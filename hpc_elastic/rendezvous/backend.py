@@ -8,6 +8,7 @@ benchmark multiplexes hundreds of simulated nodes over a few connections).
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 
@@ -67,3 +68,47 @@ class Store(ABC):
     @abstractmethod
     def release(self) -> None:
         """Close the connection; memberships made through it vanish."""
+
+
+class CachedStore(Store):
+    """A store whose state, membership and subscribers are kept here, fed by the server's pushes.
+
+    Subclasses feed ``_remember_state`` and ``_alive`` (under ``_lock``) and call each of
+    ``_callbacks()`` after a change.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._state: tuple[bytes | None, int] = (None, ABSENT)
+        self._alive: frozenset[str] = frozenset()
+        self._subscribers: dict[Callable[[], None], Callable[[], None]] = {}
+
+    def get_state(self) -> tuple[bytes | None, int]:
+        with self._lock:
+            return self._state
+
+    def alive(self) -> frozenset[str]:
+        with self._lock:
+            return self._alive
+
+    def subscribe(self, on_change: Callable[[], None], on_session_lost: Callable[[], None]) -> None:
+        with self._lock:
+            self._subscribers[on_change] = on_session_lost
+
+    def unsubscribe(self, on_change: Callable[[], None]) -> None:
+        with self._lock:
+            self._subscribers.pop(on_change, None)
+
+    def _remember_state(self, data: bytes | None, token: int) -> None:
+        """Keep the newest state seen, whether pushed or in a reply: a late push of an older
+        state must not hide a newer one."""
+        with self._lock:
+            cached, cached_token = self._state
+            if data is not None and cached is not None and token <= cached_token:
+                return
+            self._state = (data, token)
+
+    def _callbacks(self, *, session_lost: bool = False) -> list[Callable[[], None]]:
+        """The subscribers' change callbacks, or their session-lost ones."""
+        with self._lock:
+            return list(self._subscribers.values() if session_lost else self._subscribers)

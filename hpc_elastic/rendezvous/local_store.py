@@ -30,7 +30,7 @@ from typing import Any
 from hpc_elastic.errors import RendezvousClosedError, RendezvousError
 from hpc_elastic.rendezvous import state as st
 from hpc_elastic.rendezvous.api import NodeInfo, RendezvousSettings
-from hpc_elastic.rendezvous.backend import ABSENT, Store
+from hpc_elastic.rendezvous.backend import ABSENT, CachedStore
 from hpc_elastic.rendezvous.handler import StoreRendezvous
 
 SCHEME = "local:"
@@ -227,19 +227,16 @@ class LocalStoreServer:
 # --- the client ----------------------------------------------------------------------------
 
 
-class LocalStore(Store):
+class LocalStore(CachedStore):
     """An agent's connection to the embedded store; state and membership cached from pushes."""
 
     def __init__(self, path: Path, run_id: str) -> None:
+        super().__init__()
         self._path = path
         self._run_id = run_id
-        self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._pending: dict[int, queue.SimpleQueue[dict[str, Any] | None]] = {}
-        self._state: tuple[bytes | None, int] = (None, ABSENT)
-        self._alive: frozenset[str] = frozenset()
         self._alive_seq = 0
-        self._subscribers: dict[Callable[[], None], Callable[[], None]] = {}
         self._notices: queue.SimpleQueue[bool] = queue.SimpleQueue()
         self._connected = True
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -256,10 +253,6 @@ class LocalStore(Store):
         reply = self._call("watch")
         self._remember(_unb64(reply["data"]), reply["token"], (reply["seq"], reply["alive"]))
 
-    def get_state(self) -> tuple[bytes | None, int]:
-        with self._lock:
-            return self._state
-
     def set_state(self, data: bytes, token: int) -> tuple[bytes | None, int, bool]:
         reply = self._call("cas", data=_b64(data), token=token)
         current = _unb64(reply["data"])
@@ -275,21 +268,9 @@ class LocalStore(Store):
     def leave(self, node_id: str) -> None:
         self._call("leave", node=node_id)
 
-    def alive(self) -> frozenset[str]:
-        with self._lock:
-            return self._alive
-
     def members(self, node_ids: Iterable[str]) -> list[bytes]:
         records = self._call("members", nodes=list(node_ids))["records"]
         return [base64.b64decode(record) for record in records]
-
-    def subscribe(self, on_change: Callable[[], None], on_session_lost: Callable[[], None]) -> None:
-        with self._lock:
-            self._subscribers[on_change] = on_session_lost
-
-    def unsubscribe(self, on_change: Callable[[], None]) -> None:
-        with self._lock:
-            self._subscribers.pop(on_change, None)
 
     def is_closed(self) -> bool:
         return bool(self._call("is_closed")["closed"])
@@ -356,19 +337,15 @@ class LocalStore(Store):
         waiting for the reader thread that it would block."""
         while True:
             connected = self._notices.get()
-            with self._lock:
-                subscribers = list(self._subscribers.items())
-            for on_change, on_session_lost in subscribers:
-                (on_change if connected else on_session_lost)()
+            for callback in self._callbacks(session_lost=not connected):
+                callback()
             if not connected:
                 return
 
     def _remember(self, data: bytes | None, token: int, view: tuple[int, list[str]] | None) -> None:
         """Keep the newest state and membership seen, whether pushed or in a reply."""
+        self._remember_state(data, token)
         with self._lock:
-            cached, cached_token = self._state
-            if not (data is not None and cached is not None and token <= cached_token):
-                self._state = (data, token)
             if view is not None and view[0] > self._alive_seq:
                 self._alive_seq, alive = view
                 self._alive = frozenset(alive)

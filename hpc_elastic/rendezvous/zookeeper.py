@@ -37,7 +37,7 @@ from kazoo.security import ACL, OPEN_ACL_UNSAFE, Id, Permissions, make_digest_ac
 from hpc_elastic.errors import RendezvousClosedError, RendezvousError
 from hpc_elastic.rendezvous import state as st
 from hpc_elastic.rendezvous.api import NodeInfo, RendezvousSettings
-from hpc_elastic.rendezvous.backend import ABSENT, Store
+from hpc_elastic.rendezvous.backend import ABSENT, CachedStore
 from hpc_elastic.rendezvous.handler import StoreRendezvous
 
 PREFIX = "/hpc-elastic"
@@ -136,34 +136,27 @@ def open_client(
     return client
 
 
-class ZooKeeperStore(Store):
+class ZooKeeperStore(CachedStore):
     """One job's rendezvous on ZooKeeper; the state and membership are cached by watches."""
 
     def __init__(
         self, client: KazooClient, address: ZooKeeperAddress, run_id: str, secret: str | None
     ) -> None:
+        super().__init__()
         self._client = client
         self._address = address
         self._run_id = run_id
         self._root = address.job_path(run_id)
         self._acl = [make_digest_acl(DIGEST_USER, secret, all=True)] if secret else OPEN_ACL_UNSAFE
-        self._lock = threading.Lock()
-        self._state: tuple[bytes | None, int] = (None, ABSENT)
-        self._alive: frozenset[str] = frozenset()
         self._records: dict[str, tuple[int, bytes]] = {}
         """Member records by node id, with their creation order (czxid)."""
         self._fetching = threading.Lock()
         """One fetch of member records at a time, so handlers sharing this store share it."""
-        self._subscribers: dict[Callable[[], None], Callable[[], None]] = {}
         with self._converted():
             self._ensure_paths()
             client.add_listener(self._on_connection_state)
             DataWatch(client, self._path("state"), self._on_state)
             ChildrenWatch(client, self._path("members"), self._on_members)
-
-    def get_state(self) -> tuple[bytes | None, int]:
-        with self._lock:
-            return self._state
 
     def set_state(self, data: bytes, token: int) -> tuple[bytes | None, int, bool]:
         with self._converted():
@@ -178,10 +171,6 @@ class ZooKeeperStore(Store):
     def leave(self, node_id: str) -> None:
         with self._converted():
             self._client.retry(self._delete, self._path("members", node_id))
-
-    def alive(self) -> frozenset[str]:
-        with self._lock:
-            return self._alive
 
     def members(self, node_ids: Iterable[str]) -> list[bytes]:
         """Fetched once per member (a member's record never changes), all in flight at once."""
@@ -203,14 +192,6 @@ class ZooKeeperStore(Store):
         with self._lock:
             records = [self._records[node_id] for node_id in wanted if node_id in self._records]
         return [data for _, data in sorted(records)]
-
-    def subscribe(self, on_change: Callable[[], None], on_session_lost: Callable[[], None]) -> None:
-        with self._lock:
-            self._subscribers[on_change] = on_session_lost
-
-    def unsubscribe(self, on_change: Callable[[], None]) -> None:
-        with self._lock:
-            self._subscribers.pop(on_change, None)
 
     def is_closed(self) -> bool:
         with self._converted():
@@ -281,14 +262,6 @@ class ZooKeeperStore(Store):
                 self._delete(path)
                 self._client.create(path, data, acl=self._acl, ephemeral=True)
 
-    def _remember_state(self, data: bytes | None, version: int) -> None:
-        """Keep the newest state seen, whether from a watch or from a compare-and-set."""
-        with self._lock:
-            cached, cached_version = self._state
-            if data is not None and cached is not None and version <= cached_version:
-                return
-            self._state = (data, version)
-
     def _on_state(self, data: bytes | None, stat: Any) -> None:
         self._remember_state(data, stat.version if stat is not None else ABSENT)
         self._notify()
@@ -302,15 +275,11 @@ class ZooKeeperStore(Store):
 
     def _on_connection_state(self, state: str) -> None:
         if state == KazooState.LOST:
-            with self._lock:
-                callbacks = list(self._subscribers.values())
-            for callback in callbacks:
+            for callback in self._callbacks(session_lost=True):
                 callback()
 
     def _notify(self) -> None:
-        with self._lock:
-            callbacks = list(self._subscribers)
-        for callback in callbacks:
+        for callback in self._callbacks():
             callback()
 
 
