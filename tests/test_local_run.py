@@ -10,16 +10,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
+from cluster import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -48,22 +48,19 @@ print(f"rank {rank} done at step {step}", flush=True)
 """
 
 
-def hpc_elastic(*args: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def hpc_elastic(
+    *args: str, cwd: Path, timeout: float = 60, env: Mapping[str, str] = os.environ
+) -> subprocess.CompletedProcess[str]:
+    """The CLI of this checkout, run as a user would, in ``env`` (a test cluster's, say)."""
     return subprocess.run(
         [sys.executable, "-m", "hpc_elastic", *args],
         cwd=cwd,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**env, "PYTHONPATH": str(REPO)},
         capture_output=True,
         text=True,
         timeout=timeout,
         check=False,
     )
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 class Run:

@@ -5,36 +5,18 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from cluster import Cluster, free_port, wait_until
-from test_local_run import STEPPER
+from test_local_run import STEPPER, hpc_elastic
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def hpc_elastic(
-    cluster: Cluster, project: Path, *args: str, timeout: float = 60
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "hpc_elastic", *args],
-        cwd=project,
-        env={**cluster.env, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-
 
 def status(cluster: Cluster, project: Path, job: str) -> dict[str, Any]:
-    result = hpc_elastic(cluster, project, "status", "--json", job)
+    result = hpc_elastic("status", "--json", job, cwd=project, env=cluster.env)
     assert result.returncode == 0, result.stderr
     view: dict[str, Any] = json.loads(result.stdout)
     return view
@@ -43,8 +25,6 @@ def status(cluster: Cluster, project: Path, job: str) -> dict[str, Any]:
 def test_status_events_and_logs_of_a_running_elastic_job(cluster: Cluster, tmp_path: Path) -> None:
     (tmp_path / "stepper.py").write_text(STEPPER)
     submitted = hpc_elastic(
-        cluster,
-        tmp_path,
         "submit",
         "--nodes=1:2",
         f"--zk={cluster.zk_hosts}",
@@ -52,6 +32,8 @@ def test_status_events_and_logs_of_a_running_elastic_job(cluster: Cluster, tmp_p
         "stepper.py",
         "--",
         "300",
+        cwd=tmp_path,
+        env=cluster.env,
     )
     assert submitted.returncode == 0, submitted.stderr
     job_id = re.search(r"Submitted batch job (\d+)", submitted.stdout)
@@ -72,7 +54,7 @@ def test_status_events_and_logs_of_a_running_elastic_job(cluster: Cluster, tmp_p
     assert view["round"] >= 1
     assert view["max_restarts"] == 3
 
-    table = hpc_elastic(cluster, tmp_path, "status", job)
+    table = hpc_elastic("status", job, cwd=tmp_path, env=cluster.env)
     assert "RUNNING" in table.stdout
     assert f"Slurm job {job}" in table.stdout
 
@@ -82,7 +64,7 @@ def test_status_events_and_logs_of_a_running_elastic_job(cluster: Cluster, tmp_p
     record = json.loads((copy / "job.json").read_text())
     record["spec"]["zk"] = f"127.0.0.1:{free_port()}"
     (copy / "job.json").write_text(json.dumps(record))
-    unreachable = hpc_elastic(cluster, tmp_path, "status", str(copy), timeout=90)
+    unreachable = hpc_elastic("status", str(copy), cwd=tmp_path, env=cluster.env, timeout=90)
     assert unreachable.returncode == 0
     warnings = [line for line in unreachable.stderr.splitlines() if line]
     assert len(warnings) == 1, unreachable.stderr
@@ -93,10 +75,10 @@ def test_status_events_and_logs_of_a_running_elastic_job(cluster: Cluster, tmp_p
     assert done["last_checkpoint_step"] == 300
     assert done["world_size"] == 2
 
-    timeline = hpc_elastic(cluster, tmp_path, "events", job).stdout
+    timeline = hpc_elastic("events", job, cwd=tmp_path, env=cluster.env).stdout
     assert "round 1: world size" in timeline
     assert "all workers finished" in timeline
 
-    logs = hpc_elastic(cluster, tmp_path, "logs", job, "--rank", "0").stdout
+    logs = hpc_elastic("logs", job, "--rank", "0", cwd=tmp_path, env=cluster.env).stdout
     assert "rank 0 done at step 300" in logs
     assert cluster.wait_queue_empty(60)
