@@ -23,7 +23,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +63,7 @@ class Run:
     checkpoint_dir: Path
     injected_at_step: int = 0
     recovery_s: float | None = None
+    """The longest stall in training after the fault, in seconds."""
     committed_before: dict[str, str] = field(default_factory=dict)
     spoiled: set[str] = field(default_factory=set)
     """Checkpoints the fault itself damaged on purpose, which the run must skip, not keep."""
@@ -245,7 +248,7 @@ FAULTS = {
         Fault("preemption", _preempt, "finished", ("preempt", "requeue")),
         Fault("zk-stop-2s", _zk_outage(2), "finished", ()),
         Fault("zk-stop-30s", _zk_outage(30), "finished", ()),
-        Fault("zk-session-expiry", _expire_session, "finished", ("node_lost", "round")),
+        Fault("zk-session-expiry", _expire_session, "finished", ("node_lost",)),
         Fault(
             "disk-full",
             _fill_disk,
@@ -272,6 +275,8 @@ class Result:
     recovery_s: float | None
     violations: tuple[str, ...]
     detail: str
+    events: str = ""
+    """How many events of each kind the timeline holds, e.g. "node_lost 1, round 3"."""
 
 
 def submit(
@@ -347,13 +352,34 @@ def run_fault(cluster: Cluster, workdir: Path, fault: Fault, reference: dict[int
             return Result(fault.name, "never started", None, ("training never started",), "")
         run.committed_before = committed(checkpoint_dir)
         run.injected_at_step = run.last_step()
-        started = time.monotonic()
-        fault.inject(run)
-        if wait_until(lambda: run.last_step() > run.injected_at_step + 1, 180, interval=0.2):
-            run.recovery_s = time.monotonic() - started
-        cluster.wait_queue_empty(240)
+        with longest_stall(run) as stall:
+            fault.inject(run)
+            cluster.wait_queue_empty(240)
+        run.recovery_s = stall[0]
         cluster.wait_no_strays(30)
         return check(run, fault, reference)
+
+
+@contextlib.contextmanager
+def longest_stall(run: Run) -> Iterator[list[float]]:
+    """The longest time without a new step from now until the last step: the fault's cost."""
+    longest = [0.0]
+    done = threading.Event()
+
+    def watch() -> None:
+        step, since = run.last_step(), time.monotonic()
+        while not done.wait(0.2) and step < STEPS:
+            if run.last_step() > step:
+                step, since = run.last_step(), time.monotonic()
+            longest[0] = max(longest[0], time.monotonic() - since)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield longest
+    finally:
+        done.set()
+        watcher.join()
 
 
 def _cancel(run: Run) -> None:
@@ -401,7 +427,9 @@ def check(run: Run, fault: Fault, reference: dict[int, str]) -> Result:
     if fault.recorded_by and not set(fault.recorded_by) & set(run.kinds()):
         violations.append(f"no {' or '.join(fault.recorded_by)} event in {run.kinds()}")
     recovery = run.recovery_s if outcome == "finished" else None
-    return Result(fault.name, outcome, recovery, tuple(violations), detail)
+    counts = Counter(run.kinds())
+    summary = ", ".join(f"{kind} {count}" for kind, count in sorted(counts.items()))
+    return Result(fault.name, outcome, recovery, tuple(violations), detail, summary)
 
 
 def reference_losses(workdir: Path) -> dict[int, str]:
@@ -432,6 +460,11 @@ def reference_losses(workdir: Path) -> dict[int, str]:
     return {int(step): loss for step, loss, _ in STEP_LINE.findall(text)}
 
 
+def describe(result: Result) -> str:
+    stall = "" if result.recovery_s is None else f"; longest stall {result.recovery_s:.1f} s"
+    return f"{result.fault}: {result.outcome} ({result.detail[:200]}){stall}; {result.events}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description="Inject one fault into a real elastic job.")
     parser.add_argument("--fault", choices=sorted(FAULTS), required=True)
@@ -442,7 +475,7 @@ def main() -> int:
     cluster = Cluster.from_state_dir(args.state_dir)
     workdir = Path(tempfile.mkdtemp(prefix=f"fault-{args.fault}-"))
     result = run_fault(cluster, workdir, FAULTS[args.fault], reference_losses(workdir))
-    print(f"{result.fault}: {result.outcome} ({result.detail}); recovery {result.recovery_s} s")
+    print(describe(result))
     for violation in result.violations:
         print(f"  violated: {violation}")
     print(f"  files: {workdir}")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from cluster import Cluster
-from faults import FAULTS, reference_losses, run_fault
+from faults import FAULTS, describe, reference_losses, run_fault
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -23,5 +23,5 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
 @pytest.mark.parametrize("name", sorted(FAULTS))
 def test_fault(cluster: Cluster, tmp_path: Path, reference: dict[int, str], name: str) -> None:
     result = run_fault(cluster, tmp_path, FAULTS[name], reference)
-    print(f"{name}: {result.outcome} ({result.detail}); recovery {result.recovery_s} s")
+    print(describe(result))
     assert not result.violations, f"{name}: {result.outcome} ({result.detail}): {result.violations}"

@@ -21,6 +21,7 @@ from cluster import REPO, Cluster
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from kazoo.client import KazooClient
+from test_cli import workdir  # noqa: F401 (the CLI tests' project directory, as cwd)
 from typer.testing import CliRunner
 
 from hpc_elastic import cli
@@ -28,6 +29,7 @@ from hpc_elastic.config import _KEYS as CONFIG_KEYS
 from hpc_elastic.errors import RendezvousError
 from hpc_elastic.rendezvous import state
 
+pytestmark = pytest.mark.usefixtures("workdir")
 runner = CliRunner()
 FAST = settings(
     max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -73,14 +75,6 @@ VALUE_OPTIONS = tuple(
 )
 
 
-@pytest.fixture
-def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("HPC_ELASTIC_ZK", raising=False)
-    (tmp_path / "train.py").write_text("print('training')\n")
-    return tmp_path
-
-
 def render(*args: str) -> tuple[int, str, str]:
     result = runner.invoke(cli.app, ["render", *args])
     return result.exit_code, result.stdout, result.stderr
@@ -100,9 +94,7 @@ def assert_usage_error_or_script(code: int, out: str, err: str) -> None:
 
 @FAST
 @given(option=st.sampled_from(VALUE_OPTIONS), value=hostile_text)
-def test_any_value_of_any_option_is_a_script_or_one_usage_line(
-    workdir: Path, option: str, value: str
-) -> None:
+def test_any_value_of_any_option_is_a_script_or_one_usage_line(option: str, value: str) -> None:
     assert_usage_error_or_script(*render(f"{option}={value}", "train.py"))
 
 
@@ -140,17 +132,15 @@ toml_values = st.recursive(
 @given(
     key=st.one_of(st.sampled_from(sorted(CONFIG_KEYS)), st.just("no-such-key")), value=toml_values
 )
-def test_any_config_field_value_is_a_script_or_one_usage_line(
-    workdir: Path, key: str, value: object
-) -> None:
-    (workdir / "hpc-elastic.toml").write_text(f"{json.dumps(key)} = {toml_value(value)}\n")
+def test_any_config_field_value_is_a_script_or_one_usage_line(key: str, value: object) -> None:
+    Path("hpc-elastic.toml").write_text(f"{json.dumps(key)} = {toml_value(value)}\n")
     assert_usage_error_or_script(*render("train.py"))
 
 
 @FAST
 @given(garbage=st.binary(max_size=200))
-def test_a_config_file_that_is_not_toml_is_one_usage_line(workdir: Path, garbage: bytes) -> None:
-    (workdir / "hpc-elastic.toml").write_bytes(garbage)
+def test_a_config_file_that_is_not_toml_is_one_usage_line(garbage: bytes) -> None:
+    Path("hpc-elastic.toml").write_bytes(garbage)
     assert_usage_error_or_script(*render("train.py"))
 
 
@@ -177,16 +167,16 @@ def fake_srun(tmp_path: Path) -> Path:
     return bin_dir
 
 
-def run_script(script: str, bin_dir: Path, workdir: Path) -> dict[str, object]:
+def run_script(script: str, bin_dir: Path) -> dict[str, object]:
     """Run the rendered script under bash as Slurm would, with the fake srun; what srun got."""
-    capture = workdir / "capture.json"
+    capture = Path.cwd() / "capture.json"
     capture.unlink(missing_ok=True)
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "CAPTURE": str(capture), "HOME": "/tmp"}
     env["SLURM_ARRAY_TASK_ID"] = "0"
     result = subprocess.run(
         ["bash", "-c", script],
         env=env,
-        cwd=workdir,
+        cwd=capture.parent,
         capture_output=True,
         text=True,
         timeout=30,
@@ -200,7 +190,7 @@ def run_script(script: str, bin_dir: Path, workdir: Path) -> dict[str, object]:
 @FAST
 @given(value=payloads, args=st.lists(payloads, max_size=3), jinja=st.sampled_from(TRICKY[-12:]))
 def test_env_values_and_script_arguments_reach_the_job_verbatim(
-    workdir: Path, fake_srun: Path, value: str, args: list[str], jinja: str
+    fake_srun: Path, value: str, args: list[str], jinja: str
 ) -> None:
     assume(not any(arg.startswith("-") for arg in args))  # typer would read them as options
     setup = f"echo {jinja!r} > /dev/null" if "\n" not in jinja and "\r" not in jinja else "true"
@@ -211,12 +201,12 @@ def test_env_values_and_script_arguments_reach_the_job_verbatim(
         assert_usage_error_or_script(code, script, err)
         return
     assert (setup in script) == setup.isprintable()
-    captured = run_script(script, fake_srun, workdir)
+    captured = run_script(script, fake_srun)
     argv = captured["argv"]
     assert isinstance(argv, list)
     assert argv[argv.index("--") + 1 :][-len(args) - 2 :] == [
         "-u",
-        str(workdir / "train.py"),
+        str(Path.cwd() / "train.py"),
         *args,
     ]
     env = captured["env"]
@@ -225,7 +215,7 @@ def test_env_values_and_script_arguments_reach_the_job_verbatim(
     assert not Path("/tmp/pwned").exists()
 
 
-def test_jinja_in_values_stays_text(workdir: Path) -> None:
+def test_jinja_in_values_stays_text() -> None:
     code, script, _ = render(
         "--env=A={{ 7 * 7 }}", "--setup=echo '{% raw %}{{ x }}'", "train.py", "--", "{{ 7 * 7 }}"
     )
