@@ -6,11 +6,13 @@ Typer's, leaves as one ``error: <sentence>`` line on stderr with exit code 2 (us
 (runtime); no traceback reaches the user. Importing this module must stay cheap: no torch,
 kazoo or jinja2 here, so ``--help`` answers at once and the agent starts fast.
 
-Other commands plug in with ``app.command("name")(function)``.
+Commands that rendering and submitting do not need (the agent, local mode, ops, doctor) are
+listed in ``LAZY_COMMANDS`` and imported only when they run or ``--help`` lists them.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import sys
@@ -21,18 +23,13 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn, cast
 
 import typer
+from typer._click import Command, Context
 from typer._click.exceptions import ClickException, NoArgsIsHelpError
 from typer.core import TyperGroup
 
 from hpc_elastic import __version__
-from hpc_elastic.agent.command import CONTEXT as AGENT_CONTEXT
-from hpc_elastic.agent.command import agent
 from hpc_elastic.config import DEFAULT_ZK, load_config
-from hpc_elastic.doctor import doctor_command
 from hpc_elastic.errors import HpcElasticError, UsageError
-from hpc_elastic.local import RUN_HELP, run_command
-from hpc_elastic.ops import commands as ops
-from hpc_elastic.ops.cancel import cancel_command
 from hpc_elastic.slurm import commands
 from hpc_elastic.spec import (
     JobSpec,
@@ -61,8 +58,40 @@ class Invocation:
     argv: tuple[str, ...]
 
 
+LAZY_COMMANDS: dict[str, tuple[str, str, dict[str, str]]] = {
+    "agent": ("hpc_elastic.agent.command", "agent", {"context_settings": "CONTEXT"}),
+    "run": ("hpc_elastic.local", "run_command", {"help": "RUN_HELP"}),
+    "status": ("hpc_elastic.ops.commands", "status_command", {}),
+    "list": ("hpc_elastic.ops.commands", "list_command", {}),
+    "logs": ("hpc_elastic.ops.commands", "logs_command", {}),
+    "events": ("hpc_elastic.ops.commands", "events_command", {}),
+    "cancel": ("hpc_elastic.ops.cancel", "cancel_command", {}),
+    "doctor": ("hpc_elastic.doctor", "doctor_command", {}),
+}
+"""Command name -> (module, function, settings of ``app.command`` read from that module)."""
+
+
+def _load_command(name: str) -> Command:
+    module_name, function, settings = LAZY_COMMANDS[name]
+    module = importlib.import_module(module_name)
+    single = typer.Typer(add_completion=False, rich_markup_mode=None)
+    options = {key: getattr(module, attribute) for key, attribute in settings.items()}
+    single.command(name, **options)(getattr(module, function))
+    return typer.main.get_command(single)
+
+
 class _App(TyperGroup):
-    """Turns every error into one line and an exit code, under CliRunner as in real life."""
+    """Turns every error into one line and an exit code, under CliRunner as in real life;
+    loads the ``LAZY_COMMANDS`` on first use."""
+
+    def list_commands(self, ctx: Context) -> list[str]:
+        loaded = super().list_commands(ctx)
+        return [*loaded, *(name for name in LAZY_COMMANDS if name not in loaded)]
+
+    def get_command(self, ctx: Context, cmd_name: str) -> Command | None:
+        if cmd_name in LAZY_COMMANDS and cmd_name not in self.commands:
+            self.add_command(_load_command(cmd_name), cmd_name)
+        return super().get_command(ctx, cmd_name)
 
     def main(  # type: ignore[override]
         self,
@@ -439,16 +468,6 @@ def _submit(job: Plan) -> None:
     typer.echo(f"Submitted batch job {submitted.job_id} (run {job.context.run_id}, {shape}).")
     typer.echo(f"Job directory: {job.job_dir}")
     typer.echo(f"Logs: {submitted.log_pattern}")
-
-
-app.command("agent", context_settings=AGENT_CONTEXT)(agent)
-app.command("run", help=RUN_HELP)(run_command)
-app.command("status")(ops.status_command)
-app.command("list")(ops.list_command)
-app.command("logs")(ops.logs_command)
-app.command("events")(ops.events_command)
-app.command("cancel")(cancel_command)
-app.command("doctor")(doctor_command)
 
 
 def main() -> None:

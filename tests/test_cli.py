@@ -296,6 +296,12 @@ def test_help_imports_no_heavy_library() -> None:
         assert heavy not in imported
 
 
+def test_render_imports_no_other_command(workdir: Path) -> None:
+    imported = _imported_modules("render", "train.py").split()
+    for module, _, _ in cli.LAZY_COMMANDS.values():
+        assert module not in imported
+
+
 def test_dry_run_does_not_import_torch(workdir: Path) -> None:
     imported = _imported_modules("submit", "--dry-run", "train.py").split()
     assert "jinja2" in imported
