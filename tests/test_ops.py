@@ -113,6 +113,19 @@ def test_status_combines_slurm_and_events_and_reports_slurm_trouble(tmp_path: Pa
     assert view.warnings == ["squeue was not found on PATH; run this on a Slurm login node."]
 
 
+def test_an_agent_that_arrived_after_the_job_finished_shows_as_exited(tmp_path: Path) -> None:
+    job_dir = make_job(tmp_path, job_id=None)
+    for event in (
+        events.Event("done", slot="0", round=2, details={"node_id": "a"}, time=8.0),
+        events.Event("join", slot="2", details={"node_id": "c"}, time=9.0),
+    ):
+        events.append(job_dir / "events.jsonl", event)
+    view = status.gather(jobs.load(job_dir), lambda ids: [])
+    slots = {slot.slot: slot.agent for slot in view.slots}
+    assert view.state == "succeeded"
+    assert slots == {"0": "done", "1": "preempted", "2": "exited"}
+
+
 def test_logs_select_by_rank_and_attempt(tmp_path: Path) -> None:
     record = jobs.load(make_job(tmp_path))
     found = logs.find(record)

@@ -101,7 +101,7 @@ def gather(record: JobRecord, squeue: SlurmQuery) -> JobView:
         last_checkpoint_step=summary.last_checkpoint_step,
         last_checkpoint_time=summary.last_checkpoint_time,
         last_failure=failure,
-        slots=_slots(history, slurm),
+        slots=_slots(history, slurm, finished=summary.outcome != "running"),
         warnings=warnings,
     )
 
@@ -145,7 +145,11 @@ _AGENT_WORDS = {
 }
 
 
-def _slots(history: list[Event], slurm: list[JobStatus]) -> list[Slot]:
+WAITING = frozenset({"join", "restart"})
+"""Last events of an agent waiting for a round; once the job has finished, it has exited."""
+
+
+def _slots(history: list[Event], slurm: list[JobStatus], *, finished: bool) -> list[Slot]:
     last: dict[str, Event] = {}
     for event in history:
         if event.slot and "node_id" in event.details:
@@ -163,7 +167,8 @@ def _slots(history: list[Event], slurm: list[JobStatus]) -> list[Slot]:
     for name, event in last.items():
         known = slots.get(name, Slot(name))
         node = known.node if known.node != "-" else event.node
-        slots[name] = Slot(name, known.slurm_state, node, _AGENT_WORDS.get(event.kind, event.kind))
+        word = "exited" if finished and event.kind in WAITING else _AGENT_WORDS.get(event.kind)
+        slots[name] = Slot(name, known.slurm_state, node, word or event.kind)
     return [slots[name] for name in sorted(slots, key=lambda s: (len(s), s))]
 
 
