@@ -108,7 +108,12 @@ class Run:
         return found
 
     def agent(self, task: int) -> int:
-        return next(pid for pid, args in self.processes(task).items() if " agent " in args)
+        """The agent itself, not the ``srun`` that launched it (same task, same arguments)."""
+        return next(
+            pid
+            for pid, args in self.processes(task).items()
+            if " -m hpc_elastic agent " in args and not args.startswith("srun ")
+        )
 
     def workers(self, task: int) -> list[int]:
         return [
@@ -240,7 +245,7 @@ FAULTS = {
             _signal_worker(signal.SIGSTOP),
             "finished",
             ("restart",),
-            submit_args=("--hang-timeout=4",),
+            submit_args=("--hang-timeout=8",),
         ),
         Fault("agent-kill", _kill_agent, "finished", ("node_lost",)),
         Fault("node-down", _node_down, "finished", ("node_lost",)),
