@@ -197,13 +197,21 @@ def test_below_min_fails_after_min_wait(store: FakeStore) -> None:
         lonely.next_round()
 
 
-def test_success_barrier_closes_the_job_for_late_agents(
+def one_member_finished(
     store: FakeStore, pool: ThreadPoolExecutor
-) -> None:
+) -> tuple[StoreRendezvous, Future[None]]:
+    """Agents a and b in round 1, a's workers done and a waiting at the exit barrier; returns b."""
     a, b = agent(store, "a"), agent(store, "b")
     rounds(pool, [a, b])
     waiting = pool.submit(a.report_success)
     time.sleep(0.05)
+    return b, waiting
+
+
+def test_success_barrier_closes_the_job_for_late_agents(
+    store: FakeStore, pool: ThreadPoolExecutor
+) -> None:
+    b, waiting = one_member_finished(store, pool)
     assert not waiting.done()
     b.report_success()
     waiting.result(timeout=5)
@@ -215,10 +223,7 @@ def test_success_barrier_closes_the_job_for_late_agents(
 def test_a_node_arriving_once_a_member_succeeded_waits_and_exits_at_the_close(
     store: FakeStore, pool: ThreadPoolExecutor
 ) -> None:
-    a, b = agent(store, "a"), agent(store, "b")
-    rounds(pool, [a, b])
-    waiting = pool.submit(a.report_success)
-    time.sleep(0.05)
+    b, waiting = one_member_finished(store, pool)
     late = pool.submit(agent(store, "c").next_round)
     time.sleep(0.05)
     assert not b.changed.is_set(), "the last steps of b must not restart for a newcomer"
@@ -232,10 +237,7 @@ def test_a_node_arriving_once_a_member_succeeded_waits_and_exits_at_the_close(
 def test_a_member_lost_during_the_exit_barrier_fails_the_job(
     store: FakeStore, pool: ThreadPoolExecutor
 ) -> None:
-    a, b = agent(store, "a"), agent(store, "b")
-    rounds(pool, [a, b])
-    waiting = pool.submit(a.report_success)
-    time.sleep(0.05)
+    b, waiting = one_member_finished(store, pool)
     b.leave()
     with pytest.raises(JobFailedError, match="node 'b' left round 1"):
         waiting.result(timeout=5)
