@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -80,6 +82,26 @@ def worker_pids(launcher: int) -> list[int]:
     return [int(pid) for pid in children]
 
 
+@contextmanager
+def launched(
+    nproc: int, args: list[str], cwd: Path, output: int
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A torchrun the test interrupts; whatever happens, it is not left running."""
+    launcher = subprocess.Popen(
+        torchrun_command(nproc, *args),
+        cwd=cwd,
+        env=environment(),
+        stdout=output,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        yield launcher
+    finally:
+        if launcher.poll() is None:
+            launcher.terminate()
+            launcher.wait(timeout=60)
+
+
 def wait_for_step(log: Path, step: int, process: subprocess.Popen[bytes]) -> None:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and process.poll() is None:
@@ -96,22 +118,11 @@ def test_sigkilled_run_resumes_bitwise_identical(tmp_path: Path) -> None:
 
     log_b = tmp_path / "b.log"
     args_b = [*common, "--checkpoint-dir", "b", "--log-file", "b.log", "--sleep-per-step", "0.2"]
-    launcher = subprocess.Popen(
-        torchrun_command(2, *args_b),
-        cwd=tmp_path,
-        env=environment(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
+    with launched(2, args_b, tmp_path, subprocess.DEVNULL) as launcher:
         wait_for_step(log_b, 22, launcher)
         for pid in worker_pids(launcher.pid):
             os.kill(pid, signal.SIGKILL)
         assert launcher.wait(timeout=60) != 0
-    finally:
-        if launcher.poll() is None:
-            launcher.terminate()
-            launcher.wait(timeout=60)
     run(torchrun_command(2, *args_b), tmp_path)
 
     expected, resumed = losses(tmp_path / "a.log"), losses(log_b)
@@ -147,21 +158,10 @@ def test_preempted_rank_stops_all_ranks_with_a_checkpoint(tmp_path: Path) -> Non
     args = ["--steps", "30", "--batch-size", "16", "--micro-batch-size", "8"]
     args += ["--dataset-size", "320", "--log-file", "run.log", "--sleep-per-step", "0.2"]
     log = tmp_path / "run.log"
-    launcher = subprocess.Popen(
-        torchrun_command(2, *args),
-        cwd=tmp_path,
-        env=environment(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    try:
+    with launched(2, args, tmp_path, subprocess.PIPE) as launcher:
         wait_for_step(log, 12, launcher)
         os.kill(worker_pids(launcher.pid)[-1], signal.SIGUSR1)
         output, _ = launcher.communicate(timeout=60)
-    finally:
-        if launcher.poll() is None:
-            launcher.terminate()
-            launcher.wait(timeout=60)
     assert "exitcode  : 75" in output.decode()
     stopped_at = max(losses(log))
     assert stopped_at < 30
