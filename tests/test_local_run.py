@@ -135,7 +135,7 @@ def test_churn_kills_and_adds_nodes_while_training_goes_on(tmp_path: Path, runs:
         "--nodes=1:3",
         "--simulate-churn",
         "--churn-every=4:6",
-        "--churn-downtime=1.5",
+        "--churn-downtime=4",  # longer than the 2-s last call, so a smaller round forms
         "--seed=1",
         f"--metrics-port={port}",
         "stepper.py",
