@@ -262,3 +262,25 @@ def test_a_slot_whose_agent_is_killed_leaves_and_the_rest_train_on(
         == 0
     )
     assert cluster.wait_queue_empty(60), cluster.squeue()
+
+
+def test_a_slot_at_its_time_limit_is_requeued_as_such_and_rejoins(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    job, job_dir = submit_training(cluster, tmp_path, "1:2", 10_000, "--time=1")
+
+    def requeued() -> list[str]:
+        return [
+            str(event.details["cause"])
+            for event in events.read(job_dir / "events.jsonl")
+            if event.kind == "requeue"
+        ]
+
+    assert wait_until(lambda: bool(requeued()), 90), kinds(job_dir)
+    assert set(requeued()) == {"time_limit"}
+    for task in range(2):
+        cluster.run(["scontrol", "update", f"JobId={job}_{task}", "StartTime=now"], check=False)
+    assert wait_until(lambda: kinds(job_dir).count("join") > 2, 60), kinds(job_dir)
+    cancelled = hpc_elastic(cluster, tmp_path, "cancel", job, "--log-dir", str(job_dir.parent))
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert cluster.wait_queue_empty(60), cluster.squeue()
