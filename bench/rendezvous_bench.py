@@ -152,6 +152,13 @@ class Agents:
             if line.startswith("{"):
                 lines.append(json.loads(line))
 
+    def launch(self, count: int, **job: Any) -> dict[str, Any]:
+        """Start ``count`` drivers of one job, told to begin together once all have imported."""
+        job["t0"] = time.time() + import_lead(count)
+        for index in range(count):
+            self.start({**job, "index": index})
+        return job
+
     def wait_for(self, count: int, which: list[int], timeout: float = 180) -> None:
         deadline = time.monotonic() + timeout
         while any(len(self.lines[i]) < count for i in which):
@@ -178,19 +185,16 @@ def import_lead(n: int) -> float:
 def real_round(backend: str, n: int, endpoint: str, port: int, run_id: str) -> float:
     agents = Agents()
     try:
-        t0 = time.time() + import_lead(n)
-        job = {
-            "backend": backend,
-            "endpoint": endpoint,
-            "port": port,
-            "run_id": run_id,
-            "min": n,
-            "max": n,
-            "t0": t0,
-            "scenario": "round",
-        }
-        for index in range(n):
-            agents.start({**job, "index": index})
+        agents.launch(
+            n,
+            backend=backend,
+            endpoint=endpoint,
+            port=port,
+            run_id=run_id,
+            min=n,
+            max=n,
+            scenario="round",
+        )
         agents.wait_for(1, list(range(n)))
         # From the last arrival, so a driver slow to import torch does not count.
         last_arrival = max(lines[0]["arrived"] for lines in agents.lines)
@@ -202,19 +206,16 @@ def real_round(backend: str, n: int, endpoint: str, port: int, run_id: str) -> f
 def kill_detection(backend: str, endpoint: str, port: int, run_id: str, n: int = 4) -> float:
     agents = Agents()
     try:
-        t0 = time.time() + import_lead(n)
-        job = {
-            "backend": backend,
-            "endpoint": endpoint,
-            "port": port,
-            "run_id": run_id,
-            "min": 1,
-            "max": n,
-            "t0": t0,
-            "scenario": "kill",
-        }
-        for index in range(n):
-            agents.start({**job, "index": index})
+        agents.launch(
+            n,
+            backend=backend,
+            endpoint=endpoint,
+            port=port,
+            run_id=run_id,
+            min=1,
+            max=n,
+            scenario="kill",
+        )
         agents.wait_for(1, list(range(n)))
         time.sleep(1.0)
         killed = agents.kill(n - 1)
@@ -228,19 +229,16 @@ def kill_detection(backend: str, endpoint: str, port: int, run_id: str, n: int =
 def join_to_round(backend: str, endpoint: str, port: int, run_id: str, n: int = 2) -> float:
     agents = Agents()
     try:
-        t0 = time.time() + import_lead(n)
-        job = {
-            "backend": backend,
-            "endpoint": endpoint,
-            "port": port,
-            "run_id": run_id,
-            "min": 1,
-            "max": 4,
-            "t0": t0,
-            "scenario": "join",
-        }
-        for index in range(n):
-            agents.start({**job, "index": index})
+        job = agents.launch(
+            n,
+            backend=backend,
+            endpoint=endpoint,
+            port=port,
+            run_id=run_id,
+            min=1,
+            max=4,
+            scenario="join",
+        )
         agents.wait_for(1, list(range(n)))
         late = agents.start({**job, "index": n, "t0": time.time() + import_lead(1)})
         agents.wait_for(1, [late], timeout=300)
@@ -329,26 +327,24 @@ def main() -> None:
                 shown = "no round within 120 s" if torch_time is None else f"{torch_time:.3f} s"
                 rows.append((f"round, {n} simulated agents", f"{ours:.3f} s", shown))
                 print(rows[-1], flush=True)
-            ours = kill_detection("zk", server.hosts, port, "kill")
-            theirs = kill_detection("c10d", server.hosts, port, "kill")
-            rows.append(
+            for label, measure, run_id, note in (
                 (
                     "SIGKILL of 1 of 4 agents -> all survivors know",
-                    f"{ours:.2f} s (session {SESSION:g} s)",
-                    f"{theirs:.2f} s",
-                )
-            )
-            print(rows[-1], flush=True)
-            ours = join_to_round("zk", server.hosts, port, "join")
-            theirs = join_to_round("c10d", server.hosts, port, "join")
-            rows.append(
+                    kill_detection,
+                    "kill",
+                    f"session {SESSION:g} s",
+                ),
                 (
                     "3rd agent arrives -> next round complete (1:4)",
-                    f"{ours:.2f} s (last call {LAST_CALL:g} s)",
-                    f"{theirs:.2f} s",
-                )
-            )
-            print(rows[-1], flush=True)
+                    join_to_round,
+                    "join",
+                    f"last call {LAST_CALL:g} s",
+                ),
+            ):
+                ours = measure("zk", server.hosts, port, run_id)
+                theirs = measure("c10d", server.hosts, port, run_id)
+                rows.append((label, f"{ours:.2f} s ({note})", f"{theirs:.2f} s"))
+                print(rows[-1], flush=True)
         finally:
             del master
             server.stop()
