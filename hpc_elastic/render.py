@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpc_elastic.errors import TemplateError, UsageError
-from hpc_elastic.spec import JobSpec
+from hpc_elastic.spec import JobSpec, NodeRange
 
 if TYPE_CHECKING:
     import jinja2
@@ -112,7 +112,7 @@ def _agent_flags(spec: JobSpec, context: RenderContext) -> list[str]:
     flags = [
         ("--run-id", context.run_id),
         ("--job-dir", job_dir),
-        ("--nodes", f"{spec.nodes.min}:{spec.nodes.max}"),
+        ("--nodes", _agent_range(spec.nodes)),
         ("--nproc-per-node", str(spec.nproc_per_node)),
         ("--zk", spec.zk),
         ("--zk-auth-file", f"{job_dir}/secret"),
@@ -122,6 +122,11 @@ def _agent_flags(spec: JobSpec, context: RenderContext) -> list[str]:
         *((option, format(seconds, "g")) for option, seconds in spec.agent_timeouts()),
     ]
     return [f"{flag} {shlex.quote(value)}" for flag, value in flags]
+
+
+def _agent_range(nodes: NodeRange) -> str:
+    """A fixed job of N nodes trains on with fewer when one is lost, so its agents take 1:N."""
+    return f"{nodes.min}:{nodes.max}" if nodes.is_elastic else f"1:{nodes.max}"
 
 
 def _comment_safe(text: str) -> str:

@@ -158,7 +158,7 @@ def test_flags_become_sbatch_lines(workdir: Path, slurm: FakeSlurm) -> None:
         "#SBATCH --signal=USR1@30",
         "#SBATCH --reservation=big",
     ]
-    assert "--preempt-signal USR1 \\\n    --grace 30 \\\n" in out
+    assert "--preempt-signal USR1 \\\n      --grace 30 \\\n" in out
 
 
 def test_zk_comes_from_the_environment(

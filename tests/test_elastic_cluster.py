@@ -284,3 +284,18 @@ def test_a_slot_at_its_time_limit_is_requeued_as_such_and_rejoins(
     cancelled = hpc_elastic(cluster, tmp_path, "cancel", job, "--log-dir", str(job_dir.parent))
     assert cancelled.returncode == 0, cancelled.stderr
     assert cluster.wait_queue_empty(60), cluster.squeue()
+
+
+def test_a_fixed_job_that_loses_a_node_trains_on_with_the_rest(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    job, job_dir = submit_training(cluster, tmp_path, "3", 10_000, "--session-timeout=2")
+    assert training_at(job_dir, tmp_path / "steps.log", 6, 120), rounds(job_dir)
+    nodelist = cluster.run(["squeue", "-h", "-j", job, "-o", "%N"]).stdout.strip()
+    lost = cluster.run(["scontrol", "show", "hostnames", nodelist]).stdout.split()[-1]
+    cluster.node_kill(lost)
+    assert training_at(job_dir, tmp_path / "steps.log", 4, 60), rounds(job_dir)
+    assert (job, "RUNNING") in cluster.squeue()
+    cancelled = hpc_elastic(cluster, tmp_path, "cancel", job, "--log-dir", str(job_dir.parent))
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert cluster.wait_queue_empty(60), cluster.squeue()

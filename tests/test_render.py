@@ -89,17 +89,25 @@ HOSTILE = "$(touch pwned) `touch pwned` ; touch pwned ' \" \\ {{ 7 * 7 }} {% raw
 
 
 def _run_with_fake_srun(script: str, tmp_path: Path) -> tuple[list[str], str]:
-    """Run the script under bash with an srun that records its argv, NUL-separated."""
+    """Run the script under bash with an srun that records its argv, NUL-separated, on a
+    one-node allocation."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     srun = bin_dir / "srun"
     srun.write_text('#!/bin/bash\nprintf "%s\\0" "$@" > argv\nprintf "%s" "$HOSTILE" > env\n')
     srun.chmod(0o755)
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text("#!/bin/bash\necho n1\n")
+    scontrol.chmod(0o755)
     (tmp_path / "job.sh").write_text(script)
     subprocess.run(
         ["bash", "job.sh"],
         cwd=tmp_path,
-        env={"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_ARRAY_TASK_ID": "0"},
+        env={
+            "PATH": f"{bin_dir}:/usr/bin:/bin",
+            "SLURM_ARRAY_TASK_ID": "0",
+            "SLURM_JOB_NODELIST": "n1",
+        },
         check=True,
         timeout=30,
     )

@@ -29,20 +29,34 @@ source /opt/venv/bin/activate
 export OMP_NUM_THREADS=8
 export NCCL_DEBUG=WARN
 
-# One agent per node, all in one step.
-exec srun --nodes=4 --ntasks-per-node=1 \
-  /opt/venv/bin/python -m hpc_elastic agent \
-    --run-id train-20261129-101500-beef \
-    --job-dir /scratch/runs/train-20261129-101500-beef \
-    --nodes 4:4 \
-    --nproc-per-node 8 \
-    --zk zk1:2181,zk2:2181/hpc \
-    --zk-auth-file /scratch/runs/train-20261129-101500-beef/secret \
-    --max-restarts 5 \
-    --preempt-signal USR1 \
-    --grace 120 \
-    --hang-timeout 300 \
-    --last-call 5 \
-    --session-timeout 10 \
-    --min-wait 600 \
-  -- /opt/venv/bin/python -u /home/ada/train.py --epochs 10 --note 'it'"'"'s fine'
+# One agent per node, each in a step of its own.
+steps=()
+for node in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do
+  srun --nodes=1 --ntasks=1 --nodelist="$node" \
+    /opt/venv/bin/python -m hpc_elastic agent \
+      --run-id train-20261129-101500-beef \
+      --job-dir /scratch/runs/train-20261129-101500-beef \
+      --nodes 1:4 \
+      --nproc-per-node 8 \
+      --zk zk1:2181,zk2:2181/hpc \
+      --zk-auth-file /scratch/runs/train-20261129-101500-beef/secret \
+      --max-restarts 5 \
+      --preempt-signal USR1 \
+      --grace 120 \
+      --hang-timeout 300 \
+      --last-call 5 \
+      --session-timeout 10 \
+      --min-wait 600 \
+      --slot "$node" \
+    -- /opt/venv/bin/python -u /home/ada/train.py --epochs 10 --note 'it'"'"'s fine' &
+  steps+=($!)
+done
+# The job succeeded if any agent did (they finish together); else report the first failure.
+codes=()
+for step in "${steps[@]}"; do
+  wait "$step" && codes+=(0) || codes+=($?)
+done
+for code in "${codes[@]}"; do
+  [ "$code" -eq 0 ] && exit 0
+done
+exit "${codes[0]}"
