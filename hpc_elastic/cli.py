@@ -403,6 +403,39 @@ def submit_command(  # noqa: PLR0917 (Typer reads the options from the signature
             help="How long the job may stay below MIN nodes.",
         ),
     ] = None,
+    max_preemptions: Annotated[
+        int | None,
+        typer.Option(
+            parser=count_parser("--max-preemptions", zero_ok=True),
+            metavar="N",
+            help="Requeues of one slot after preemption before it gives up. Default 100.",
+        ),
+    ] = None,
+    max_time_limits: Annotated[
+        int | None,
+        typer.Option(
+            parser=count_parser("--max-time-limits", zero_ok=True),
+            metavar="N",
+            help="Requeues of one slot after its time limit before it gives up. Default 10.",
+        ),
+    ] = None,
+    exclude_after: Annotated[
+        int | None,
+        typer.Option(
+            parser=count_parser("--exclude-after"),
+            metavar="N",
+            help="Failures of a slot on one node before that slot avoids the node. Default 2.",
+        ),
+    ] = None,
+    prewarm: Annotated[
+        bool | None,
+        typer.Option(
+            "--prewarm/--no-prewarm",
+            help="Keep standby workers with torch imported, so a restart skips the import "
+            "(about 250 MB of host memory per worker). Default: on.",
+            show_default=False,
+        ),
+    ] = None,
     python: Annotated[
         str | None,
         typer.Option(metavar="PATH", help="Python on the nodes. Default: this one."),
@@ -437,6 +470,10 @@ def submit_command(  # noqa: PLR0917 (Typer reads the options from the signature
         "last_call": last_call,
         "session_timeout": session_timeout,
         "min_wait": min_wait,
+        "max_preemptions": max_preemptions,
+        "max_time_limits": max_time_limits,
+        "exclude_after": exclude_after,
+        "prewarm": prewarm,
         "python": python,
     }
     settings = _merge(load_config(Path.cwd()).values, flags)

@@ -216,4 +216,8 @@ _KEYS: dict[str, _Converter] = {
     "last-call": _seconds("--last-call"),
     "session-timeout": _seconds("--session-timeout"),
     "min-wait": _seconds("--min-wait"),
+    "max-preemptions": _count("--max-preemptions", zero_ok=True),
+    "max-time-limits": _count("--max-time-limits", zero_ok=True),
+    "exclude-after": _count("--exclude-after"),
+    "prewarm": _flag,
 }

@@ -79,6 +79,8 @@ class LocalRun:
     churn: Churn | None = None
     seed: int = 0
     tee: bool = False
+    prewarm: bool = True
+    """Standby workers with torch imported, so a round after churn skips the import."""
     grace: float = 10.0
     metrics_port: int | None = None
     """Node ``i`` serves Prometheus metrics on this port + i; 0 lets each agent pick one."""
@@ -257,6 +259,8 @@ class LocalJob:
         ]
         if run.tee:
             argv.append("--tee")
+        if run.prewarm:
+            argv.append("--prewarm=torch")
         if run.metrics_port is not None:
             port = run.metrics_port + index if run.metrics_port else 0
             argv.append(f"--metrics-port={port}")
@@ -393,6 +397,10 @@ def run_command(  # noqa: PLR0917 (Typer reads the options from the signature)
         typer.Option(metavar="PORT", help="Serve metrics: node i on PORT+i (0: any free port)."),
     ] = None,
     tee: Annotated[bool, typer.Option(help="Show the agents' and workers' output.")] = False,
+    prewarm: Annotated[
+        bool,
+        typer.Option(help="Keep standby workers with torch imported: faster rounds after churn."),
+    ] = True,
 ) -> None:
     from hpc_elastic.cli import default_job_name, parse_script  # noqa: PLC0415 (no cycle)
 
@@ -408,6 +416,7 @@ def run_command(  # noqa: PLR0917 (Typer reads the options from the signature)
         churn=Churn(Churn.parse(churn_every), churn_downtime) if simulate_churn else None,
         seed=seed,
         tee=tee,
+        prewarm=prewarm,
         metrics_port=metrics_port,
     )
     raise typer.Exit(run_local(run, lambda text: typer.echo(text, err=True)))

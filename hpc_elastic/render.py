@@ -120,6 +120,8 @@ def _agent_flags(spec: JobSpec, context: RenderContext) -> list[str]:
         ("--preempt-signal", spec.signal.name),
         ("--grace", str(spec.signal.seconds)),
         *((option, format(seconds, "g")) for option, seconds in spec.agent_timeouts()),
+        *((option, str(count)) for option, count in spec.agent_counts()),
+        *([("--prewarm", "torch")] if spec.prewarm else []),
     ]
     return [f"{flag} {shlex.quote(value)}" for flag, value in flags]
 

@@ -288,6 +288,10 @@ class JobSpec:
     last_call: float | None = None
     session_timeout: float | None = None
     min_wait: float | None = None
+    max_preemptions: int | None = None
+    max_time_limits: int | None = None
+    exclude_after: int | None = None
+    prewarm: bool = True
 
     def __post_init__(self) -> None:
         parse_positive("--nproc-per-node", self.nproc_per_node)
@@ -317,6 +321,8 @@ class JobSpec:
             parse_setup_line(line)
         for key, value in self.env:
             parse_env(f"{key}={value}")
+        for option, count in self.agent_counts():
+            parse_positive(option, count, zero_ok=option != "--exclude-after")
         for option, seconds in self.agent_timeouts():
             if seconds < 0:
                 raise UsageError(f"{option} '{seconds}' is negative; give 0 or more seconds.")
@@ -333,6 +339,15 @@ class JobSpec:
             ("--exclude", self.exclude),
             ("--gpus-per-node", None if self.gpus_per_node is None else str(self.gpus_per_node)),
             ("--cpus-per-task", None if self.cpus_per_task is None else str(self.cpus_per_task)),
+        )
+        return tuple((option, value) for option, value in values if value is not None)
+
+    def agent_counts(self) -> tuple[tuple[str, int], ...]:
+        """The optional per-slot requeue budgets the user set, as (flag, count)."""
+        values = (
+            ("--max-preemptions", self.max_preemptions),
+            ("--max-time-limits", self.max_time_limits),
+            ("--exclude-after", self.exclude_after),
         )
         return tuple((option, value) for option, value in values if value is not None)
 

@@ -130,6 +130,27 @@ def test_flags_beat_the_config_file(workdir: Path, slurm: FakeSlurm) -> None:
     assert "export A=file\nexport B=flag\n" in out
 
 
+def test_slot_budgets_and_prewarm_reach_the_agent(workdir: Path, slurm: FakeSlurm) -> None:
+    (workdir / "hpc-elastic.toml").write_text("max-time-limits = 4\nprewarm = false\n")
+    code, out, _ = invoke(
+        "render", "--nodes", "1:2", "--max-preemptions", "7", "--exclude-after", "3", "train.py"
+    )
+    assert code == 0
+    assert "--max-preemptions 7 \\\n" in out
+    assert "--max-time-limits 4 \\\n" in out
+    assert "--exclude-after 3 \\\n" in out
+    assert "--prewarm" not in out
+    code, out, _ = invoke("render", "--prewarm", "train.py")
+    assert "--prewarm torch \\\n" in out
+
+
+def test_a_slot_must_be_allowed_one_failure_per_node(workdir: Path, slurm: FakeSlurm) -> None:
+    code, _, err = invoke("render", "--exclude-after", "0", "train.py")
+    assert code == 2
+    assert "--exclude-after" in err
+    assert "'0'" in err
+
+
 def test_flags_become_sbatch_lines(workdir: Path, slurm: FakeSlurm) -> None:
     code, out, _ = invoke(
         "render",

@@ -223,7 +223,7 @@ def test_jinja_in_values_stays_text() -> None:
     assert "49" not in script
     assert "{% raw %}{{ x }}" in script
     assert "export A='{{ 7 * 7 }}'\n" in script
-    assert "train.py '{{ 7 * 7 }}'\n" in script
+    assert "train.py '{{ 7 * 7 }}'" in script
 
 
 @given(

@@ -24,5 +24,6 @@ exec srun --ntasks=1 \
     --max-restarts 3 \
     --preempt-signal USR2 \
     --grace 90 \
+    --prewarm torch \
     --slot "$SLURM_ARRAY_TASK_ID" \
   -- /opt/venv/bin/python -u /home/ada/train.py

@@ -47,6 +47,7 @@ for node in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do
       --last-call 5 \
       --session-timeout 10 \
       --min-wait 600 \
+      --prewarm torch \
       --slot "$node" \
     -- /opt/venv/bin/python -u /home/ada/train.py --epochs 10 --note 'it'"'"'s fine' &
   steps+=($!)
