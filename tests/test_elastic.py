@@ -66,6 +66,11 @@ def test_just_granted_slots_come_requeued_ones_do_not() -> None:
     assert elastic.pending_tasks(statuses(AFTER_PREEMPTION)) == [1, 2, 3]
 
 
+def test_a_task_held_after_too_many_requeues_is_cancelled_at_the_end() -> None:
+    held = "9|1|REQUEUE_HOLD|JobHoldMaxRequeue|\n9|0|RUNNING|None|n1\n"
+    assert elastic.pending_tasks(statuses(held)) == [1]
+
+
 @pytest.mark.parametrize(
     ("text", "seconds"),
     [("00:01:10", 70.0), ("1-02:00:00", 93600.0), ("05:00", 300.0), ("UNLIMITED", None)],

@@ -28,6 +28,8 @@ from hpc_elastic.train.exitcodes import PREEMPTED_EXIT_CODE
 SQUEUE_INTERVAL = 2.0
 """Seconds between two squeue calls of one agent: the rendezvous asks on every change."""
 _STARTING = frozenset({"RUNNING", "CONFIGURING"})
+_NOT_STARTED = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD"})
+"""Task states the end of the job cancels; REQUEUE_HOLD is a task Slurm requeued too often."""
 _TIME_LIMIT_MARGIN = 60.0
 """Slurm may send ``--signal=SIG@N`` up to about 30 s before N (field notes); allow double."""
 
@@ -87,7 +89,7 @@ def pending_tasks(statuses: Sequence[JobStatus]) -> list[int]:
     return sorted(
         index
         for status in statuses
-        if status.state == "PENDING" and status.array_task is not None
+        if status.state in _NOT_STARTED and status.array_task is not None
         for index in task_indices(status.array_task)
     )
 
