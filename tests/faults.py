@@ -50,6 +50,15 @@ TRAIN_ARGS = (
 )
 SESSION_TIMEOUT = 4
 STEP_LINE = re.compile(r"^step=(\d+) loss=(\S+) world=(\d+)$", re.M)
+DONE_LINE = re.compile(r"^done step=\d+ weights_sha256=(\w+)$", re.M)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The uninterrupted two-rank run: its loss at every step and its final weights."""
+
+    losses: dict[int, str]
+    weights: str
 
 
 @dataclass
@@ -345,7 +354,7 @@ def scratch_filesystem(path: Path, size: str = "1m") -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
-def run_fault(cluster: Cluster, workdir: Path, fault: Fault, reference: dict[int, str]) -> Result:
+def run_fault(cluster: Cluster, workdir: Path, fault: Fault, reference: Reference) -> Result:
     """Submit, inject at INJECT_AT, wait for the end, and check every invariant."""
     with contextlib.ExitStack() as stack:
         checkpoint_dir = workdir / "checkpoints"
@@ -393,7 +402,7 @@ def _cancel(run: Run) -> None:
     run.cluster.wait_queue_empty(60)
 
 
-def check(run: Run, fault: Fault, reference: dict[int, str]) -> Result:
+def check(run: Run, fault: Fault, reference: Reference) -> Result:
     violations = []
     lines = run.steps()
     log = run.log.read_text() if run.log.exists() else ""
@@ -421,9 +430,13 @@ def check(run: Run, fault: Fault, reference: dict[int, str]) -> Result:
     for step, loss, world in lines:
         if world != 2:
             break
-        if reference.get(step) != loss:
-            violations.append(f"step {step} loss {loss} differs from {reference.get(step)}")
+        if reference.losses.get(step) != loss:
+            violations.append(f"step {step} loss {loss} differs from {reference.losses.get(step)}")
             break
+    final = DONE_LINE.search(log)
+    same_world = all(world == 2 for _, _, world in lines)
+    if outcome == "finished" and same_world and (final is None or final[1] != reference.weights):
+        violations.append("the final weights differ from the uninterrupted run's")
 
     if run.cluster.squeue():
         violations.append(f"jobs left in the queue: {run.cluster.squeue()}")
@@ -437,7 +450,7 @@ def check(run: Run, fault: Fault, reference: dict[int, str]) -> Result:
     return Result(fault.name, outcome, recovery, tuple(violations), detail, summary)
 
 
-def reference_losses(workdir: Path) -> dict[int, str]:
+def reference_run(workdir: Path) -> Reference:
     """The uninterrupted run at the same world size (two ranks), under plain torchrun."""
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {key: value for key, value in os.environ.items() if key != MARKER}
@@ -462,7 +475,10 @@ def reference_losses(workdir: Path) -> dict[int, str]:
         check=True,
     )
     text = (workdir / "reference.log").read_text()
-    return {int(step): loss for step, loss, _ in STEP_LINE.findall(text)}
+    final = DONE_LINE.search(text)
+    assert final is not None, text[-2000:]
+    losses = {int(step): loss for step, loss, _ in STEP_LINE.findall(text)}
+    return Reference(losses, final.group(1))
 
 
 def describe(result: Result) -> str:
@@ -479,7 +495,7 @@ def main() -> int:
         parser.error(f"give --state-dir or set {MARKER} to a running scripts/dev-cluster")
     cluster = Cluster.from_state_dir(args.state_dir)
     workdir = Path(tempfile.mkdtemp(prefix=f"fault-{args.fault}-"))
-    result = run_fault(cluster, workdir, FAULTS[args.fault], reference_losses(workdir))
+    result = run_fault(cluster, workdir, FAULTS[args.fault], reference_run(workdir))
     print(describe(result))
     for violation in result.violations:
         print(f"  violated: {violation}")
