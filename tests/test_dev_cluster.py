@@ -162,7 +162,8 @@ def test_down_leaves_nothing_behind_even_after_a_node_crash(tmp_path: Path) -> N
     private = Cluster.start(tmp_path / "state")
     try:
         private.run(["sbatch", "-N2", "-o", "/dev/null", "--wrap", "srun sleep 300"])
-        assert wait_until(lambda: [state for _, state in private.squeue()] == ["RUNNING"], 30)
+        running = wait_until(lambda: [state for _, state in private.squeue()] == ["RUNNING"], 60)
+        assert running, private.run(["squeue", "-o", "%i %T %r %N"]).stdout
         private.node_kill("n2")
         assert private.strays()
     finally:
