@@ -30,6 +30,13 @@ def running(*names: str, port: int | None = 29500) -> st.JobState:
     return st.publish_master(state, state.round, port) if port else state
 
 
+def back(names: str, state: st.JobState) -> st.JobState:
+    """The state once these members of its round came back to rendezvous."""
+    for name in names:
+        state = st.mark_ready(state, name)
+    return state
+
+
 def test_codec_round_trips_json_not_pickle() -> None:
     state = st.record_failure(running("a", "b"), 1, failure())
     data = st.encode(state)
@@ -88,11 +95,16 @@ def test_round_is_live_rules() -> None:
         (running("a", "b"), "ab", "a", 0, None, st.Action.RETURN),
         (running("a", "b", port=None), "ab", "a", 0, None, st.Action.PUBLISH_PORT),
         (running("a", "b", port=None), "ab", "b", 0, None, st.Action.WAIT),
-        (running("a", "b"), "ab", "a", 1, None, st.Action.LAST_CALL),
-        (running("a"), "ab", "b", 0, None, st.Action.LAST_CALL),
-        (running("a"), "ab", "b", 0, 2, st.Action.COMPLETE),
-        (running("a", "b"), "abc", "c", 0, None, st.Action.COMPLETE),
-        (running("a", "b", "c"), "bcd", "d", 0, None, st.Action.COMPLETE),
+        (running("a", "b"), "ab", "a", 1, None, st.Action.MARK_READY),
+        (back("a", running("a", "b")), "ab", "a", 1, None, st.Action.STRAGGLERS),
+        (back("a", running("a", "b")), "a", "a", 1, None, st.Action.BELOW_MIN),
+        (back("ab", running("a", "b")), "ab", "a", 1, None, st.Action.LAST_CALL),
+        (running("a"), "ab", "b", 0, None, st.Action.STRAGGLERS),
+        (back("a", running("a")), "ab", "b", 0, None, st.Action.LAST_CALL),
+        (back("a", running("a")), "ab", "b", 0, 2, st.Action.COMPLETE),
+        (running("a", "b"), "abc", "c", 0, None, st.Action.STRAGGLERS),
+        (back("ab", running("a", "b")), "abc", "c", 0, None, st.Action.COMPLETE),
+        (back("bc", running("a", "b", "c")), "bcd", "d", 0, None, st.Action.COMPLETE),
         (st.JobState(max_restarts=1), "a", "a", 0, None, st.Action.BELOW_MIN),
         (st.JobState(max_restarts=1), "ab", "b", 0, None, st.Action.LAST_CALL),
         (st.JobState(max_restarts=1), "ab", "c", 0, None, st.Action.WAIT),
@@ -167,3 +179,20 @@ def test_to_round_needs_a_master_port() -> None:
         running("a", port=None).to_round()
     round_ = running("a", "b").to_round()
     assert (round_.master_addr, round_.master_port, round_.world_size) == ("127.0.0.1", 29500, 4)
+
+
+def test_a_member_that_died_is_never_in_the_next_round() -> None:
+    """b's session has not expired yet: a, back first, waits for b instead of forming a round
+    with it; once b's membership is gone, a forms the next round alone."""
+    state = back("a", running("a", "b"))
+    assert not st.round_is_live(state, frozenset("ab"), ONE_TO_FOUR)
+    assert st.next_action(state, frozenset("ab"), "a", 1, ONE_TO_FOUR) is st.Action.STRAGGLERS
+    assert st.next_action(state, frozenset("a"), "a", 1, ONE_TO_FOUR) is st.Action.LAST_CALL
+    assert st.candidates(state, frozenset("a")) == {"a"}
+
+
+def test_mark_ready_is_idempotent_and_only_for_members() -> None:
+    state = back("a", running("a", "b"))
+    assert st.mark_ready(state, "a") == state
+    assert st.mark_ready(state, "z") == state
+    assert st.complete_round(state, [node("a")], ONE_TO_FOUR).ready == ()

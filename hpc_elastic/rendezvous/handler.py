@@ -93,6 +93,9 @@ class StoreRendezvous(Rendezvous):
                     st.encode(st.publish_master(state, state.round, free_port())), token
                 )
                 continue
+            if action is st.Action.MARK_READY:
+                self._store.set_state(st.encode(st.mark_ready(state, self.node.node_id)), token)
+                continue
             if action is st.Action.BELOW_MIN:
                 last_call_deadline = propose_at = None
                 if now >= min_deadline:
@@ -183,7 +186,8 @@ class StoreRendezvous(Rendezvous):
         return state
 
     def _complete(self, state: st.JobState, token: int, alive: frozenset[str]) -> None:
-        candidates = [st.decode_node(record) for record in self._store.members(alive)]
+        present = st.candidates(state, alive)
+        candidates = [st.decode_node(record) for record in self._store.members(present)]
         self._store.set_state(
             st.encode(st.complete_round(state, candidates, self.settings.nodes)), token
         )

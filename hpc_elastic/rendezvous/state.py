@@ -18,7 +18,7 @@ from hpc_elastic.errors import RendezvousError
 from hpc_elastic.rendezvous.api import Failure, NodeInfo, Round
 from hpc_elastic.spec import NodeRange
 
-FORMAT = 1
+FORMAT = 2
 """Bumped when the JSON layout changes, so an old agent refuses a state it cannot read."""
 
 
@@ -39,6 +39,10 @@ class JobState:
     last_failure: Failure | None = None
     succeeded: tuple[str, ...] = ()
     """Node ids of ``round`` whose workers all exited 0."""
+    ready: tuple[str, ...] = ()
+    """Node ids of ``round`` that are back in ``next_round``: for them the round is over,
+    and only they (with newcomers) may form the next one. A member that is alive but not
+    ready may be a dead node whose session has not expired yet."""
     failure_summary: str = ""
     """Non-empty once the job as a whole has failed."""
     closed: bool = False
@@ -89,6 +93,7 @@ def decode(data: bytes) -> JobState:
                 **raw,
                 "members": tuple(NodeInfo(**member) for member in raw.pop("members")),
                 "succeeded": tuple(raw.pop("succeeded")),
+                "ready": tuple(raw.pop("ready")),
                 "last_failure": Failure(**failure) if failure is not None else None,
             }
         )
@@ -114,8 +119,9 @@ def decode_node(data: bytes) -> NodeInfo:
 
 
 def round_is_live(state: JobState, alive: frozenset[str], nodes: NodeRange) -> bool:
-    """Whether the latest round may keep training: nobody left, failed or is waiting to join."""
-    if state.round in (0, state.failed_round):
+    """Whether the latest round may keep training: nobody left, failed, came back to
+    rendezvous or is waiting to join."""
+    if state.round in (0, state.failed_round) or state.ready:
         return False
     members = state.member_ids
     if not members <= alive:
@@ -130,6 +136,11 @@ class Action(Enum):
     """The latest round includes us and has its master port: start workers."""
     PUBLISH_PORT = "publish_port"
     """We are rank 0 of the latest round: pick a free port and publish it."""
+    MARK_READY = "mark_ready"
+    """We are a member of the latest round and back here: say so, which ends the round."""
+    STRAGGLERS = "stragglers"
+    """Members of the latest round are alive but not back yet: wait until they come back
+    or their sessions expire, so that no round includes a node that has just died."""
     COMPLETE = "complete"
     """MAX nodes (or every node that can come) are here: complete a new round now."""
     LAST_CALL = "last_call"
@@ -166,12 +177,33 @@ def next_action(
             return Action.WAIT
     if me not in alive:
         return Action.WAIT
+    if me in state.member_ids and me not in state.ready:
+        return Action.MARK_READY
+    if stragglers(state, alive):
+        return Action.STRAGGLERS
+    present = len(candidates(state, alive))
     enough = min(nodes.max, expected) if expected is not None else nodes.max
-    if len(alive) >= max(enough, nodes.min):
+    if present >= max(enough, nodes.min):
         return Action.COMPLETE
-    if len(alive) >= nodes.min:
+    if present >= nodes.min:
         return Action.LAST_CALL
     return Action.BELOW_MIN
+
+
+def stragglers(state: JobState, alive: frozenset[str]) -> frozenset[str]:
+    """Alive members of the latest round that have not come back to rendezvous yet."""
+    return (state.member_ids & alive) - frozenset(state.ready)
+
+
+def candidates(state: JobState, alive: frozenset[str]) -> frozenset[str]:
+    """Who may form the next round: the members that came back, and newcomers."""
+    return alive - stragglers(state, alive)
+
+
+def mark_ready(state: JobState, node_id: str) -> JobState:
+    if node_id not in state.member_ids or node_id in state.ready:
+        return state
+    return replace(state, ready=(*state.ready, node_id))
 
 
 def complete_round(state: JobState, candidates: Sequence[NodeInfo], nodes: NodeRange) -> JobState:
@@ -187,6 +219,7 @@ def complete_round(state: JobState, candidates: Sequence[NodeInfo], nodes: NodeR
         members=tuple([*survivors, *newcomers][: nodes.max]),
         master_port=None,
         succeeded=(),
+        ready=(),
     )
 
 
