@@ -108,6 +108,10 @@ def parse_duration(text: str) -> float | None:
     return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
 
 
+_DEPARTURE_FIELDS = ("JobState", "PreemptTime", "RunTime", "TimeLimit")
+"""What ``departure`` reads; kept in the requeue event so a surprising cause can be checked."""
+
+
 def departure(job: Mapping[str, str], warning_s: float) -> Departure:
     """Tell preemption from time limit from a signal sent by hand, from ``scontrol show job``.
 
@@ -310,16 +314,18 @@ class ElasticSlot:
         assert self.context.array_job_id is not None
         return ComingSlots(self.context.array_job_id, lambda ids: commands.squeue(ids, self.env))
 
-    def why_stopping(self, warning_s: float) -> Departure:
-        """Workers stopped to be requeued (exit 75): why? A Slurm that cannot say is
-        treated as a cancel, since it could not requeue us either."""
+    def why_stopping(self, warning_s: float) -> tuple[Departure, dict[str, str]]:
+        """Workers stopped to be requeued (exit 75): why, and the Slurm fields that said so.
+        A Slurm that cannot say is treated as a cancel, since it could not requeue us either."""
         try:
-            why = departure(commands.scontrol_show_job(self.job_id, self.env), warning_s)
+            record = commands.scontrol_show_job(self.job_id, self.env)
         except SlurmError:
-            return Departure.CANCELLED
+            return Departure.CANCELLED, {}
+        evidence = {key: record.get(key, "") for key in _DEPARTURE_FIELDS}
+        why = departure(record, warning_s)
         if why is not Departure.CANCELLED and self.placed_badly():
-            return Departure.BAD_NODE
-        return why
+            return Departure.BAD_NODE, evidence
+        return why, evidence
 
     def requeue(self, why: Departure) -> str | None:
         """Requeue this task (away from its bad nodes); returns why it may not, if so."""
@@ -343,7 +349,9 @@ class ElasticSlot:
     def settle(self, exit_code: int, warning_s: float, emit: Callable[..., None]) -> int:
         """After the agent: requeue a slot that stopped to be moved, or, once the job is over
         (0: done, 1: failed), cancel the array's pending tasks. Returns the slot's exit code."""
-        why = self.why_stopping(warning_s) if exit_code == PREEMPTED_EXIT_CODE else None
+        why, evidence = (
+            self.why_stopping(warning_s) if exit_code == PREEMPTED_EXIT_CODE else (None, {})
+        )
         if why is not None and why is not Departure.CANCELLED:
             if why is Departure.BAD_NODE:
                 emit("exclude", node=self.node, failures=self._ledger.node_failures.get(self.node))
@@ -352,6 +360,7 @@ class ElasticSlot:
                 emit(
                     "requeue",
                     cause=why.value,
+                    slurm=evidence,
                     slurm_job=self.job_id,
                     excluded=list(self._ledger.excluded),
                 )
