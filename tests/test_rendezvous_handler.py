@@ -220,6 +220,20 @@ def test_success_barrier_closes_the_job_for_late_agents(
         agent(store, "late").next_round()
 
 
+def test_a_node_arriving_once_a_member_succeeded_waits_and_exits_at_the_close(
+    store: FakeStore, pool: ThreadPoolExecutor
+) -> None:
+    b, waiting = one_member_finished(store, pool)
+    late = pool.submit(agent(store, "c").next_round)
+    time.sleep(0.05)
+    assert not b.changed.is_set(), "the last steps of b must not restart for a newcomer"
+    assert not late.done()
+    b.report_success()
+    waiting.result(timeout=5)
+    with pytest.raises(RendezvousClosedError):
+        late.result(timeout=5)
+
+
 def test_a_member_lost_during_the_exit_barrier_fails_the_job(
     store: FakeStore, pool: ThreadPoolExecutor
 ) -> None:

@@ -89,6 +89,14 @@ def test_round_is_live_rules() -> None:
     assert not st.round_is_live(st.JobState(max_restarts=1), frozenset(), ONE_TO_FOUR)
 
 
+def test_a_finishing_round_ignores_arrivals_and_finished_members_but_not_lost_ones() -> None:
+    finishing = st.record_success(running("a", "b"), 1, "a")
+    assert st.round_is_live(finishing, frozenset("abc"), ONE_TO_FOUR), "c waits for the close"
+    assert st.round_is_live(finishing, frozenset("b"), ONE_TO_FOUR), "a is done and may go"
+    assert not st.round_is_live(finishing, frozenset("ac"), ONE_TO_FOUR), "b left unfinished"
+    assert st.next_action(finishing, frozenset("abc"), "c", 0, ONE_TO_FOUR) is st.Action.WAIT
+
+
 @pytest.mark.parametrize(
     ("state", "alive", "me", "last", "expected", "action"),
     [

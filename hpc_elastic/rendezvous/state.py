@@ -120,10 +120,17 @@ def decode_node(data: bytes) -> NodeInfo:
 
 def round_is_live(state: JobState, alive: frozenset[str], nodes: NodeRange) -> bool:
     """Whether the latest round may keep training: nobody left, failed, came back to
-    rendezvous or is waiting to join."""
+    rendezvous or is waiting to join.
+
+    Once a member has succeeded the round is finishing: a newcomer waits for the job to
+    close rather than restart the last steps, and only the loss of a member that has not
+    finished still ends the round (the exit barrier then fails the job).
+    """
     if state.round in (0, state.failed_round) or state.ready:
         return False
     members = state.member_ids
+    if state.succeeded:
+        return members - set(state.succeeded) <= alive
     if not members <= alive:
         return False
     return len(members) >= nodes.max or alive <= members
