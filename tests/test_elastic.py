@@ -175,7 +175,18 @@ def test_a_preempted_slot_is_requeued_and_says_why(tmp_path: Path, calls: list[s
     code = slot(tmp_path).settle(75, 30.0, lambda kind, **details: said.append((kind, details)))
     assert code == 75
     assert calls == ["requeue 9_2"]
-    assert said == [("requeue", {"cause": "preemption", "slurm_job": "9_2", "excluded": []})]
+    evidence = {
+        "JobState": "RUNNING",
+        "PreemptTime": "2026-11-29T10:01:10",
+        "RunTime": "00:01:10",
+        "TimeLimit": "UNLIMITED",
+    }
+    assert said == [
+        (
+            "requeue",
+            {"cause": "preemption", "slurm": evidence, "slurm_job": "9_2", "excluded": []},
+        )
+    ]
     assert elastic.load_ledger(tmp_path / "slots" / "2.json").preemptions == 1
 
 
