@@ -305,3 +305,57 @@ def test_a_fixed_job_that_loses_a_node_trains_on_with_the_rest(
     cancelled = hpc_elastic(cluster, tmp_path, "cancel", job, "--log-dir", str(job_dir.parent))
     assert cancelled.returncode == 0, cancelled.stderr
     assert cluster.wait_queue_empty(60), cluster.squeue()
+
+
+FAILS_ON_FIRST_NODE = """
+import os, sys, time
+from pathlib import Path
+node = os.environ["SLURMD_NODENAME"]
+marker = Path(sys.argv[1])
+try:
+    with open(marker, "x") as first:
+        first.write(node)
+except FileExistsError:
+    pass
+if marker.read_text() == node:
+    sys.exit("this node's GPU is broken")
+if int(os.environ["WORLD_SIZE"]) < 2:
+    time.sleep(600)  # finish only together with the slot that moved away
+time.sleep(5)
+"""
+
+
+def test_a_node_that_fails_a_slot_is_excluded_and_the_slot_finishes_elsewhere(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    script = tmp_path / "flaky.py"
+    script.write_text(FAILS_ON_FIRST_NODE)
+    marker = tmp_path / "bad-node"
+    result = hpc_elastic(
+        cluster, tmp_path, "submit", "--nodes=1:2", "--partition=low",
+        f"--zk={cluster.zk_hosts}", "--exclude-after=1", "--no-prewarm",
+        str(script), "--", str(marker),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    job = re.search(r"Submitted batch job (\d+)", result.stdout)
+    job_dir = re.search(r"Job directory: (\S+)", result.stdout)
+    assert job is not None, result.stdout
+    assert job_dir is not None, result.stdout
+    history = Path(job_dir.group(1)) / "events.jsonl"
+
+    def said(kind: str) -> list[events.Event]:
+        return [event for event in events.read(history) if event.kind == kind]
+
+    assert wait_until(lambda: bool(said("requeue")), 120), [e.kind for e in events.read(history)]
+    bad, moved = marker.read_text(), f"{job.group(1)}_{said('requeue')[0].slot}"
+    cluster.run(["scontrol", "update", f"JobId={moved}", "StartTime=now"], check=False)
+    assert wait_until(lambda: not cluster.squeue(), 120), cluster.squeue()
+
+    assert [event.details["node"] for event in said("exclude")] == [bad]
+    assert [event.details["cause"] for event in said("requeue")] == ["bad_node"]
+    assert said("requeue")[0].details["excluded"] == [bad]
+    assert len(said("done")) == 2, [e.kind for e in events.read(history)]
+    record = cluster.run(["scontrol", "-o", "show", "job", moved]).stdout
+    assert f"ExcNodeList={bad}" in record, record
+    assert "JobState=COMPLETED" in record, record
+    assert f" NodeList={bad} " not in record, record

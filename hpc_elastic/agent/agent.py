@@ -363,7 +363,10 @@ class Agent:
         )
 
     def _interruptibly(self, call: Callable[[], T]) -> T:
-        """Run a blocking rendezvous call on a helper thread; give up on a stop signal."""
+        """Run a blocking rendezvous call on a helper thread; give up on a stop signal, also
+        one that came before the call (e.g. the bad-node watch, from an event observer)."""
+        if self._stop_signal is not None:
+            raise _Interrupted
         result: list[T] = []
         error: list[BaseException] = []
         done = threading.Event()
