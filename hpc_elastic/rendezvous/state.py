@@ -188,7 +188,7 @@ def next_action(
         return Action.MARK_READY
     if stragglers(state, alive):
         return Action.STRAGGLERS
-    present = len(candidates(state, alive))
+    present = len(alive)  # Without stragglers every live node is a candidate.
     enough = min(nodes.max, expected) if expected is not None else nodes.max
     if present >= max(enough, nodes.min):
         return Action.COMPLETE
