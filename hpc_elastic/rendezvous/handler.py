@@ -188,6 +188,8 @@ class StoreRendezvous(Rendezvous):
     def _complete(self, state: st.JobState, token: int, alive: frozenset[str]) -> None:
         present = st.candidates(state, alive)
         candidates = [st.decode_node(record) for record in self._store.members(present)]
+        if self._store.get_state()[1] != token:
+            return  # Someone else changed the state meanwhile: decide again, do not encode.
         self._store.set_state(
             st.encode(st.complete_round(state, candidates, self.settings.nodes)), token
         )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from enum import Enum
 from functools import cached_property, lru_cache
 from typing import Any
@@ -77,7 +77,15 @@ class JobState:
 
 
 def encode(state: JobState) -> bytes:
-    return json.dumps({"format": FORMAT, **asdict(state)}, sort_keys=True).encode()
+    """Without ``asdict``, whose deep copy dominated a 1024-member round's CPU time."""
+    raw: dict[str, Any] = {field.name: getattr(state, field.name) for field in fields(state)}
+    raw["members"] = [_node_fields(member) for member in state.members]
+    raw["last_failure"] = _node_fields(state.last_failure) if state.last_failure else None
+    return json.dumps({"format": FORMAT, **raw}, sort_keys=True).encode()
+
+
+def _node_fields(record: NodeInfo | Failure) -> dict[str, Any]:
+    return {field.name: getattr(record, field.name) for field in fields(record)}
 
 
 @lru_cache(maxsize=8)
@@ -105,10 +113,12 @@ def decode(data: bytes) -> JobState:
 
 
 def encode_node(node: NodeInfo) -> bytes:
-    return json.dumps(asdict(node), sort_keys=True).encode()
+    return json.dumps(_node_fields(node), sort_keys=True).encode()
 
 
+@lru_cache(maxsize=4096)
 def decode_node(data: bytes) -> NodeInfo:
+    """Cached: a member's record never changes, and every proposal decodes all of them."""
     try:
         return NodeInfo(**json.loads(data))
     except (ValueError, TypeError, RecursionError) as error:
