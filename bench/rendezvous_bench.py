@@ -8,6 +8,7 @@ Same run, same machine, protocol only (no workers are started). Measures
   * time from a new agent's arrival until the next round is complete everywhere.
 
 Usage: ``python bench/rendezvous_bench.py [--quick]``; prints a Markdown table.
+``--ours N`` instead times only our simulated round of N agents, ``--repeats`` times.
 The script re-invokes itself as ``... driver <json>`` for each agent process.
 """
 
@@ -301,10 +302,27 @@ def timed_in_threads(calls: list[Callable[[], Any]], limit: float = 600) -> floa
         return max(future.result(timeout=limit) for future in futures) - started
 
 
+def ours_only(n: int, repeats: int) -> None:
+    with tempfile.TemporaryDirectory() as scratch:
+        server = testing.ZooKeeperServer(Path(scratch) / "zk")
+        server.start()
+        try:
+            took = sorted(simulated_zk(n, server.hosts, f"ours-{n}-{i}") for i in range(repeats))
+        finally:
+            server.stop()
+    shown = ", ".join(f"{t:.2f}" for t in took)
+    print(f"round, {n} simulated agents: median {took[len(took) // 2]:.2f} s ({shown} s)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="N = 2, 4 and 64 only")
+    parser.add_argument("--ours", type=int, help="only our simulated round of this many agents")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds timed with --ours")
     args = parser.parse_args()
+    if args.ours:
+        ours_only(args.ours, args.repeats)
+        return
     from torch._C._distributed_c10d import TCPStore  # noqa: PLC0415
 
     real_sizes = [2, 4] if args.quick else [2, 4, 8, 16]
