@@ -30,7 +30,8 @@ from kazoo.exceptions import (
     NoNodeError,
 )
 from kazoo.handlers.threading import KazooTimeoutError
-from kazoo.recipe.watchers import ChildrenWatch, DataWatch
+from kazoo.protocol.states import WatchedEvent
+from kazoo.recipe.watchers import DataWatch
 from kazoo.retry import RetryFailedError
 from kazoo.security import ACL, OPEN_ACL_UNSAFE, Id, Permissions, make_digest_acl
 
@@ -46,6 +47,8 @@ CONNECT_TIMEOUT = 10.0
 """Seconds to wait for the ensemble at start before giving up with a clear error."""
 RETRY_DEADLINE = 60.0
 """Seconds one operation keeps retrying through connection losses (e.g. a server restart)."""
+COALESCE = 0.02
+"""Seconds a membership change waits for others before the member list is fetched again."""
 
 _SHARED_ACL = [
     ACL(Permissions.READ | Permissions.CREATE | Permissions.DELETE, Id("world", "anyone"))
@@ -156,7 +159,7 @@ class ZooKeeperStore(CachedStore):
             self._ensure_paths()
             client.add_listener(self._on_connection_state)
             DataWatch(client, self._path("state"), self._on_state)
-            ChildrenWatch(client, self._path("members"), self._on_members)
+            _CoalescedChildrenWatch(client, self._path("members"), self._on_members)
 
     def set_state(self, data: bytes, token: int) -> tuple[bytes | None, int, bool]:
         with self._converted():
@@ -281,6 +284,59 @@ class ZooKeeperStore(CachedStore):
     def _notify(self) -> None:
         for callback in self._callbacks():
             callback()
+
+
+class _CoalescedChildrenWatch:
+    """kazoo's ChildrenWatch, except that a burst of changes costs one fetch of the list: when
+    N agents join at once, each connection would otherwise fetch the growing list N times."""
+
+    def __init__(
+        self, client: KazooClient, path: str, on_children: Callable[[list[str]], None]
+    ) -> None:
+        self._client = client
+        self._path = path
+        self._on_children = on_children
+        self._lock = threading.Lock()
+        self._fetching = threading.Lock()
+        """One fetch and callback at a time, so a newer list is never overwritten by an older."""
+        self._scheduled = False
+        self._established = False
+        client.add_listener(self._on_session)
+        with self._fetching, suppress(NoNodeError):
+            self._fetch_once()
+
+    def _on_event(self, event: WatchedEvent) -> None:
+        self._schedule()
+
+    def _on_session(self, state: str) -> None:
+        """Runs in kazoo's connection thread: it must not block, so it only schedules."""
+        if state in (KazooState.LOST, KazooState.SUSPENDED):
+            self._established = False
+        elif not self._established:
+            self._schedule()
+
+    def _schedule(self) -> None:
+        with self._lock:
+            if self._scheduled:
+                return
+            self._scheduled = True
+        timer = threading.Timer(COALESCE, self._refetch)
+        timer.daemon = True
+        timer.start()
+
+    def _refetch(self) -> None:
+        with self._fetching:
+            with self._lock:
+                self._scheduled = False
+            # NoNodeError: the job was closed, nothing left to watch. Any other error is
+            # connection trouble: the session listener fetches again once it is back.
+            with suppress(KazooException):
+                self._fetch_once()
+
+    def _fetch_once(self) -> None:
+        children = self._client.retry(self._client.get_children, self._path, watch=self._on_event)
+        self._established = True
+        self._on_children(children)
 
 
 def connect(
