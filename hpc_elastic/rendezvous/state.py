@@ -79,12 +79,12 @@ class JobState:
 def encode(state: JobState) -> bytes:
     """Without ``asdict``, whose deep copy dominated a 1024-member round's CPU time."""
     raw: dict[str, Any] = {field.name: getattr(state, field.name) for field in fields(state)}
-    raw["members"] = [_node_fields(member) for member in state.members]
-    raw["last_failure"] = _node_fields(state.last_failure) if state.last_failure else None
+    raw["members"] = [_record_fields(member) for member in state.members]
+    raw["last_failure"] = _record_fields(state.last_failure) if state.last_failure else None
     return json.dumps({"format": FORMAT, **raw}, sort_keys=True).encode()
 
 
-def _node_fields(record: NodeInfo | Failure) -> dict[str, Any]:
+def _record_fields(record: NodeInfo | Failure) -> dict[str, Any]:
     return {field.name: getattr(record, field.name) for field in fields(record)}
 
 
@@ -113,7 +113,7 @@ def decode(data: bytes) -> JobState:
 
 
 def encode_node(node: NodeInfo) -> bytes:
-    return json.dumps(_node_fields(node), sort_keys=True).encode()
+    return json.dumps(_record_fields(node), sort_keys=True).encode()
 
 
 @lru_cache(maxsize=4096)
