@@ -157,7 +157,8 @@ def test_sigkilled_agent_leaves_and_the_survivors_reform(job: MakeJob) -> None:
 
 def test_a_stopped_worker_is_caught_by_the_heartbeat(job: MakeJob) -> None:
     run = job("2")
-    run.start(2, "--steps=40", hang_timeout="2")
+    # 12 s of training, so that a loaded machine still stops the worker well before its end.
+    run.start(2, "--steps=40", "--sleep=0.3", hang_timeout="2")
     assert wait_until(lambda: len(run.progress()) >= 5, 60)
     os.kill(run.worker_pids(run.agents[0])[0], signal.SIGSTOP)
     results = run.wait()
