@@ -8,7 +8,8 @@ Same run, same machine, protocol only (no workers are started). Measures
   * time from a new agent's arrival until the next round is complete everywhere.
 
 Usage: ``python bench/rendezvous_bench.py [--quick]``; prints a Markdown table.
-``--ours N`` instead times only our simulated round of N agents, ``--repeats`` times.
+``--ours N`` instead times only our simulated round of N agents, ``--repeats`` times;
+``--ours-scenarios`` only our kill-detection and join figures.
 The script re-invokes itself as ``... driver <json>`` for each agent process.
 """
 
@@ -302,25 +303,42 @@ def timed_in_threads(calls: list[Callable[[], Any]], limit: float = 600) -> floa
         return max(future.result(timeout=limit) for future in futures) - started
 
 
-def ours_only(n: int, repeats: int) -> None:
+def ours_only(n: int | None, repeats: int) -> None:
+    """Our side alone: the simulated round of ``n`` agents, or (None) the kill and join."""
+    measures: list[tuple[str, Callable[[str, str], float]]] = (
+        [(f"round, {n} simulated agents", lambda hosts, run: simulated_zk(n, hosts, run))]
+        if n
+        else [
+            (
+                "SIGKILL of 1 of 4 agents -> all survivors know",
+                lambda hosts, run: kill_detection("zk", hosts, 0, run),
+            ),
+            (
+                "3rd agent arrives -> next round complete (1:4)",
+                lambda hosts, run: join_to_round("zk", hosts, 0, run),
+            ),
+        ]
+    )
     with tempfile.TemporaryDirectory() as scratch:
         server = testing.ZooKeeperServer(Path(scratch) / "zk")
         server.start()
         try:
-            took = sorted(simulated_zk(n, server.hosts, f"ours-{n}-{i}") for i in range(repeats))
+            for label, measure in measures:
+                took = sorted(measure(server.hosts, f"ours-{i}") for i in range(repeats))
+                shown = ", ".join(f"{t:.2f}" for t in took)
+                print(f"{label}: median {took[len(took) // 2]:.2f} s ({shown} s)", flush=True)
         finally:
             server.stop()
-    shown = ", ".join(f"{t:.2f}" for t in took)
-    print(f"round, {n} simulated agents: median {took[len(took) // 2]:.2f} s ({shown} s)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="N = 2, 4 and 64 only")
     parser.add_argument("--ours", type=int, help="only our simulated round of this many agents")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds timed with --ours")
+    parser.add_argument("--ours-scenarios", action="store_true", help="only our kill and join")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each --ours* measure")
     args = parser.parse_args()
-    if args.ours:
+    if args.ours or args.ours_scenarios:
         ours_only(args.ours, args.repeats)
         return
     from torch._C._distributed_c10d import TCPStore  # noqa: PLC0415
