@@ -3,7 +3,9 @@
 Same run, same machine, protocol only (no workers are started). Measures
   * round latency for N real agent processes (a tiny driver that only does the rendezvous)
     and for N simulated agents in one process (ours: many handlers over a few ZooKeeper
-    connections; torch's: many DynamicRendezvousHandlers over one TCPStore);
+    connections; torch's: many DynamicRendezvousHandlers over one TCPStore); ours also with
+    the N handlers spread over 16 processes of one connection each, as real agents are
+    spread over processes, so that one GIL does not starve every connection;
   * time from an agent's SIGKILL until every survivor knows it is gone;
   * time from a new agent's arrival until the next round is complete everywhere.
 
@@ -26,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +79,30 @@ def zk_driver(job: dict[str, Any]) -> None:
         if job["scenario"] == "join":
             agent.next_round()
             say(done=time.time())
+    time.sleep(3600)
+
+
+def zk_many_driver(job: dict[str, Any]) -> None:
+    """``job["handlers"]`` of our agents in one process, over one connection: together, the
+    drivers of one measurement simulate N agents without putting them all behind one GIL."""
+    address = ZooKeeperAddress.parse(job["endpoint"])
+    store = ZooKeeperStore(open_client(address, None, 10.0), address, job["run_id"], None)
+    settings = RendezvousSettings(
+        run_id=job["run_id"], nodes=NodeRange(job["min"], job["max"]), session_timeout=10.0
+    )
+    handlers = [
+        StoreRendezvous(
+            settings,
+            NodeInfo(f"sim-{job['index']}-{i}", "127.0.0.1", 1),
+            store,
+            owns_store=False,
+        )
+        for i in range(job["handlers"])
+    ]
+    until(job["t0"])
+    with ThreadPoolExecutor(len(handlers)) as pool:
+        list(pool.map(lambda handler: handler.next_round(), handlers))
+    say(done=time.time())
     time.sleep(3600)
 
 
@@ -278,6 +305,26 @@ def simulated_zk(n: int, hosts: str, run_id: str) -> float:
             store.release()
 
 
+def simulated_zk_processes(n: int, hosts: str, run_id: str, processes: int = 16) -> float:
+    """N of our handlers spread over ``processes`` driver processes, one connection each;
+    timed from the common start until the last driver has its round."""
+    agents = Agents()
+    try:
+        job = agents.launch(
+            processes,
+            backend="zk-many",
+            endpoint=hosts,
+            run_id=run_id,
+            min=n,
+            max=n,
+            handlers=n // processes,
+        )
+        agents.wait_for(1, list(range(processes)), timeout=300)
+        return max(float(lines[0]["done"]) for lines in agents.lines) - float(job["t0"])
+    finally:
+        agents.stop()
+
+
 def simulated_c10d(n: int, port: int, run_id: str, limit: float) -> float | None:
     """N torch handlers in one process, each with its own TCPStore client."""
     job = {"port": port, "run_id": run_id, "min": n, "max": n}
@@ -306,7 +353,10 @@ def timed_in_threads(calls: list[Callable[[], Any]], limit: float = 600) -> floa
 def ours_only(n: int | None, repeats: int) -> None:
     """Our side alone: the simulated round of ``n`` agents, or (None) the kill and join."""
     measures: list[tuple[str, Callable[[str, str], float]]] = (
-        [(f"round, {n} simulated agents", lambda hosts, run: simulated_zk(n, hosts, run))]
+        [
+            (f"round, {n} simulated agents, one process", partial(simulated_zk, n)),
+            (f"round, {n} simulated agents, 16 processes", partial(simulated_zk_processes, n)),
+        ]
         if n
         else [
             (
@@ -363,6 +413,10 @@ def main() -> None:
                 shown = "no round within 120 s" if torch_time is None else f"{torch_time:.3f} s"
                 rows.append((f"round, {n} simulated agents", f"{ours:.3f} s", shown))
                 print(rows[-1], flush=True)
+                spread = simulated_zk_processes(n, server.hosts, f"sim16-{n}")
+                label = f"round, {n} simulated agents in 16 processes"
+                rows.append((label, f"{spread:.3f} s", "-"))
+                print(rows[-1], flush=True)
             for label, measure, run_id, note in (
                 (
                     "SIGKILL of 1 of 4 agents -> all survivors know",
@@ -392,6 +446,7 @@ def main() -> None:
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "driver":
         job = json.loads(sys.argv[2])
-        (zk_driver if job["backend"] == "zk" else c10d_driver)(job)
+        drivers = {"zk": zk_driver, "zk-many": zk_many_driver, "c10d": c10d_driver}
+        drivers[job["backend"]](job)
     else:
         main()
