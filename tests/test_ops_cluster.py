@@ -76,7 +76,8 @@ def test_status_events_and_logs_of_a_running_elastic_job(cluster: Cluster, tmp_p
     assert done["world_size"] == 2
 
     timeline = hpc_elastic("events", job, cwd=tmp_path, env=cluster.env).stdout
-    assert "round 1: world size" in timeline
+    # Round 1 may be superseded before anyone runs it, when the second slot joins at once.
+    assert re.search(r"round \d+: world size 2", timeline), timeline
     assert "all workers finished" in timeline
 
     logs = hpc_elastic("logs", job, "--rank", "0", cwd=tmp_path, env=cluster.env).stdout
