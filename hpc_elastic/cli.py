@@ -29,7 +29,7 @@ from typer.core import TyperGroup
 
 from hpc_elastic import __version__
 from hpc_elastic.config import DEFAULT_ZK, load_config
-from hpc_elastic.errors import HpcElasticError, UsageError
+from hpc_elastic.errors import HpcElasticError, UsageError, one_line
 from hpc_elastic.slurm import commands
 from hpc_elastic.spec import (
     JobSpec,
@@ -129,8 +129,7 @@ class _App(TyperGroup):
 
 def _fail(sentence: str, exit_code: int) -> NoReturn:
     """One line whatever the sentence quotes: a newline in a bad value is shown as ``\\n``."""
-    line = "".join(char if char.isprintable() else repr(char)[1:-1] for char in sentence)
-    typer.echo(f"error: {line}", err=True)
+    typer.echo(f"error: {one_line(sentence)}", err=True)
     sys.exit(exit_code)
 
 

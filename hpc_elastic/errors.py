@@ -6,6 +6,12 @@ library, with ``raise ... from``, so nothing above that module sees a foreign ex
 """
 
 
+def one_line(text: str) -> str:
+    """``text`` with every unprintable character escaped (a newline as ``\\n``), so a quoted
+    value cannot break an error line or end a ``#`` comment in a script."""
+    return "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
+
+
 class HpcElasticError(Exception):
     """Root of every error this package raises on purpose."""
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hpc_elastic.errors import TemplateError, UsageError
+from hpc_elastic.errors import TemplateError, UsageError, one_line
 from hpc_elastic.spec import JobSpec, NodeRange
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ def template_variables(spec: JobSpec, context: RenderContext) -> dict[str, objec
     python = quote(context.python)
     return {
         "version": context.version,
-        "command_line": _comment_safe(shlex.join(context.command_line)),
+        "command_line": one_line(shlex.join(context.command_line)),
         "run_id": context.run_id,
         "job_name": spec.job_name,
         "job_dir": quote(str(context.job_dir)),
@@ -129,11 +129,6 @@ def _agent_flags(spec: JobSpec, context: RenderContext) -> list[str]:
 def _agent_range(nodes: NodeRange) -> str:
     """A fixed job of N nodes trains on with fewer when one is lost, so its agents take 1:N."""
     return f"{nodes.min}:{nodes.max}" if nodes.is_elastic else f"1:{nodes.max}"
-
-
-def _comment_safe(text: str) -> str:
-    """Escape what could end a ``#`` comment line (a newline in an argument, say)."""
-    return "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
 
 
 def _environment(search_path: list[Path]) -> jinja2.Environment:
