@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
-from hpc_elastic.errors import RendezvousClosedError
+from hpc_elastic.errors import RendezvousClosedError, RendezvousError
+from hpc_elastic.rendezvous import state as st
 from hpc_elastic.rendezvous.api import Failure, JobFailedError, NodeInfo, RendezvousSettings, Round
 from hpc_elastic.rendezvous.backend import ABSENT, Store
 from hpc_elastic.rendezvous.handler import StoreRendezvous
+from hpc_elastic.rendezvous.memory import ManualClock, MemoryServer, MemoryStore
 from hpc_elastic.spec import NodeRange
 
 
@@ -123,19 +124,18 @@ def rounds(pool: ThreadPoolExecutor, agents: Iterable[StoreRendezvous]) -> list[
     return [future.result(timeout=10) for future in futures]
 
 
-def test_max_nodes_complete_at_once(store: FakeStore, pool: ThreadPoolExecutor) -> None:
-    agents = [agent(store, n) for n in "abc"]
-    started = time.monotonic()
-    results = rounds(pool, agents)
-    assert time.monotonic() - started < 0.2, "no last call when MAX are present"
+def test_max_nodes_complete_at_once() -> None:
+    world = Stepped(settings(last_call=2.0))
+    results = world.rounds([world.handler(n) for n in "abc"])
+    assert world.clock.now < 2.0, "no last call when MAX are present"
     assert len({(r.number, r.master_port, r.members) for r in results}) == 1
     assert results[0].master_addr == f"host-{results[0].members[0].node_id}"
 
 
-def test_min_nodes_complete_after_the_last_call(store: FakeStore, pool: ThreadPoolExecutor) -> None:
-    started = time.monotonic()
-    results = rounds(pool, [agent(store, n) for n in "ab"])
-    assert time.monotonic() - started >= 0.2
+def test_min_nodes_complete_after_the_last_call() -> None:
+    world = Stepped(settings(last_call=2.0))
+    results = world.rounds([world.handler(n) for n in "ab"])
+    assert world.clock.now >= 2.0
     assert [m.node_id for m in results[0].members] in (["a", "b"], ["b", "a"])
 
 
@@ -153,6 +153,7 @@ def test_a_leaving_member_sets_changed_and_ranks_stay(
     rank0 = first.members[0].node_id
     agents.pop(rank0).leave()
     assert all(survivor.changed.is_set() for survivor in agents.values())
+    assert not any(survivor.only_arrivals() for survivor in agents.values())
     second = rounds(pool, agents.values())[0]
     assert second.number == first.number + 1
     assert second.members == first.members[1:], "rank 0 moves to the next survivor"
@@ -161,18 +162,31 @@ def test_a_leaving_member_sets_changed_and_ranks_stay(
     )
 
 
-def test_a_late_node_waits_and_the_running_ones_start_the_next_round(
-    store: FakeStore, pool: ThreadPoolExecutor
-) -> None:
-    a, b = agent(store, "a"), agent(store, "b")
-    rounds(pool, [a, b])
-    late = pool.submit(agent(store, "c").next_round)
-    time.sleep(0.05)
+def test_a_late_node_waits_and_the_running_ones_start_the_next_round() -> None:
+    world = Stepped(settings())
+    a, b, c = world.handler("a"), world.handler("b"), world.handler("c")
+    world.rounds([a, b])
+    c.begin_round()
+    assert c.round_step().round is None
     assert a.changed.is_set()
     assert b.changed.is_set()
-    results = [*rounds(pool, [a, b]), late.result(timeout=10)]
+    assert a.only_arrivals(), "its workers get the arrival grace"
+    assert b.only_arrivals()
+    results = world.rounds([a, b, c])
     assert {r.number for r in results} == {2}
     assert results[0].members[2].node_id == "c"
+    assert not any(handler.only_arrivals() for handler in (a, b, c)), "reset for the new round"
+
+
+def test_a_departure_after_an_arrival_takes_the_arrival_grace_back() -> None:
+    world = Stepped(settings())
+    a, b, c = world.handler("a"), world.handler("b"), world.handler("c")
+    world.rounds([a, b])
+    c.begin_round()
+    c.round_step()
+    assert a.only_arrivals()
+    b.leave()  # b's workers may be dead: a's ranks can block on them, so no long grace
+    assert not a.only_arrivals()
 
 
 def test_failure_spends_the_budget_once_and_then_fails_the_job(
@@ -185,62 +199,69 @@ def test_failure_spends_the_budget_once_and_then_fails_the_job(
     a.report_failure(boom)
     b.report_failure(boom)
     assert b.changed.is_set()
+    assert not b.only_arrivals()
     assert rounds(pool, [a, b])[0].restarts_used == 1
     a.report_failure(boom)
     with pytest.raises(JobFailedError, match=r"all 1 restarts are spent.*boom"):
         b.next_round()
 
 
-def test_below_min_fails_after_min_wait(store: FakeStore) -> None:
-    lonely = agent(store, "a", settings(min_wait=0.2))
-    with pytest.raises(JobFailedError, match=r"only 1 of the 2 nodes needed joined within 0\.2 s"):
-        lonely.next_round()
+def test_below_min_fails_after_min_wait() -> None:
+    world = Stepped(settings(min_wait=30.0))
+    lonely = world.handler("a")
+    with pytest.raises(JobFailedError, match=r"only 1 of the 2 nodes needed joined within 30 s"):
+        world.rounds([lonely])
+    assert world.clock.now == 30.0
 
 
-def one_member_finished(
-    store: FakeStore, pool: ThreadPoolExecutor
-) -> tuple[StoreRendezvous, Future[None]]:
-    """Agents a and b in round 1, a's workers done and a waiting at the exit barrier; returns b."""
-    a, b = agent(store, "a"), agent(store, "b")
-    rounds(pool, [a, b])
-    waiting = pool.submit(a.report_success)
-    time.sleep(0.05)
-    return b, waiting
+def one_member_finished() -> tuple[Stepped, StoreRendezvous, StoreRendezvous]:
+    """Agents a and b in round 1, a's workers done and a waiting at the exit barrier."""
+    world = Stepped(settings())
+    a, b = world.handler("a"), world.handler("b")
+    world.rounds([a, b])
+    assert not a.begin_barrier()
+    assert a.barrier_step().action is st.Barrier.WAIT
+    return world, a, b
 
 
-def test_success_barrier_closes_the_job_for_late_agents(
-    store: FakeStore, pool: ThreadPoolExecutor
-) -> None:
-    b, waiting = one_member_finished(store, pool)
-    assert not waiting.done()
-    b.report_success()
-    waiting.result(timeout=5)
-    assert store.is_closed()
+def test_success_barrier_closes_the_job_for_late_agents() -> None:
+    world, a, b = one_member_finished()
+    assert b.report_success()
+    assert a.barrier_step().done is True
+    assert world.server.closed
     with pytest.raises(RendezvousClosedError):
-        agent(store, "late").next_round()
+        world.rounds([world.handler("late")])
 
 
-def test_a_node_arriving_once_a_member_succeeded_waits_and_exits_at_the_close(
-    store: FakeStore, pool: ThreadPoolExecutor
-) -> None:
-    b, waiting = one_member_finished(store, pool)
-    late = pool.submit(agent(store, "c").next_round)
-    time.sleep(0.05)
+def test_a_member_whose_success_comes_after_the_close_is_done_too() -> None:
+    """The exit barrier's rule reads a removed state as done; entering the barrier must agree,
+    not raise "closed": a local run exited 1 after all its workers succeeded."""
+    world, a, b = one_member_finished()
+    assert b.report_success()
+    assert world.server.closed
+    assert a.begin_barrier()
+
+
+def test_a_node_arriving_once_a_member_succeeded_waits_and_exits_at_the_close() -> None:
+    world, a, b = one_member_finished()
+    late = world.handler("c")
+    late.begin_round()
+    step = late.round_step()
+    assert step.action is st.Action.FINISHING
+    assert step.round is None
     assert not b.changed.is_set(), "the last steps of b must not restart for a newcomer"
-    assert not late.done()
-    b.report_success()
-    waiting.result(timeout=5)
+    assert b.report_success()
+    assert a.barrier_step().done is True
     with pytest.raises(RendezvousClosedError):
-        late.result(timeout=5)
+        late.round_step()
 
 
-def test_a_member_lost_during_the_exit_barrier_fails_the_job(
-    store: FakeStore, pool: ThreadPoolExecutor
-) -> None:
-    b, waiting = one_member_finished(store, pool)
+def test_a_member_lost_during_the_exit_barrier_fails_the_job() -> None:
+    _, a, b = one_member_finished()
     b.leave()
+    assert a.barrier_step().again
     with pytest.raises(JobFailedError, match="node 'b' left round 1"):
-        waiting.result(timeout=5)
+        a.barrier_step()
 
 
 def test_session_loss_rejoins_as_a_new_round(store: FakeStore, pool: ThreadPoolExecutor) -> None:
@@ -259,3 +280,185 @@ def test_close_tells_running_agents(store: FakeStore, pool: ThreadPoolExecutor) 
     assert b.changed.is_set()
     with pytest.raises(RendezvousClosedError):
         b.next_round()
+
+
+# --- driven step by step on a simulated clock (no threads, no wall-clock timing) -------------
+
+
+class Stepped:
+    """Handlers on one MemoryServer with a manual clock, driven by their step functions."""
+
+    def __init__(self, config: RendezvousSettings) -> None:
+        self.config = config
+        self.clock = ManualClock()
+        self.server = MemoryServer(clock=self.clock)
+
+    def handler(self, name: str) -> StoreRendezvous:
+        store = self.server.connect("job", self.config.session_timeout)
+        node = NodeInfo(node_id=name, host=f"host-{name}", nproc=1)
+        return StoreRendezvous(self.config, node, store, clock=self.clock, pick_port=lambda: 1)
+
+    def rounds(self, handlers: list[StoreRendezvous], limit: float = 600.0) -> list[Round]:
+        """Step every handler until each returned a round, moving the clock to the earliest
+        wake-up when nobody can act; fails if that takes more than ``limit`` seconds."""
+        for handler in handlers:
+            handler.begin_round()
+        got: dict[str, Round] = {}
+        start = self.clock.now
+        while len(got) < len(handlers):
+            wakes = []
+            for handler in handlers:
+                if handler.node.node_id in got:
+                    continue
+                step = handler.round_step()
+                while step.again:
+                    step = handler.round_step()
+                if step.round is not None:
+                    got[handler.node.node_id] = step.round
+                elif step.wake_at is not None:
+                    wakes.append(step.wake_at)
+            if len(got) < len(handlers):
+                assert wakes, "every handler waits without a deadline"
+                self.clock.now = max(self.clock.now, min(wakes))
+                assert self.clock.now - start <= limit, "no round within the limit"
+        return [got[handler.node.node_id] for handler in handlers]
+
+
+def test_a_success_then_a_peer_failure_reruns_instead_of_deadlocking() -> None:
+    world = Stepped(RendezvousSettings(run_id="job", nodes=NodeRange(2, 2), max_restarts=3))
+    a, b = world.handler("a"), world.handler("b")
+    assert [r.number for r in world.rounds([a, b])] == [1, 1]
+    assert not a.begin_barrier()
+    assert a.barrier_step().action is st.Barrier.WAIT
+    b.report_failure(Failure("b", "host-b", 1, 1, None, "boom", 0.0))
+    assert a.barrier_step().done is False
+    second = world.rounds([a, b])
+    assert [r.number for r in second] == [2, 2]
+    assert second[0].restarts_used == 1
+
+
+def test_the_exit_barrier_fails_the_job_naming_a_node_that_never_finishes() -> None:
+    config = RendezvousSettings(run_id="job", nodes=NodeRange(2, 2), exit_barrier_timeout=30.0)
+    world = Stepped(config)
+    a, b = world.handler("a"), world.handler("b")
+    world.rounds([a, b])
+    assert not a.begin_barrier()
+    step = a.barrier_step()
+    assert step.wake_at == 30.0
+    world.clock.now = 30.0
+    assert a.barrier_step().again
+    with pytest.raises(JobFailedError, match="node 'b' did not finish round 1 within 30 s"):
+        a.barrier_step()
+
+
+def test_a_live_straggler_that_never_comes_back_is_left_out_after_its_deadline() -> None:
+    """b's agent is stuck (its session lives, it never returns to rendezvous): a re-forms
+    without it once ``straggler_timeout`` passed, instead of waiting for ever."""
+    config = RendezvousSettings(run_id="job", nodes=NodeRange(1, 2), last_call=1.0)
+    world = Stepped(config)
+    a, b = world.handler("a"), world.handler("b")
+    world.rounds([a, b])
+    a.report_failure(Failure("a", "host-a", 0, 1, None, "boom", 0.0))
+    (second,) = world.rounds([a], limit=st.straggler_timeout(config) + 10)
+    assert [m.node_id for m in second.members] == ["a"]
+    assert world.clock.now >= st.straggler_timeout(config)
+    assert b.changed.is_set()
+    third = world.rounds([a, b])
+    assert [m.node_id for m in third[0].members] == ["a", "b"], "b is readmitted when back"
+
+
+def test_the_watch_thread_never_asks_slurm_for_the_expected_nodes(
+    store: FakeStore, pool: ThreadPoolExecutor
+) -> None:
+    callers: set[str] = set()
+
+    def expected() -> int:
+        callers.add(threading.current_thread().name)
+        return 2
+
+    a = agent(store, "a", expected_nodes=expected)
+    first = pool.submit(a.next_round)
+    b = agent(store, "b")
+    b_round = b.next_round()  # b's writes notify a's handler in this (main) thread
+    assert first.result(timeout=10).number == b_round.number
+    assert threading.current_thread().name not in callers
+    assert len(callers) == 1
+
+
+class FlakyMembers(FakeStore):
+    """A store whose first ``members`` call fails, as a ZooKeeper connection loss does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failures = 1
+
+    def members(self, node_ids: Iterable[str]) -> list[bytes]:
+        if self.failures:
+            self.failures -= 1
+            raise RendezvousError("ZooKeeper failed an operation (ConnectionLoss).")
+        return super().members(node_ids)
+
+
+def test_a_transient_error_listing_members_is_retried() -> None:
+    flaky = FlakyMembers()
+    config = RendezvousSettings(run_id="job", nodes=NodeRange(1, 1))
+    handler = StoreRendezvous(config, NodeInfo("a", "host-a", 1), flaky)
+    assert handler.next_round().number == 1
+    assert flaky.failures == 0
+
+
+def test_a_handler_cut_off_decides_nothing_and_gives_up_after_min_wait() -> None:
+    world = Stepped(settings(min_wait=30.0))
+    a, b = world.handler("a"), world.handler("b")
+    world.rounds([a, b])
+    store = a._store
+    assert isinstance(store, MemoryStore)
+    cut_at = world.clock.now
+    store.disconnect()
+    assert a.suspended_since() == cut_at
+    step = a.round_step()
+    assert (step.action, step.round, step.wake_at) == (st.Action.WAIT, None, cut_at + 30.0)
+    world.clock.now = cut_at + 30.0
+    with pytest.raises(RendezvousError, match="stayed out of reach for 30 s"):
+        a.round_step()
+
+
+def test_a_hot_spare_is_announced_once_per_round_and_joins_when_a_member_is_lost() -> None:
+    world = Stepped(RendezvousSettings(run_id="job", nodes=NodeRange(2, 2), session_timeout=2.0))
+    a, b, spare = world.handler("a"), world.handler("b"), world.handler("c")
+    announced: list[int] = []
+    spare.on_spare = announced.append
+    world.rounds([a, b])
+    spare.begin_round()
+    for _ in range(3):
+        step = spare.round_step()
+        assert step.action is st.Action.WAIT
+        assert step.round is None
+    assert announced == [1]
+    b.leave()  # b's node is gone
+    assert a.changed.is_set()
+    second = world.rounds([a, spare])
+    assert [m.node_id for m in second[0].members] == ["a", "c"]
+    assert world.clock.now == 0.0, "no last call, no wait: the spare completes the round"
+    assert announced == [1]
+
+
+def test_a_node_already_waiting_is_woken_once_to_announce_that_it_became_a_spare() -> None:
+    """Seen on the cluster: the spare first waited (WAIT) for its own membership to show, and
+    the watch found the decision unchanged (WAIT again, now as a spare), so nobody woke it
+    and the spare event never came."""
+    world = Stepped(RendezvousSettings(run_id="job", nodes=NodeRange(2, 2)))
+    a, b, spare = world.handler("a"), world.handler("b"), world.handler("c")
+    announced: list[int] = []
+    spare.on_spare = announced.append
+    world.rounds([a, b])
+    spare.begin_round()
+    spare._waiting_on = st.Action.WAIT  # as if asleep in _sleep on an earlier WAIT
+    generation = spare.generation
+    spare._on_change()
+    assert spare.generation > generation, "the loop must run to announce the spare"
+    assert spare.round_step().action is st.Action.WAIT
+    assert announced == [1]
+    generation = spare.generation
+    spare._on_change()
+    assert spare.generation == generation, "announced: nothing new for the sleeping loop"

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as hs
 
 from hpc_elastic.errors import RendezvousError
 from hpc_elastic.rendezvous import state as st
-from hpc_elastic.rendezvous.api import Failure, NodeInfo
+from hpc_elastic.rendezvous.api import Failure, NodeInfo, RendezvousSettings
 from hpc_elastic.spec import NodeRange
 
 ONE_TO_FOUR = NodeRange(1, 4)
@@ -94,7 +96,7 @@ def test_a_finishing_round_ignores_arrivals_and_finished_members_but_not_lost_on
     assert st.round_is_live(finishing, frozenset("abc"), ONE_TO_FOUR), "c waits for the close"
     assert st.round_is_live(finishing, frozenset("b"), ONE_TO_FOUR), "a is done and may go"
     assert not st.round_is_live(finishing, frozenset("ac"), ONE_TO_FOUR), "b left unfinished"
-    assert st.next_action(finishing, frozenset("abc"), "c", 0, ONE_TO_FOUR) is st.Action.WAIT
+    assert st.next_action(finishing, frozenset("abc"), "c", 0, ONE_TO_FOUR) is st.Action.FINISHING
 
 
 @pytest.mark.parametrize(
@@ -102,11 +104,14 @@ def test_a_finishing_round_ignores_arrivals_and_finished_members_but_not_lost_on
     [
         (running("a", "b"), "ab", "a", 0, None, st.Action.RETURN),
         (running("a", "b", port=None), "ab", "a", 0, None, st.Action.PUBLISH_PORT),
-        (running("a", "b", port=None), "ab", "b", 0, None, st.Action.WAIT),
+        (running("a", "b", port=None), "ab", "b", 0, None, st.Action.AWAIT_PORT),
         (running("a", "b"), "ab", "a", 1, None, st.Action.MARK_READY),
         (back("a", running("a", "b")), "ab", "a", 1, None, st.Action.STRAGGLERS),
         (back("a", running("a", "b")), "a", "a", 1, None, st.Action.BELOW_MIN),
-        (back("ab", running("a", "b")), "ab", "a", 1, None, st.Action.LAST_CALL),
+        # The same nodes again, nobody new: the last call has nobody to wait for.
+        (back("ab", running("a", "b")), "ab", "a", 1, None, st.Action.COMPLETE),
+        # ... unless Slurm says a third node is coming.
+        (back("ab", running("a", "b")), "ab", "a", 1, 3, st.Action.LAST_CALL),
         (running("a"), "ab", "b", 0, None, st.Action.STRAGGLERS),
         (back("a", running("a")), "ab", "b", 0, None, st.Action.LAST_CALL),
         (back("a", running("a")), "ab", "b", 0, 2, st.Action.COMPLETE),
@@ -116,7 +121,10 @@ def test_a_finishing_round_ignores_arrivals_and_finished_members_but_not_lost_on
         (st.JobState(max_restarts=1), "a", "a", 0, None, st.Action.BELOW_MIN),
         (st.JobState(max_restarts=1), "ab", "b", 0, None, st.Action.LAST_CALL),
         (st.JobState(max_restarts=1), "ab", "c", 0, None, st.Action.WAIT),
-        (st.record_success(running("a", "b"), 1, "a"), "ab", "b", 1, None, st.Action.WAIT),
+        # b back in rendezvous without finishing ends the finishing round (it used to WAIT
+        # here for ever: the exit-barrier deadlock of issue 11).
+        (st.record_success(running("a", "b"), 1, "a"), "ab", "b", 1, None, st.Action.MARK_READY),
+        (st.record_success(running("a", "b"), 1, "a"), "abc", "c", 0, None, st.Action.FINISHING),
     ],
 )
 def test_next_action(
@@ -195,7 +203,7 @@ def test_a_member_that_died_is_never_in_the_next_round() -> None:
     state = back("a", running("a", "b"))
     assert not st.round_is_live(state, frozenset("ab"), ONE_TO_FOUR)
     assert st.next_action(state, frozenset("ab"), "a", 1, ONE_TO_FOUR) is st.Action.STRAGGLERS
-    assert st.next_action(state, frozenset("a"), "a", 1, ONE_TO_FOUR) is st.Action.LAST_CALL
+    assert st.next_action(state, frozenset("a"), "a", 1, ONE_TO_FOUR) is st.Action.COMPLETE
     assert st.candidates(state, frozenset("a")) == {"a"}
 
 
@@ -204,3 +212,180 @@ def test_mark_ready_is_idempotent_and_only_for_members() -> None:
     assert st.mark_ready(state, "a") == state
     assert st.mark_ready(state, "z") == state
     assert st.complete_round(state, [node("a")], ONE_TO_FOUR).ready == ()
+
+
+SETTINGS = RendezvousSettings("job", ONE_TO_FOUR, session_timeout=6.0, stop_grace=2.0)
+
+
+def test_a_failure_after_a_success_ends_the_round_and_the_success_rejoins() -> None:
+    """The exit-barrier deadlock: a succeeded, then b's worker failed with budget left. b must
+    not wait on a's success, and a must leave the barrier to rerun with b."""
+    state = st.record_success(running("a", "b"), 1, "a")
+    state = st.record_failure(state, 1, failure("b"))
+    assert st.next_action(state, frozenset("ab"), "b", 1, ONE_TO_FOUR) is st.Action.MARK_READY
+    assert st.barrier_action(state, frozenset("ab"), 1, 0.0, 300.0) is st.Barrier.RESTART
+    state = back("ab", state)
+    assert st.next_action(state, frozenset("ab"), "a", 1, ONE_TO_FOUR) is st.Action.COMPLETE
+
+
+def test_a_success_in_a_round_that_a_failure_ended_does_not_count() -> None:
+    state = st.record_failure(running("a", "b"), 1, failure("b"))
+    assert st.record_success(state, 1, "a") == state
+
+
+def test_a_newcomer_still_waits_while_a_round_finishes_without_failure() -> None:
+    state = st.record_success(running("a", "b"), 1, "a")
+    assert st.next_action(state, frozenset("abc"), "c", 0, ONE_TO_FOUR) is st.Action.FINISHING
+    assert st.barrier_action(state, frozenset("abc"), 1, 10.0, 300.0) is st.Barrier.WAIT
+
+
+def test_the_exit_barrier_fails_a_member_that_never_finishes_at_its_deadline() -> None:
+    state = st.record_success(running("a", "b"), 1, "a")
+    assert st.barrier_action(state, frozenset("ab"), 1, 299.9, 300.0) is st.Barrier.WAIT
+    assert st.barrier_action(state, frozenset("ab"), 1, 300.0, 300.0) is st.Barrier.TIMED_OUT
+    assert st.barrier_action(state, frozenset("a"), 1, 1.0, 300.0) is st.Barrier.MEMBER_LOST
+    assert st.unfinished(state) == {"b"}
+
+
+def test_the_wait_for_stragglers_has_a_deadline_derived_from_the_settings() -> None:
+    timeout = st.straggler_timeout(SETTINGS)
+    assert timeout == 2.0 + (2 * 6.0 + st.MARGIN) + 6.0 + st.MARGIN
+    assert timeout > st.echo_wait(SETTINGS) + SETTINGS.stop_grace
+    assert not st.stragglers_overdue(None, 1e9, SETTINGS)
+    assert not st.stragglers_overdue(100.0, 100.0 + timeout - 0.1, SETTINGS)
+    assert st.stragglers_overdue(100.0, 100.0 + timeout, SETTINGS)
+
+
+def test_only_a_round_superseded_by_arrivals_gives_its_workers_the_long_grace() -> None:
+    state = running("a", "b")
+    assert st.only_arrivals(state, frozenset("abc"), 1), "c waits to join: all ranks healthy"
+    assert st.only_arrivals(back("a", state), frozenset("abc"), 1), "a stopped first"
+    assert not st.only_arrivals(state, frozenset("ac"), 1), "b left: its ranks may be dead"
+    assert not st.only_arrivals(st.record_failure(state, 1, failure("b")), frozenset("ab"), 1)
+    assert not st.only_arrivals(st.record_success(state, 1, "a"), frozenset("abc"), 1)
+    assert not st.only_arrivals(replace(state, excluded=("b",)), frozenset("abc"), 1)
+    assert not st.only_arrivals(replace(state, round=2), frozenset("abc"), 1), "superseded"
+
+
+def test_the_arrival_grace_ends_before_the_others_leave_the_node_out() -> None:
+    """An agent that spends the whole arrival grace still comes back within the others'
+    wait for stragglers (a round ended by arrivals has no echo to wait for)."""
+    assert st.arrival_grace(SETTINGS) > SETTINGS.stop_grace
+    assert st.arrival_grace(SETTINGS) + SETTINGS.session_timeout < st.straggler_timeout(SETTINGS)
+
+
+def test_a_stuck_straggler_is_left_out_and_cannot_stall_the_next_round() -> None:
+    """b is alive (its agent is stuck on an unkillable worker) but never comes back."""
+    state = back("a", running("a", "b"))
+    alive = frozenset("ab")
+    assert st.next_action(state, alive, "a", 1, ONE_TO_FOUR) is st.Action.STRAGGLERS
+    overdue = st.next_action(state, alive, "a", 1, ONE_TO_FOUR, stragglers_overdue=True)
+    assert overdue is st.Action.LAST_CALL
+    state = st.complete_round(state, [node("a")], ONE_TO_FOUR, exclude=frozenset("b"))
+    state = st.publish_master(state, 2, 29500)
+    assert state.excluded == ("b",)
+    assert st.round_is_live(state, alive, ONE_TO_FOUR), "the stuck b must not supersede round 2"
+    assert st.next_action(state, alive, "a", 1, ONE_TO_FOUR) is st.Action.RETURN
+    assert st.next_action(state, alive, "b", 1, ONE_TO_FOUR) is st.Action.READMIT
+    back_again = st.readmit(state, "b")
+    assert back_again.excluded == ()
+    assert not st.round_is_live(back_again, alive, ONE_TO_FOUR), "b now arrives as a newcomer"
+
+
+def test_excluded_nodes_that_died_are_forgotten_at_the_next_round() -> None:
+    state = st.complete_round(running("a", "b"), [node("a")], ONE_TO_FOUR, exclude=frozenset("b"))
+    assert st.complete_round(state, [node("a"), node("b")], ONE_TO_FOUR).excluded == ()
+
+
+def test_a_member_back_without_finishing_ends_a_finishing_round_without_spending_budget() -> None:
+    """Found by the simulation: b was fenced (cut off) after a succeeded; b can never finish
+    round 1, so it ends the round and both rerun; the budget is untouched."""
+    state = st.record_success(running("a", "b"), 1, "a")
+    assert st.next_action(state, frozenset("ab"), "b", 1, ONE_TO_FOUR) is st.Action.MARK_READY
+    state = st.mark_ready(state, "b")
+    assert st.barrier_action(state, frozenset("ab"), 1, 0.0, 300.0) is st.Barrier.RESTART
+    assert st.record_success(state, 1, "b") == state
+    assert state.restarts_used == 0
+
+
+def test_a_shrink_completes_at_once_instead_of_waiting_the_last_call() -> None:
+    """Issue 17: a `3:4` round that lost d waited the last call (1 s) for nodes that nobody
+    had started; every candidate was a member and every live member is back."""
+    state = back("abc", running("a", "b", "c", "d"))
+    alive = frozenset("abc")
+    assert st.no_newcomer(state, alive)
+    assert st.next_action(state, alive, "a", 1, NodeRange(3, 4)) is st.Action.COMPLETE
+
+
+def test_a_shrink_still_waits_the_last_call_when_slurm_says_a_node_is_coming() -> None:
+    state = back("abc", running("a", "b", "c", "d"))
+    alive = frozenset("abc")
+    action = st.next_action(state, alive, "a", 1, NodeRange(3, 4), expected=4)
+    assert action is st.Action.LAST_CALL
+    assert st.next_action(state, alive, "a", 1, NodeRange(3, 4), expected=3) is st.Action.COMPLETE
+
+
+def test_a_newcomer_or_a_straggler_keeps_the_last_call_after_a_shrink() -> None:
+    state = back("abc", running("a", "b", "c", "d"))
+    with_newcomer = frozenset("abce")
+    assert not st.no_newcomer(state, with_newcomer)
+    assert st.next_action(state, frozenset("abe"), "a", 1, NodeRange(3, 5)) is st.Action.LAST_CALL
+    stuck = back("ab", running("a", "b", "c", "d"))
+    overdue = st.next_action(
+        stuck, frozenset("abc"), "a", 1, NodeRange(2, 4), stragglers_overdue=True
+    )
+    assert overdue is st.Action.LAST_CALL, "c is stuck, not gone: its slot may be refilled"
+    without_c = st.publish_master(
+        st.complete_round(stuck, [node("a"), node("b")], NodeRange(2, 4), exclude=frozenset("c")),
+        2,
+        29500,
+    )
+    again = back("ab", without_c)
+    action = st.next_action(again, frozenset("abc"), "a", 2, NodeRange(2, 4))
+    assert action is st.Action.LAST_CALL, "c is alive and may come back (READMIT) any moment"
+    gone = st.next_action(again, frozenset("ab"), "a", 2, NodeRange(2, 4))
+    assert gone is st.Action.COMPLETE
+
+
+def test_the_first_round_always_waits_the_last_call() -> None:
+    fresh = st.JobState(max_restarts=1)
+    assert not st.no_newcomer(fresh, frozenset("ab"))
+    assert st.next_action(fresh, frozenset("ab"), "a", 0, NodeRange(2, 4)) is st.Action.LAST_CALL
+
+
+TWO = NodeRange(2, 2)
+
+
+def test_a_hot_spare_waits_beside_a_full_round_and_replaces_a_lost_member() -> None:
+    """submit --spares 1 with --nodes 2:2: c's agent waits, and the round ignores it."""
+    state = running("a", "b")
+    assert st.round_is_live(state, frozenset("abc"), TWO)
+    assert st.is_spare(state, frozenset("abc"), "c", TWO)
+    assert st.spares(state, frozenset("abc"), TWO) == {"c"}
+    assert st.next_action(state, frozenset("abc"), "c", 0, TWO) is st.Action.WAIT
+    # b's node dies: a comes back, and with the spare the next round is full at once.
+    lost = back("a", state)
+    assert not st.spares(lost, frozenset("ac"), TWO), "the round is over: c is a candidate now"
+    assert st.next_action(lost, frozenset("ac"), "c", 0, TWO) is st.Action.COMPLETE
+    assert st.next_action(lost, frozenset("ac"), "a", 1, TWO) is st.Action.COMPLETE
+    nxt = st.complete_round(lost, [node("a"), node("c")], TWO)
+    assert [m.node_id for m in nxt.members] == ["a", "c"], "the survivor keeps rank 0"
+
+
+def test_of_two_spares_one_replaces_the_lost_member_and_the_other_stays_a_spare() -> None:
+    lost = back("a", running("a", "b"))
+    nxt = st.publish_master(st.complete_round(lost, [node("a"), node("c"), node("d")], TWO), 2, 1)
+    assert [m.node_id for m in nxt.members] == ["a", "c"]
+    assert st.spares(nxt, frozenset("acd"), TWO) == {"d"}
+
+
+def test_a_node_beside_a_round_below_max_is_a_newcomer_not_a_spare() -> None:
+    state = running("a", "b")
+    assert not st.is_spare(state, frozenset("abc"), "c", TWO_TO_THREE)
+    assert not st.round_is_live(state, frozenset("abc"), TWO_TO_THREE), "the job grows instead"
+
+
+def test_a_spare_beside_a_finishing_round_is_no_spare_any_more() -> None:
+    finishing = st.record_success(running("a", "b"), 1, "a")
+    assert not st.is_spare(finishing, frozenset("abc"), "c", TWO)
+    assert st.next_action(finishing, frozenset("abc"), "c", 0, TWO) is st.Action.FINISHING

@@ -29,7 +29,7 @@ marks = Path(sys.argv[2])
 for step in range(steps):
     total = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(total)
-    time.sleep(0.1)
+    time.sleep(0.1)  # a step's work, so a crash lands mid-training
 print(f"done world={dist.get_world_size()} sum={total.item():g} "
       f"restart={os.environ['TORCHELASTIC_RESTART_COUNT']}", flush=True)
 dist.destroy_process_group()
@@ -75,7 +75,7 @@ def launch(zk: str, env: dict[str, str], script: Path, steps: int) -> subprocess
             sys.executable, "-m", "torch.distributed.run",
             "--rdzv-backend=zookeeper", f"--rdzv-endpoint={zk}", "--rdzv-id=job",
             "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=3", "--monitor-interval=0.2",
-            "--rdzv-conf=last_call_timeout=1,session_timeout=2",
+            "--rdzv-conf=last_call_timeout=1,session_timeout=2,zk_open_acl=1",
             str(script), str(steps), str(script.parent),
         ],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hpc_elastic.errors import RendezvousError
@@ -33,13 +34,25 @@ class RendezvousSettings:
     """Seconds the job may stay below MIN nodes before it fails."""
     max_restarts: int = 3
     """Worker-failure restarts for the whole job; membership changes do not spend it."""
+    stop_grace: float = 2.0
+    """Seconds an agent gives its workers to stop when its round ends (``AgentSpec.stop_grace``);
+    part of how long the others wait for it to come back (``state.straggler_timeout``)."""
+    exit_barrier_timeout: float = 300.0
+    """Seconds a node whose workers finished waits for the others (torchrun's default) before
+    it fails the job, naming a node that never finished."""
 
     def __post_init__(self) -> None:
         if not self.run_id or "/" in self.run_id:
             raise RendezvousError(
                 f"Run id '{self.run_id}' is not usable; give a non-empty id without '/'."
             )
-        if self.last_call < 0 or self.session_timeout <= 0 or self.min_wait < 0:
+        if (
+            self.last_call < 0
+            or self.session_timeout <= 0
+            or self.min_wait < 0
+            or self.stop_grace < 0
+            or self.exit_barrier_timeout <= 0
+        ):
             raise RendezvousError(
                 "Rendezvous timeouts must be positive; check --last-call, --session-timeout "
                 "and --min-wait."
@@ -119,6 +132,9 @@ class Rendezvous(ABC):
     settings: RendezvousSettings
     node: NodeInfo
     changed: threading.Event = field(default_factory=threading.Event)
+    on_spare: Callable[[int], None] | None = None
+    """Called once per round (its number) in which this node waits as a hot spare: the round
+    is full, and this node joins the next one when a member is lost (``submit --spares``)."""
 
     @abstractmethod
     def next_round(self) -> Round:
@@ -137,12 +153,39 @@ class Rendezvous(ABC):
         """
 
     @abstractmethod
-    def report_success(self) -> None:
+    def fail(self, summary: str) -> None:
+        """Fail the whole job now, with ``summary`` as its cause, without spending a restart:
+        for failures no restart can fix (a user error, the no-progress breaker). Every
+        agent's round is superseded and its next ``next_round`` raises JobFailedError."""
+
+    @abstractmethod
+    def report_success(self) -> bool:
         """Record that this node's workers all exited 0, then wait for the other members.
 
-        An exit barrier: returns once every member of the round has succeeded (the last
-        one closes the job), or raises JobFailedError if the others fail or vanish.
+        An exit barrier: returns True once every member of the round has succeeded (the last
+        one closes the job), False when a worker failure elsewhere ended the round with
+        budget left (call ``next_round``: the job reruns from its checkpoint), or raises
+        JobFailedError if the job failed, a member vanished, or a member did not finish
+        within ``exit_barrier_timeout``.
         """
+
+    def suspended_since(self) -> float | None:
+        """Monotonic time since which the connection to the store is down (None: it is up).
+
+        The agent stops its workers once this outlasts the session timeout: by then the
+        others may form a round without this node (see docs/agent.md, "Fencing")."""
+        return None
+
+    def time_cut_off(self) -> float:
+        """Seconds the connection to the store was down, summed over the outages that have
+        ended: news of that time (a re-fired watch) reaches this node only afterwards."""
+        return 0.0
+
+    def only_arrivals(self) -> bool:
+        """Whether this node's round was superseded only by nodes waiting to join
+        (``state.only_arrivals``): its workers then get ``state.arrival_grace`` to save.
+        False when it cannot tell (the short grace is the safe one)."""
+        return False
 
     @abstractmethod
     def close(self) -> None:

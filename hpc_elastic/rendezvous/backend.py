@@ -8,12 +8,33 @@ benchmark multiplexes hundreds of simulated nodes over a few connections).
 
 from __future__ import annotations
 
+import enum
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 
 ABSENT = -1
 """The token of a state that does not exist yet: ``set_state`` with it creates the state."""
+
+
+class ConnectionState(enum.Enum):
+    """What a connection knows about its session, as ZooKeeper's clients report it.
+
+    The agent needs the middle one: a node cut off from the store is only SUSPENDED, and it
+    cannot know whether its session (and so its membership) still exists. Once SUSPENDED has
+    lasted longer than the session timeout, the others have surely formed a round without it,
+    so it must stop its workers then, not when LOST arrives (which only comes on reconnect).
+    """
+
+    CONNECTED = "connected"
+    """Connected again with the same session: memberships and watches are intact."""
+    SUSPENDED = "suspended"
+    """Cut off from the store; the session may or may not still be alive there."""
+    LOST = "lost"
+    """The session expired: this connection's memberships are gone (a new session follows)."""
+
+
+ConnectionCallback = Callable[[ConnectionState], None]
 
 
 class Store(ABC):
@@ -57,6 +78,19 @@ class Store(ABC):
     def unsubscribe(self, on_change: Callable[[], None]) -> None:
         """Stop notifying ``on_change`` (and its session callback)."""
 
+    def subscribe_connection(self, callback: ConnectionCallback) -> None:
+        """Call ``callback`` with every change of this connection's ``ConnectionState``.
+
+        Callbacks never run inside a client library's I/O thread, but they should still not
+        block for long: they delay the store's other notifications. A store that cannot be
+        cut off from its state never calls them; that is this default.
+        """
+        del callback
+
+    def unsubscribe_connection(self, callback: ConnectionCallback) -> None:
+        """Stop calling ``callback``; unknown callbacks are ignored."""
+        del callback
+
     @abstractmethod
     def is_closed(self) -> bool:
         """Whether the job was closed (its tombstone exists)."""
@@ -82,6 +116,7 @@ class CachedStore(Store):
         self._state: tuple[bytes | None, int] = (None, ABSENT)
         self._alive: frozenset[str] = frozenset()
         self._subscribers: dict[Callable[[], None], Callable[[], None]] = {}
+        self._connection_subscribers: list[ConnectionCallback] = []
 
     def get_state(self) -> tuple[bytes | None, int]:
         with self._lock:
@@ -98,6 +133,19 @@ class CachedStore(Store):
     def unsubscribe(self, on_change: Callable[[], None]) -> None:
         with self._lock:
             self._subscribers.pop(on_change, None)
+
+    def subscribe_connection(self, callback: ConnectionCallback) -> None:
+        with self._lock:
+            self._connection_subscribers.append(callback)
+
+    def unsubscribe_connection(self, callback: ConnectionCallback) -> None:
+        with self._lock:
+            if callback in self._connection_subscribers:
+                self._connection_subscribers.remove(callback)
+
+    def _connection_callbacks(self) -> list[ConnectionCallback]:
+        with self._lock:
+            return list(self._connection_subscribers)
 
     def _remember_state(self, data: bytes | None, token: int) -> None:
         """Keep the newest state seen, whether pushed or in a reply: a late push of an older

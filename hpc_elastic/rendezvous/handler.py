@@ -8,13 +8,17 @@ store's watches wake the loop, and they also set ``changed`` while workers run.
 
 from __future__ import annotations
 
+import logging
+import os
+import random
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from functools import partial
 
-from hpc_elastic.errors import RendezvousClosedError
+from hpc_elastic.errors import RendezvousClosedError, RendezvousError
 from hpc_elastic.rendezvous import state as st
 from hpc_elastic.rendezvous.api import (
     Failure,
@@ -24,24 +28,75 @@ from hpc_elastic.rendezvous.api import (
     RendezvousSettings,
     Round,
 )
-from hpc_elastic.rendezvous.backend import ABSENT, Store
+from hpc_elastic.rendezvous.backend import ABSENT, ConnectionState, Store
+from hpc_elastic.spec import MASTER_PORTS_ENV, parse_port_range
 
 PROPOSER_STAGGER = 0.1
 """Seconds between the turns of successive node ids to complete a round."""
 MAX_STAGGER = 5.0
+MEMBERS_RETRY = 1.0
+"""Seconds before a round's completion is tried again after the store failed to list members."""
+
+log = logging.getLogger(__name__)
 
 
-def free_port() -> int:
-    """A port that is free now; the master binds it moments later (the usual small race)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("", 0))
-        port: int = probe.getsockname()[1]
-        return port
+def free_port(environ: Mapping[str, str] = os.environ) -> int:
+    """A port that is free now; the master binds it moments later (the usual small race).
+
+    With ``HPC_ELASTIC_MASTER_PORTS=LOW:HIGH`` (``submit --master-port-range``) only ports in
+    that range are tried, so a site can open just those between its nodes.
+    """
+    low, high = port_range(environ.get(MASTER_PORTS_ENV))
+    for candidate in random.sample(range(low, high + 1), min(high - low + 1, 256)):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("", candidate))
+            except OSError:
+                continue
+            port: int = probe.getsockname()[1]
+            return port
+    raise RendezvousError(
+        f"No free port in {MASTER_PORTS_ENV} '{low}:{high}' for the workers' MASTER_PORT; "
+        "widen --master-port-range."
+    )
+
+
+def port_range(text: str | None) -> tuple[int, int]:
+    """The configured range, or (0, 0): bind port 0, and the kernel picks any free one."""
+    if not text:
+        return 0, 0
+    low, high = parse_port_range(text).split(":")
+    return int(low), int(high)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One decision of a waiting loop (``next_round`` or the exit barrier) and its outcome.
+
+    The blocking loops in production and the single-threaded simulator both drive the
+    handler by these steps: act again at once (``again``), return (``round`` / ``done``),
+    or sleep until the store reports a change or the clock reaches ``wake_at``.
+    """
+
+    action: st.Action | st.Barrier
+    again: bool = False
+    wake_at: float | None = None
+    round: Round | None = None
+    done: bool | None = None
+    """The exit barrier's result: True when the job finished, False to rejoin."""
+
+
+_WRITES = frozenset({st.Action.PUBLISH_PORT, st.Action.MARK_READY, st.Action.READMIT})
+"""Actions that write one new state and look again (``StoreRendezvous._written``)."""
 
 
 class StoreRendezvous(Rendezvous):
     """One node's rendezvous over a Store; ``expected_nodes`` says how many nodes could
-    arrive soon (e.g. the Slurm allocation), so a round need not wait for the last call."""
+    arrive soon (e.g. the Slurm allocation), so a round need not wait for the last call.
+
+    ``clock`` and ``pick_port`` are injected by the simulator (hpc_elastic/simulation);
+    production uses the monotonic clock and a free local port.
+    """
 
     def __init__(
         self,
@@ -50,103 +105,322 @@ class StoreRendezvous(Rendezvous):
         store: Store,
         expected_nodes: Callable[[], int | None] | None = None,
         owns_store: bool = True,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        pick_port: Callable[[], int] = free_port,
     ) -> None:
         super().__init__(settings, node)
         self._store = store
         self._expected_nodes = expected_nodes
+        self._expected: int | None = None
+        """The last ``expected_nodes()`` the loop saw: the watch thread reads this value and
+        never calls ``expected_nodes`` itself (it runs squeue, which may block for a minute)."""
         self._owns_store = owns_store
+        self._clock = clock
+        self._pick_port = pick_port
         self._round = 0
         self._in_round = False
         """From returning a round until the next ``next_round``: only then is ``changed`` set."""
+        self._arrivals_only = False
+        """Whether every change that superseded the round was an arrival (``only_arrivals``):
+        decided in the watch thread from what it read anyway, so the agent never waits on
+        the store (it may be cut off) to choose its workers' grace."""
         self._generation = 0
         self._waiting_on: st.Action | None = None
         self._wake = threading.Condition()
         self._rejoin = threading.Event()
+        self._min_deadline = 0.0
+        self._last_call_deadline: float | None = None
+        self._propose_at: float | None = None
+        self._straggling: tuple[int, float] | None = None
+        """(round, since when) this agent waits for that round's stragglers."""
+        self._overdue = False
+        self._finishing: tuple[int, float] | None = None
+        self._port_wait: tuple[int, float] | None = None
+        """(round, since when) this agent waits for that finishing round to close."""
+        self._barrier_since = 0.0
+        self._suspended_at: float | None = None
+        self._cut_off = 0.0
+        """Seconds the connection was down, summed over the outages that have ended."""
+        self._spare_round: int | None = None
+        """The latest round this node was told to wait beside as a hot spare."""
+        self._stale = False
+        """Set by a disconnection: the cached view must be read from the server once more."""
         store.subscribe(self._on_change, self._on_session_lost)
+        store.subscribe_connection(self._on_connection)
+
+    @property
+    def generation(self) -> int:
+        """Bumped by every store notification that may change the loop's decision."""
+        return self._generation
+
+    @property
+    def last_round(self) -> int:
+        """The latest round this node returned from ``next_round`` (0: none yet)."""
+        return self._round
 
     def next_round(self) -> Round:
+        self.begin_round()
+        while True:
+            generation = self._generation
+            step = self.round_step()
+            if step.round is not None:
+                return step.round
+            if not step.again:
+                assert isinstance(step.action, st.Action)
+                self._sleep(generation, step.wake_at, step.action)
+
+    def begin_round(self) -> None:
+        """Enter ``next_round``: join (idempotently) and restart its deadlines."""
         self._in_round = False
         self.changed.clear()
+        self._arrivals_only = False
         self._join()
-        min_deadline = time.monotonic() + self.settings.min_wait
-        last_call_deadline: float | None = None
-        propose_at: float | None = None
-        while True:
-            generation = self._generation
-            if self._rejoin.is_set():
-                self._join()
-            data, token = self._store.get_state()
-            if data is None:
-                self._create_state()
-                continue
-            state = self._usable(st.decode(data))
-            alive = self._store.alive()
-            action = self._action(state, alive)
-            now = time.monotonic()
-            if action is st.Action.RETURN:
-                self._round = state.round
-                self._in_round = True
-                self._on_change()
-                return state.to_round()
-            if action is st.Action.PUBLISH_PORT:
-                self._store.set_state(
-                    st.encode(st.publish_master(state, state.round, free_port())), token
+        self._min_deadline = self._clock() + self.settings.min_wait
+        self._last_call_deadline = self._propose_at = None
+        self._straggling = None
+        self._finishing = None
+        self._port_wait = None
+        log.debug("%s: waiting for a round after round %d", self.node.node_id, self._round)
+
+    def round_step(self) -> Step:
+        """Read the state and membership once, decide (``state.next_action``) and act."""
+        if self._suspended_at is not None:
+            # Cut off: our view may be stale (a round may have formed without us), so
+            # nothing is decided on it; the reconnection wakes us, or we give up.
+            giving_up = self._suspended_at + self.settings.min_wait
+            if self._clock() >= giving_up:
+                raise RendezvousError(
+                    f"The rendezvous of job '{self.settings.run_id}' stayed out of reach for "
+                    f"{self.settings.min_wait:g} s (--min-wait); check the ZooKeeper ensemble."
                 )
-                continue
-            if action is st.Action.MARK_READY:
-                self._store.set_state(st.encode(st.mark_ready(state, self.node.node_id)), token)
-                continue
-            if action is st.Action.BELOW_MIN:
-                last_call_deadline = propose_at = None
-                if now >= min_deadline:
-                    self._fail_below_min(state, token, len(alive))
-                    continue
-                self._sleep(generation, min_deadline, action)
-                continue
-            if action is st.Action.LAST_CALL:
-                last_call_deadline = last_call_deadline or now + self.settings.last_call
-                if now < last_call_deadline:
-                    self._sleep(generation, last_call_deadline, action)
-                    continue
-            if action in (st.Action.COMPLETE, st.Action.LAST_CALL):
-                propose_at = propose_at or now + self._stagger(alive)
-                if now >= propose_at:
-                    self._complete(state, token, alive)
-                    continue
-                self._sleep(generation, propose_at, action)
-                continue
-            propose_at = None
-            self._sleep(generation, None, action)
+            log.debug("%s: connection down, waiting for it", self.node.node_id)
+            return Step(st.Action.WAIT, wake_at=giving_up)
+        if self._rejoin.is_set():
+            self._join()
+        data, token = self._store.get_state()
+        if self._stale and data is not None:
+            # Back after a disconnection: the watches re-fire later, and a round decided on
+            # the old view may have been superseded meanwhile. One compare-and-set of the
+            # same bytes reads the server's state (and rewrites it if ours was current).
+            data, token, _ = self._store.set_state(data, token)
+            self._stale = False
+            log.debug("%s: view refreshed after the reconnection", self.node.node_id)
+        if data is None:
+            self._create_state()
+            return Step(st.Action.WAIT, again=True)
+        state = self._usable(st.decode(data))
+        alive = self._store.alive()
+        now = self._clock()
+        if self._expected_nodes is not None:
+            self._expected = self._expected_nodes()
+        self._overdue = self._stragglers_overdue(state, alive, now)
+        action = self._action(state, alive)
+        log.debug(
+            "%s: round %d, alive %d, decided %s",
+            self.node.node_id,
+            state.round,
+            len(alive),
+            action.value,
+        )
+        if action is st.Action.WAIT:
+            self._note_spare(state, alive)
+        return self._act(action, state, token, alive, now)
+
+    def _note_spare(self, state: st.JobState, alive: frozenset[str]) -> None:
+        """Say once per round that this node waits beside it as a hot spare."""
+        if not self._spare_news(state, alive):
+            return
+        self._spare_round = state.round
+        log.debug("%s: a hot spare beside round %d", self.node.node_id, state.round)
+        if self.on_spare is not None:
+            self.on_spare(state.round)
+
+    def _act(
+        self, action: st.Action, state: st.JobState, token: int, alive: frozenset[str], now: float
+    ) -> Step:
+        if action is st.Action.RETURN:
+            self._round = state.round
+            self._in_round = True
+            self._on_change()
+            return Step(action, round=state.to_round())
+        if action in _WRITES:
+            self._store.set_state(st.encode(self._written(action, state)), token)
+            return Step(action, again=True)
+        if action is st.Action.BELOW_MIN:
+            self._last_call_deadline = self._propose_at = None
+            if now >= self._min_deadline:
+                self._fail_below_min(state, token, len(st.present(state, alive)))
+                return Step(action, again=True)
+            return Step(action, wake_at=self._min_deadline)
+        if action is st.Action.LAST_CALL:
+            self._last_call_deadline = self._last_call_deadline or now + self.settings.last_call
+            if now < self._last_call_deadline:
+                return Step(action, wake_at=self._last_call_deadline)
+        if action in (st.Action.COMPLETE, st.Action.LAST_CALL):
+            self._propose_at = self._propose_at or now + self._stagger(alive)
+            if now >= self._propose_at:
+                return self._complete(action, state, token, alive, now)
+            return Step(action, wake_at=self._propose_at)
+        self._propose_at = None
+        if action is st.Action.FINISHING:
+            return self._finishing_step(action, state, now)
+        if action is st.Action.AWAIT_PORT:
+            return self._await_port_step(action, state, token, now)
+        if action is st.Action.STRAGGLERS and self._straggling is not None:
+            return Step(action, wake_at=self._straggling[1] + st.straggler_timeout(self.settings))
+        return Step(action)
+
+    def _written(self, action: st.Action, state: st.JobState) -> st.JobState:
+        """The state this node writes for one of the ``_WRITES`` actions."""
+        if action is st.Action.PUBLISH_PORT:
+            return st.publish_master(state, state.round, self._pick_port())
+        if action is st.Action.MARK_READY:
+            return st.mark_ready(state, self.node.node_id)
+        return st.readmit(state, self.node.node_id)
+
+    def _await_port_step(
+        self, action: st.Action, state: st.JobState, token: int, now: float
+    ) -> Step:
+        """Wait for rank 0's port up to ``straggler_timeout``, then end the round."""
+        if self._port_wait is None or self._port_wait[0] != state.round:
+            self._port_wait = (state.round, now)
+        if not st.stragglers_overdue(self._port_wait[1], now, self.settings):
+            return Step(action, wake_at=self._port_wait[1] + st.straggler_timeout(self.settings))
+        log.warning(
+            "%s: rank 0 of round %d published no master port within %g s; ending the round",
+            self.node.node_id,
+            state.round,
+            st.straggler_timeout(self.settings),
+        )
+        self._store.set_state(st.encode(st.mark_ready(state, self.node.node_id)), token)
+        return Step(action, again=True)
+
+    def _finishing_step(self, action: st.Action, state: st.JobState, now: float) -> Step:
+        """Wait for a finishing round, but not for ever: past the exit barrier's timeout,
+        fail the job naming a member that never finished."""
+        if self._finishing is None or self._finishing[0] != state.round:
+            self._finishing = (state.round, now)
+        timeout = self.settings.exit_barrier_timeout
+        deadline = self._finishing[1] + timeout
+        if now < deadline:
+            return Step(action, wake_at=deadline)
+        slow = sorted(st.unfinished(state))[0]
+        summary = (
+            f"node '{slow}' did not finish round {state.round} within {timeout:g} s of its "
+            "first member that did; its workers may hang, see its log"
+        )
+        self._update(partial(st.fail, summary=summary))
+        return Step(action, again=True)
+
+    def _stragglers_overdue(self, state: st.JobState, alive: frozenset[str], now: float) -> bool:
+        """Start the straggler clock when this agent first sees stragglers of a round."""
+        if not st.stragglers(state, alive):
+            return False
+        if self._straggling is None or self._straggling[0] != state.round:
+            self._straggling = (state.round, now)
+        return st.stragglers_overdue(self._straggling[1], now, self.settings)
+
+    def _spare_news(self, state: st.JobState, alive: frozenset[str]) -> bool:
+        """Whether this node is a hot spare beside a round it has not announced yet."""
+        return self._spare_round != state.round and st.is_spare(
+            state, alive, self.node.node_id, self.settings.nodes
+        )
 
     def report_failure(self, failure: Failure) -> None:
+        log.debug("%s: reporting a failure of round %d", self.node.node_id, self._round)
         self._update(lambda state: st.record_failure(state, self._round, failure))
 
-    def report_success(self) -> None:
-        state = self._update(lambda state: st.record_success(state, self._round, self.node.node_id))
-        if st.all_succeeded(state):
-            self.close()
-            return
+    def fail(self, summary: str) -> None:
+        log.debug("%s: failing the job: %s", self.node.node_id, summary)
+        self._update(partial(st.fail, summary=summary))
+
+    def report_success(self) -> bool:
+        if self.begin_barrier():
+            return True
         while True:
             generation = self._generation
-            data, _ = self._store.get_state()
-            if data is None:
-                return
-            state = st.decode(data)
-            if state.closed or st.all_succeeded(state):
-                return
-            if state.failed:
-                raise JobFailedError(
-                    f"Job '{self.settings.run_id}' failed: {state.failure_summary}"
-                )
-            missing = state.member_ids - self._store.alive() - set(state.succeeded)
-            if missing:
-                summary = (
-                    f"node '{sorted(missing)[0]}' left round {state.round} before its workers "
-                    "finished"
-                )
-                self._update(partial(st.fail, summary=summary))
-                continue
-            self._sleep(generation, None)
+            step = self.barrier_step()
+            if step.done is not None:
+                return step.done
+            if not step.again:
+                self._sleep(generation, step.wake_at)
+
+    def begin_barrier(self) -> bool:
+        """Record our success and enter the exit barrier; True if ours was the last success
+        (then the job is closed and there is nothing to wait for)."""
+        try:
+            state = self._update(
+                lambda state: st.record_success(state, self._round, self.node.node_id)
+            )
+        except RendezvousClosedError:
+            # Closed before our write: only the last success (or a cancel) closes a job, and
+            # the barrier reads a removed state as done (``state.barrier_action``). Seen in
+            # local mode at load 11: the agent took it for an error and exited 1.
+            log.debug("%s: the job closed before our success was recorded", self.node.node_id)
+            return True
+        if st.all_succeeded(state):
+            self.close()
+            return True
+        self._barrier_since = self._clock()
+        log.debug("%s: in the exit barrier of round %d", self.node.node_id, self._round)
+        return False
+
+    def barrier_step(self) -> Step:
+        """One decision of the exit barrier (``state.barrier_action``)."""
+        data, _ = self._store.get_state()
+        state = st.decode(data) if data is not None else None
+        alive = self._store.alive()
+        timeout = self.settings.exit_barrier_timeout
+        deadline = self._barrier_since + timeout
+        decision = st.barrier_action(state, alive, self._round, self._clock(), deadline)
+        log.debug("%s: exit barrier decided %s", self.node.node_id, decision.value)
+        if decision is st.Barrier.DONE:
+            return Step(decision, done=True)
+        if decision is st.Barrier.RESTART:
+            return Step(decision, done=False)
+        assert state is not None
+        if decision is st.Barrier.FAILED:
+            raise JobFailedError(f"Job '{self.settings.run_id}' failed: {state.failure_summary}")
+        if decision is st.Barrier.MEMBER_LOST:
+            lost = sorted(st.unfinished(state) - alive)[0]
+            summary = f"node '{lost}' left round {state.round} before its workers finished"
+            self._update(partial(st.fail, summary=summary))
+            return Step(decision, again=True)
+        if decision is st.Barrier.TIMED_OUT:
+            slow = sorted(st.unfinished(state))[0]
+            summary = (
+                f"node '{slow}' did not finish round {state.round} within {timeout:g} s of node "
+                f"'{self.node.node_id}'; its workers may hang, see its log"
+            )
+            self._update(partial(st.fail, summary=summary))
+            return Step(decision, again=True)
+        return Step(decision, wake_at=deadline)
+
+    def suspended_since(self) -> float | None:
+        return self._suspended_at
+
+    def time_cut_off(self) -> float:
+        return self._cut_off
+
+    def only_arrivals(self) -> bool:
+        return self._arrivals_only
+
+    def _on_connection(self, state: ConnectionState) -> None:
+        """Note when the connection went down; it is up again only once CONNECTED (after LOST
+        a new session follows, and this node's membership must be remade)."""
+        if state is ConnectionState.CONNECTED:
+            if self._suspended_at is not None:
+                self._cut_off += self._clock() - self._suspended_at
+            self._suspended_at = None
+        else:
+            self._stale = True
+        if state is not ConnectionState.CONNECTED and self._suspended_at is None:
+            self._suspended_at = self._clock()
+        log.debug("%s: connection %s", self.node.node_id, state.value)
+        with self._wake:
+            self._generation += 1
+            self._wake.notify_all()
 
     def close(self) -> None:
         if self._store.get_state()[0] is not None:
@@ -155,6 +429,7 @@ class StoreRendezvous(Rendezvous):
 
     def leave(self) -> None:
         self._store.unsubscribe(self._on_change)
+        self._store.unsubscribe_connection(self._on_connection)
         self._store.leave(self.node.node_id)
         if self._owns_store:
             self._store.release()
@@ -185,14 +460,33 @@ class StoreRendezvous(Rendezvous):
             raise JobFailedError(f"Job '{self.settings.run_id}' failed: {state.failure_summary}")
         return state
 
-    def _complete(self, state: st.JobState, token: int, alive: frozenset[str]) -> None:
+    def _complete(
+        self, action: st.Action, state: st.JobState, token: int, alive: frozenset[str], now: float
+    ) -> Step:
         present = st.candidates(state, alive)
-        candidates = [st.decode_node(record) for record in self._store.members(present)]
+        try:
+            records = self._store.members(present)
+        except RendezvousError as error:
+            # A transient store error (connection loss): decide again a moment later.
+            log.debug("%s: fetching members failed (%s); retrying", self.node.node_id, error)
+            return Step(action, wake_at=now + MEMBERS_RETRY)
         if self._store.get_state()[1] != token:
-            return  # Someone else changed the state meanwhile: decide again, do not encode.
-        self._store.set_state(
-            st.encode(st.complete_round(state, candidates, self.settings.nodes)), token
-        )
+            return Step(action, again=True)  # Changed meanwhile: decide again, do not encode.
+        exclude = st.stragglers(state, alive) if self._overdue else frozenset()
+        if exclude:
+            log.warning(
+                "%s: leaving out nodes %s, which did not come back from round %d within %g s",
+                self.node.node_id,
+                sorted(exclude),
+                state.round,
+                st.straggler_timeout(self.settings),
+            )
+        candidates = [st.decode_node(record) for record in records]
+        new = st.complete_round(state, candidates, self.settings.nodes, exclude=exclude)
+        _, _, won = self._store.set_state(st.encode(new), token)
+        if won:
+            log.debug("%s: completed round %d", self.node.node_id, new.round)
+        return Step(action, again=True)
 
     def _stagger(self, alive: frozenset[str]) -> float:
         """Seconds to let lower node ids complete the round first: with hundreds of nodes,
@@ -223,9 +517,15 @@ class StoreRendezvous(Rendezvous):
         )
 
     def _action(self, state: st.JobState, alive: frozenset[str]) -> st.Action:
-        expected = self._expected_nodes() if self._expected_nodes else None
+        """The pure rule with what the loop last saw; safe in the watch thread (no I/O)."""
         return st.next_action(
-            state, alive, self.node.node_id, self._round, self.settings.nodes, expected=expected
+            state,
+            alive,
+            self.node.node_id,
+            self._round,
+            self.settings.nodes,
+            expected=self._expected,
+            stragglers_overdue=self._overdue,
         )
 
     def _sleep(
@@ -235,15 +535,15 @@ class StoreRendezvous(Rendezvous):
         with self._wake:
             if self._generation != generation:
                 return
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            timeout = None if deadline is None else max(0.0, deadline - self._clock())
             self._waiting_on = action
             self._wake.wait(timeout)
             self._waiting_on = None
 
     def _on_change(self) -> None:
         """Called from the store's watch thread: flag a superseded round, wake the loop."""
-        if self._in_round and not self.changed.is_set() and self._superseded():
-            self.changed.set()
+        if self._in_round:
+            self._note_supersession()
         if self._nothing_new():
             return
         with self._wake:
@@ -261,21 +561,43 @@ class StoreRendezvous(Rendezvous):
         state = st.decode(data)
         if state.closed or state.failed:
             return False
-        return self._action(state, self._store.alive()) is waiting_on
+        alive = self._store.alive()
+        if self._spare_news(state, alive):
+            # Still WAIT, but now as a hot spare (e.g. it first waited for its own membership
+            # to show): the loop must run once to announce it.
+            return False
+        return self._action(state, alive) is waiting_on
 
     def _on_session_lost(self) -> None:
         self._rejoin.set()
+        self._arrivals_only = False
         self.changed.set()
         self._on_change()
 
-    def _superseded(self) -> bool:
+    def _note_supersession(self) -> None:
+        """Set ``changed`` once the round is superseded, and keep ``_arrivals_only`` true only
+        while every change seen since then was an arrival (a later departure makes it false).
+        A change that leaves the round live reads nothing more after the first supersession."""
+        first = not self.changed.is_set()
+        if not first and not self._arrivals_only:
+            return  # Already superseded for a reason other than arrivals: nothing to learn.
         data, _ = self._store.get_state()
-        if data is None:
-            return True
-        state = st.decode(data)
-        return (
+        state = None if data is None else st.decode(data)
+        alive = self._store.alive()
+        superseded = state is None or (
             state.round != self._round
             or state.closed
             or state.failed
-            or not st.round_is_live(state, self._store.alive(), self.settings.nodes)
+            or not st.round_is_live(state, alive, self.settings.nodes)
         )
+        if not superseded and first:
+            return
+        self._arrivals_only = state is not None and st.only_arrivals(state, alive, self._round)
+        if first:
+            log.debug(
+                "%s: round %d superseded (%s)",
+                self.node.node_id,
+                self._round,
+                "arrivals only" if self._arrivals_only else "a member left, failed or finished",
+            )
+        self.changed.set()

@@ -30,7 +30,7 @@ from typing import Any
 from hpc_elastic.errors import RendezvousClosedError, RendezvousError
 from hpc_elastic.rendezvous import state as st
 from hpc_elastic.rendezvous.api import NodeInfo, RendezvousSettings
-from hpc_elastic.rendezvous.backend import ABSENT, CachedStore
+from hpc_elastic.rendezvous.backend import ABSENT, CachedStore, ConnectionState
 from hpc_elastic.rendezvous.handler import StoreRendezvous
 
 SCHEME = "local:"
@@ -198,8 +198,11 @@ class LocalStoreServer:
         return {"ok": False, "error": f"unknown operation '{op}'"}, False
 
     def _compare_and_set(self, data: bytes, token: int) -> tuple[dict[str, Any], bool]:
-        won = (token == ABSENT and self._state is None) or (
-            self._state is not None and token == self._version
+        # A closed job is never reopened, as on ZooKeeper: an agent that checked is_closed
+        # just before the close must not create a fresh state.
+        won = not self._closed and (
+            (token == ABSENT and self._state is None)
+            or (self._state is not None and token == self._version)
         )
         if won:
             self._state = data
@@ -340,6 +343,10 @@ class LocalStore(CachedStore):
             for callback in self._callbacks(session_lost=not connected):
                 callback()
             if not connected:
+                # The server went away with our memberships: the session is LOST for good
+                # (there is no reconnecting to a local run's socket).
+                for on_connection in self._connection_callbacks():
+                    on_connection(ConnectionState.LOST)
                 return
 
     def _remember(self, data: bytes | None, token: int, view: tuple[int, list[str]] | None) -> None:

@@ -49,3 +49,33 @@ def read_secret_file(path: Path) -> str:
             f"ZooKeeper secret file '{path}' is empty; let 'hpc-elastic submit' create it."
         )
     return text
+
+
+OPEN_ACL_FLAG = "--zk-open-acl"
+"""The CLI flag by which a user asks for a job without a secret, knowingly."""
+
+
+def require_secret(secret: str | None, run_id: str, *, open_acl: bool) -> None:
+    """Refuse a ZooKeeper job without a secret unless the user asked for an open ACL.
+
+    Without a secret the job's znodes are world-writable: any user of the ensemble could read
+    the master address, forge the state, join as a fake member or end the job. A missing
+    ``--zk-auth-file`` is far likelier an accident than a choice, so it must be said aloud.
+    """
+    if secret is None and not open_acl:
+        raise UsageError(
+            f"Job '{run_id}' has no ZooKeeper secret, so every user of the ensemble could read, "
+            "forge, join or end it; give --zk-auth-file FILE (hpc-elastic submit creates one) "
+            f"or pass {OPEN_ACL_FLAG} to run it unprotected on purpose."
+        )
+
+
+def user_secret(path: Path) -> str:
+    """The user's own secret (for ZooKeeper nodes that outlive a job, like the bad-node list),
+    created with mode 0600 on first use and read back afterwards."""
+    if not path.exists():
+        try:
+            return create_secret_file(path)
+        except UsageError:
+            pass  # Another agent of ours created it in the meantime: read theirs.
+    return read_secret_file(path)

@@ -15,11 +15,14 @@ from functools import cached_property, lru_cache
 from typing import Any
 
 from hpc_elastic.errors import RendezvousError
-from hpc_elastic.rendezvous.api import Failure, NodeInfo, Round
+from hpc_elastic.rendezvous.api import Failure, NodeInfo, RendezvousSettings, Round
 from hpc_elastic.spec import NodeRange
 
-FORMAT = 2
+FORMAT = 3
 """Bumped when the JSON layout changes, so an old agent refuses a state it cannot read."""
+
+MARGIN = 2.0
+"""Seconds added to every derived deadline for scheduling and ZooKeeper tick granularity."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,11 @@ class JobState:
     failure_summary: str = ""
     """Non-empty once the job as a whole has failed."""
     closed: bool = False
+    excluded: tuple[str, ...] = ()
+    """Alive nodes left out of ``round`` because they did not come back to rendezvous within
+    ``straggler_timeout``: their agents are stuck (e.g. on an unkillable worker). They count
+    as absent until they come back to ``next_round``, so that a stuck node can neither stall
+    the others nor make every round they form look superseded at once."""
 
     @property
     def failed(self) -> bool:
@@ -102,6 +110,7 @@ def decode(data: bytes) -> JobState:
                 "members": tuple(NodeInfo(**member) for member in raw.pop("members")),
                 "succeeded": tuple(raw.pop("succeeded")),
                 "ready": tuple(raw.pop("ready")),
+                "excluded": tuple(raw.pop("excluded")),
                 "last_failure": Failure(**failure) if failure is not None else None,
             }
         )
@@ -138,6 +147,7 @@ def round_is_live(state: JobState, alive: frozenset[str], nodes: NodeRange) -> b
     """
     if state.round in (0, state.failed_round) or state.ready:
         return False
+    alive = present(state, alive)
     members = state.member_ids
     if state.succeeded:
         return members - set(state.succeeded) <= alive
@@ -153,15 +163,28 @@ class Action(Enum):
     """The latest round includes us and has its master port: start workers."""
     PUBLISH_PORT = "publish_port"
     """We are rank 0 of the latest round: pick a free port and publish it."""
+    AWAIT_PORT = "await_port"
+    """We are in the latest round; its rank 0 has not published the master port yet. Wait,
+    up to ``straggler_timeout`` (its agent may be stuck with its session alive); then
+    MARK_READY ends the round, and rank 0 becomes a straggler like any other."""
     MARK_READY = "mark_ready"
     """We are a member of the latest round and back here: say so, which ends the round."""
+    READMIT = "readmit"
+    """We were excluded as a stuck straggler and are back: drop the exclusion, then join
+    like any newcomer."""
     STRAGGLERS = "stragglers"
-    """Members of the latest round are alive but not back yet: wait until they come back
-    or their sessions expire, so that no round includes a node that has just died."""
+    """Members of the latest round are alive but not back yet: wait until they come back,
+    their sessions expire or ``straggler_timeout`` passes, so that no round includes a node
+    that has just died."""
     COMPLETE = "complete"
-    """MAX nodes (or every node that can come) are here: complete a new round now."""
+    """MAX nodes (or every node that can come) are here, or the round only lost members
+    (``no_newcomer``) and Slurm expects nobody more: complete a new round now."""
     LAST_CALL = "last_call"
     """At least MIN nodes are here: complete a new round once the last call ends."""
+    FINISHING = "finishing"
+    """A member succeeded and the round is finishing: wait for the job to close, up to
+    ``exit_barrier_timeout`` (the members that succeeded may have died since: then no
+    barrier is left to fail a member that never finishes)."""
     BELOW_MIN = "below_min"
     """Too few nodes: wait for more, up to ``min_wait``."""
     WAIT = "wait"
@@ -176,45 +199,156 @@ def next_action(
     nodes: NodeRange,
     *,
     expected: int | None = None,
+    stragglers_overdue: bool = False,
 ) -> Action:
     """Decide the next step of one waiting agent; ``last_round`` is the round it already ran.
 
     ``expected`` is how many nodes the job can expect soon (e.g. its Slurm allocation);
     once that many are here there is no point in waiting for the last call. Once a member
-    has succeeded the job is finishing: no new round opens, the exit barrier decides.
+    has succeeded the job is finishing: no new round opens, the exit barrier decides, unless
+    a worker failure ended the round (then the members that succeeded rejoin and the job
+    reruns from its checkpoint). ``stragglers_overdue``: this agent has waited
+    ``straggler_timeout`` for the stragglers (see ``stragglers_overdue``); they are left out.
     """
-    if state.succeeded:
-        return Action.WAIT
+    if me in state.excluded:
+        return Action.READMIT
+    if state.succeeded and not round_over(state):
+        if me in state.member_ids and me not in state.succeeded:
+            # Back here without finishing (our workers were stopped, e.g. fenced): the
+            # round can never complete, so end it; the others rerun with us.
+            return Action.MARK_READY
+        return Action.FINISHING
     if round_is_live(state, alive, nodes):
         if me in state.member_ids and state.round > last_round:
             if state.master_port is not None:
                 return Action.RETURN
-            return Action.PUBLISH_PORT if state.members[0].node_id == me else Action.WAIT
+            return Action.PUBLISH_PORT if state.members[0].node_id == me else Action.AWAIT_PORT
         if me not in state.member_ids and len(state.members) >= nodes.max:
             return Action.WAIT
     if me not in alive:
         return Action.WAIT
     if me in state.member_ids and me not in state.ready:
         return Action.MARK_READY
-    if stragglers(state, alive):
+    if stragglers(state, alive) and not stragglers_overdue:
         return Action.STRAGGLERS
-    present = len(alive)  # Without stragglers every live node is a candidate.
+    return new_round_action(state, alive, nodes, expected)
+
+
+def new_round_action(
+    state: JobState, alive: frozenset[str], nodes: NodeRange, expected: int | None
+) -> Action:
+    """Whether the candidates complete the next round now, after the last call, or not yet."""
+    count = len(candidates(state, alive))
     enough = min(nodes.max, expected) if expected is not None else nodes.max
-    if present >= max(enough, nodes.min):
+    if count >= max(enough, nodes.min):
         return Action.COMPLETE
-    if present >= nodes.min:
-        return Action.LAST_CALL
-    return Action.BELOW_MIN
+    if count < nodes.min:
+        return Action.BELOW_MIN
+    if expected is None and no_newcomer(state, alive):
+        # A shrink (or a restart of the same nodes): the last call waits for nodes that
+        # arrive together, and none is arriving here. A node that comes later supersedes
+        # the round as usual. When Slurm says more are coming (``expected`` above the
+        # count), the wait still pays, so it is kept.
+        return Action.COMPLETE
+    return Action.LAST_CALL
+
+
+def no_newcomer(state: JobState, alive: frozenset[str]) -> bool:
+    """Whether the next round can only be the latest round minus its lost members: every
+    candidate was a member of it, every live member of it is back (no straggler, not even
+    an overdue one), and no live node excluded as stuck may come back to take a place."""
+    if state.round == 0 or stragglers(state, alive) or alive & frozenset(state.excluded):
+        return False
+    here = candidates(state, alive)
+    return bool(here) and here <= state.member_ids
+
+
+def is_spare(state: JobState, alive: frozenset[str], me: str, nodes: NodeRange) -> bool:
+    """Whether ``me`` waits beside a live round that is full (MAX members): a hot spare
+    (``submit --spares``). It disturbs nobody, and is a candidate of the very next round
+    once a member is lost, so it replaces that member without a wait in Slurm's queue."""
+    return (
+        me in alive
+        and me not in state.member_ids
+        and len(state.members) >= nodes.max
+        and not state.succeeded
+        and round_is_live(state, alive, nodes)
+    )
+
+
+def spares(state: JobState, alive: frozenset[str], nodes: NodeRange) -> frozenset[str]:
+    """The live nodes that wait as hot spares beside the latest round (``is_spare``)."""
+    return frozenset(node for node in present(state, alive) if is_spare(state, alive, node, nodes))
+
+
+def round_over(state: JobState) -> bool:
+    """Whether the latest round ended: a worker failure, or a member came back to rendezvous."""
+    return state.failed_round == state.round or bool(state.ready)
+
+
+def present(state: JobState, alive: frozenset[str]) -> frozenset[str]:
+    """The live nodes that count: those excluded as stuck stragglers are treated as gone."""
+    return alive - frozenset(state.excluded) if state.excluded else alive
 
 
 def stragglers(state: JobState, alive: frozenset[str]) -> frozenset[str]:
     """Alive members of the latest round that have not come back to rendezvous yet."""
-    return (state.member_ids & alive) - frozenset(state.ready)
+    return (state.member_ids & present(state, alive)) - frozenset(state.ready)
 
 
 def candidates(state: JobState, alive: frozenset[str]) -> frozenset[str]:
     """Who may form the next round: the members that came back, and newcomers."""
-    return alive - stragglers(state, alive)
+    return present(state, alive) - stragglers(state, alive)
+
+
+def echo_wait(settings: RendezvousSettings) -> float:
+    """Seconds an agent whose rank died of a peer's death (an echo) waits to hear of the
+    peer's failure before it reports its own: the peer's own report, or its session's
+    expiry, which ZooKeeper notices up to a tick or two after the session timeout."""
+    return 2 * settings.session_timeout + MARGIN
+
+
+def only_arrivals(state: JobState, alive: frozenset[str], round_number: int) -> bool:
+    """Whether round ``round_number`` was superseded only by nodes waiting to join: it is
+    still the latest round, nothing failed, finished or closed, and every member is alive
+    (none left out as stuck). Then every rank of its group is alive and reaches its next step
+    boundary together with the others, where the training helpers save before they exit."""
+    return (
+        state.round == round_number
+        and state.failed_round != round_number
+        and not (state.failed or state.closed or state.succeeded)
+        and state.member_ids <= present(state, alive)
+    )
+
+
+def arrival_grace(settings: RendezvousSettings) -> float:
+    """Seconds an agent gives its workers to reach their step boundary and save when its
+    round ends only for arrivals (``only_arrivals``), instead of ``stop_grace``.
+
+    ``stop_grace`` (2 s) is short because after a failure the other ranks are blocked on the
+    dead one and no save can come. After an arrival every rank is healthy, and a step longer
+    than 2 s was SIGKILLed before its save: the job lost the steps since its last checkpoint
+    at every grow (CI saw a 2.2 s step restart from scratch). The wait ends as soon as the
+    ranks exit, so only slow steps use it; an agent away for it still comes back within the
+    others' ``straggler_timeout``, which allows ``stop_grace`` plus ``echo_wait`` (an echo's
+    wait, which a round ended by arrivals never has)."""
+    return settings.stop_grace + echo_wait(settings)
+
+
+def straggler_timeout(settings: RendezvousSettings) -> float:
+    """Seconds the others wait for a live member to come back to rendezvous before leaving
+    it out: it may stop its workers (``stop_grace``), wait for an echo's cause
+    (``echo_wait``) and report; past that its agent is stuck, and a worker of it that is
+    still running has fenced itself, since its lease (a third of ``session_timeout``, see
+    ``agent.fence_after``) went stale."""
+    return settings.stop_grace + echo_wait(settings) + settings.session_timeout + MARGIN
+
+
+def stragglers_overdue(since: float | None, now: float, settings: RendezvousSettings) -> bool:
+    """Whether the wait for stragglers that began at ``since`` (None: not waiting) is over."""
+    # Compared with the deadline itself (not ``now - since``), so that waking up exactly at
+    # the deadline the loop computed always finds it passed, whatever the float rounding.
+    return since is not None and now >= since + straggler_timeout(settings)
 
 
 def mark_ready(state: JobState, node_id: str) -> JobState:
@@ -223,13 +357,28 @@ def mark_ready(state: JobState, node_id: str) -> JobState:
     return replace(state, ready=(*state.ready, node_id))
 
 
-def complete_round(state: JobState, candidates: Sequence[NodeInfo], nodes: NodeRange) -> JobState:
+def readmit(state: JobState, node_id: str) -> JobState:
+    """A stuck straggler came back: it is a node like any other again."""
+    if node_id not in state.excluded:
+        return state
+    return replace(state, excluded=tuple(n for n in state.excluded if n != node_id))
+
+
+def complete_round(
+    state: JobState,
+    candidates: Sequence[NodeInfo],
+    nodes: NodeRange,
+    *,
+    exclude: frozenset[str] = frozenset(),
+) -> JobState:
     """Open the next round with stable ranks: survivors keep their order, so rank 0 stays
-    on a surviving node; newcomers follow in the order given (their join order)."""
+    on a surviving node; newcomers follow in the order given (their join order).
+    ``exclude``: overdue stragglers, left out until they come back (see ``excluded``)."""
     by_id = {candidate.node_id: candidate for candidate in candidates}
     survivors = [member for member in state.members if member.node_id in by_id]
     kept = {member.node_id for member in survivors}
     newcomers = [candidate for candidate in candidates if candidate.node_id not in kept]
+    excluded = tuple(sorted({*state.excluded, *exclude} - set(by_id)))
     return replace(
         state,
         round=state.round + 1,
@@ -237,6 +386,7 @@ def complete_round(state: JobState, candidates: Sequence[NodeInfo], nodes: NodeR
         master_port=None,
         succeeded=(),
         ready=(),
+        excluded=excluded,
     )
 
 
@@ -272,13 +422,58 @@ def record_failure(state: JobState, round_number: int, failure: Failure) -> JobS
 
 
 def record_success(state: JobState, round_number: int, node_id: str) -> JobState:
+    """A success in a round that already ended (a failure, or a member back in rendezvous)
+    does not count: that round reruns."""
     if round_number != state.round or node_id in state.succeeded:
+        return state
+    if state.round == round_number and round_over(state):
         return state
     return replace(state, succeeded=(*state.succeeded, node_id))
 
 
 def all_succeeded(state: JobState) -> bool:
     return state.round > 0 and state.member_ids <= set(state.succeeded)
+
+
+class Barrier(Enum):
+    """What an agent whose workers all succeeded does next, waiting for the other members."""
+
+    DONE = "done"
+    """Every member succeeded (or the job was closed): exit 0."""
+    FAILED = "failed"
+    """The job failed as a whole: exit with its reason."""
+    RESTART = "restart"
+    """A worker failure (budget left) or a member that came back without finishing ended the
+    round: rejoin ``next_round`` and rerun from the checkpoint."""
+    MEMBER_LOST = "member_lost"
+    """A member vanished before its workers finished: fail the job, naming it."""
+    TIMED_OUT = "timed_out"
+    """A member is alive but did not finish within ``exit_barrier_timeout``: fail the job."""
+    WAIT = "wait"
+    """Wait for a change, or the barrier's deadline."""
+
+
+def barrier_action(
+    state: JobState | None, alive: frozenset[str], my_round: int, now: float, deadline: float
+) -> Barrier:
+    """The exit barrier's rule; ``state`` None means removed, which only ``close`` does.
+    ``deadline``: when the barrier entered plus ``exit_barrier_timeout``."""
+    if state is None or state.closed or all_succeeded(state):
+        return Barrier.DONE
+    if state.failed:
+        return Barrier.FAILED
+    if state.round != my_round or round_over(state):
+        return Barrier.RESTART
+    if unfinished(state) - alive:
+        return Barrier.MEMBER_LOST
+    if now >= deadline:
+        return Barrier.TIMED_OUT
+    return Barrier.WAIT
+
+
+def unfinished(state: JobState) -> frozenset[str]:
+    """Members of the latest round whose workers have not all succeeded yet."""
+    return state.member_ids - set(state.succeeded)
 
 
 def fail(state: JobState, summary: str) -> JobState:

@@ -7,7 +7,8 @@ TCPStore on the round's published master port; the workers share it
 Survivors restart as soon as a watch fires: ``num_nodes_waiting`` is just ``changed``.
 
 Options (``--rdzv-conf key=value,...``): ``last_call_timeout`` and ``session_timeout`` in
-seconds, ``join_timeout`` (seconds below MIN nodes before failing) and ``zk_auth_file``.
+seconds, ``join_timeout`` (seconds below MIN nodes before failing) and ``zk_auth_file``, or
+``zk_open_acl=1`` to run without a secret on purpose (otherwise refused).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
-from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
+from torch.distributed import PrefixStore, Store, TCPStore
 from torch.distributed.elastic.rendezvous import (
     RendezvousError,
     RendezvousHandler,
@@ -128,7 +129,8 @@ def handler_for(params: RendezvousParameters) -> RendezvousHandler:
             host=local_addr,
             nproc=1,
         )
-        rendezvous = connect(params.endpoint, settings, node, secret=secret)
+        open_acl = str(params.get("zk_open_acl", "0")).lower() in ("1", "true", "yes")
+        rendezvous = connect(params.endpoint, settings, node, secret=secret, open_acl=open_acl)
     except errors.HpcElasticError as error:
         raise RendezvousError(str(error)) from error
     return ZooKeeperRendezvousHandler(rendezvous)

@@ -2,32 +2,49 @@
 
 Layout of one job, under an optional chroot::
 
-    /hpc-elastic/<run_id>            digest ACL: only holders of the job's secret
+    /hpc-elastic                     world: CREATE only (if we create it): add a job, nothing else
+    /hpc-elastic/<run_id>            digest ACL of the job's secret only; checked on connect
         state                        JSON JobState; its znode version is the CAS token
         members/<node_id>            ephemeral, one per live agent; data = NodeInfo JSON
         closed                       tombstone left by close_job; everything else is removed
+    /hpc-elastic/.clock-<n>          ephemeral, world READ: ``probe`` reads the server's time
+    /hpc-elastic/@users              world: CREATE only, like the prefix ('@' is never in a run id)
+    /hpc-elastic/@users/<user>       digest ACL of the user's own secret; checked on connect
+        bad-nodes/<host>             JSON BadNode: a node that failed its health check, until when
 
 Every step runs under ``client.retry`` and is idempotent, so a retry after a lost
-connection cannot do it twice. A SUSPENDED connection is ignored (the session may come
-back, with its ephemerals and watches); a LOST session means our memberships are gone,
-so subscribers are told and agents rejoin as new members.
+connection cannot do it twice (each trick is commented where it is played). kazoo's event
+and connection threads only ever record and enqueue: subscribers are called on this store's
+own notifier thread, because they may block (the agent asks Slurm how many nodes to expect).
+
+Connection states reach subscribers of ``subscribe_connection``: SUSPENDED (cut off; the
+session may come back with its ephemerals and watches), CONNECTED (back with the same
+session), LOST (the session expired: our memberships are gone, so ``on_session_lost`` fires
+too and agents rejoin as new members). The agent stops its workers once SUSPENDED has lasted
+longer than the session timeout, since the others may have re-formed without it by then.
 """
 
 from __future__ import annotations
 
+import logging
+import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import (
     BadVersionError,
+    ConnectionLoss,
     KazooException,
     NoAuthError,
     NodeExistsError,
     NoNodeError,
+    SessionExpiredError,
 )
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.protocol.states import WatchedEvent
@@ -35,11 +52,15 @@ from kazoo.recipe.watchers import DataWatch
 from kazoo.retry import RetryFailedError
 from kazoo.security import ACL, OPEN_ACL_UNSAFE, Id, Permissions, make_digest_acl
 
-from hpc_elastic.errors import RendezvousClosedError, RendezvousError
+from hpc_elastic.agent.badnodes import BadNode, check_host, listing
+from hpc_elastic.errors import RendezvousAccessError, RendezvousClosedError, RendezvousError
 from hpc_elastic.rendezvous import state as st
 from hpc_elastic.rendezvous.api import NodeInfo, RendezvousSettings
-from hpc_elastic.rendezvous.backend import ABSENT, CachedStore
+from hpc_elastic.rendezvous.backend import ABSENT, CachedStore, ConnectionState
 from hpc_elastic.rendezvous.handler import StoreRendezvous
+from hpc_elastic.rendezvous.secret import require_secret
+
+logger = logging.getLogger(__name__)
 
 PREFIX = "/hpc-elastic"
 DIGEST_USER = "hpc-elastic"
@@ -50,11 +71,12 @@ RETRY_DEADLINE = 60.0
 COALESCE = 0.02
 """Seconds a membership change waits for others before the member list is fetched again."""
 
-_SHARED_ACL = [
-    ACL(Permissions.READ | Permissions.CREATE | Permissions.DELETE, Id("world", "anyone"))
-]
-"""For the common prefix: anyone may add a job. DELETE only ever removes an empty job node,
-because a job's children (and so the job) can only be removed with its secret."""
+_SHARED_ACL = [ACL(Permissions.CREATE, Id("world", "anyone"))]
+"""For the common prefix (and the chroot above it) when we are the ones to create it: anyone
+may add a job, nobody may list, read, delete or re-ACL. With DELETE, anyone could remove a
+job node in the instant before its first child exists and re-create it as their own; with
+READ, anyone could list every job. A site that made the prefix itself should give it the same
+ACL (docs/rendezvous.md); every job node is checked on connect anyway."""
 
 
 @dataclass(frozen=True)
@@ -114,11 +136,17 @@ def open_client(
     secret: str | None,
     session_timeout: float,
     connect_timeout: float = CONNECT_TIMEOUT,
+    client_id: tuple[int, bytes] | None = None,
 ) -> KazooClient:
-    """A started client, or a clear error once ``connect_timeout`` has passed."""
+    """A started client, or a clear error once ``connect_timeout`` has passed.
+
+    ``client_id`` (session id, password) resumes an existing session instead of opening one:
+    tests use it to expire a session for real.
+    """
     client = KazooClient(
         hosts=address.hosts,
         timeout=session_timeout,
+        client_id=client_id,
         auth_data=[("digest", f"{DIGEST_USER}:{secret}")] if secret else None,
         connection_retry={"max_tries": -1, "delay": 0.1, "max_delay": 1.0},
         command_retry={
@@ -140,11 +168,26 @@ def open_client(
 
 
 class ZooKeeperStore(CachedStore):
-    """One job's rendezvous on ZooKeeper; the state and membership are cached by watches."""
+    """One job's rendezvous on ZooKeeper; the state and membership are cached by watches.
+
+    Subscribers are called on a notifier thread of this store's own, never in kazoo's event
+    or connection threads: kazoo forbids blocking there, and a subscriber may well block (the
+    agent asks Slurm how many nodes to expect, which can take a minute).
+    """
 
     def __init__(
-        self, client: KazooClient, address: ZooKeeperAddress, run_id: str, secret: str | None
+        self,
+        client: KazooClient,
+        address: ZooKeeperAddress,
+        run_id: str,
+        secret: str | None,
+        *,
+        create: bool = True,
     ) -> None:
+        """``create=False`` opens the job read-only, as ``status`` and ``cancel`` do: no znode is
+        created (not the prefix, not the job node), so a mistyped run id leaves no trace and a
+        client never squats a path for someone else. Either way, an existing job node must
+        carry exactly the job's ACL, or RendezvousAccessError is raised."""
         super().__init__()
         self._client = client
         self._address = address
@@ -155,11 +198,27 @@ class ZooKeeperStore(CachedStore):
         """Member records by node id, with their creation order (czxid)."""
         self._fetching = threading.Lock()
         """One fetch of member records at a time, so handlers sharing this store share it."""
+        self._notices: queue.SimpleQueue[_Notice] = queue.SimpleQueue()
+        self._notifier = threading.Thread(
+            target=self._deliver, name=f"zk-notify-{run_id}", daemon=True
+        )
+        self._notifier.start()
         with self._converted():
-            self._ensure_paths()
+            if create:
+                self._ensure_job_node()
+            # Before anything is written into the job node: it may be someone else's.
+            self._verify_acl()
+            if create:
+                self._ensure_members_node()
             client.add_listener(self._on_connection_state)
             DataWatch(client, self._path("state"), self._on_state)
             _CoalescedChildrenWatch(client, self._path("members"), self._on_members)
+
+    @property
+    def session_id(self) -> tuple[int, bytes]:
+        """The current session's id and password (kazoo's ``client_id``)."""
+        session_id, password = self._client.client_id
+        return session_id, password
 
     def set_state(self, data: bytes, token: int) -> tuple[bytes | None, int, bool]:
         with self._converted():
@@ -176,7 +235,8 @@ class ZooKeeperStore(CachedStore):
             self._client.retry(self._delete, self._path("members", node_id))
 
     def members(self, node_ids: Iterable[str]) -> list[bytes]:
-        """Fetched once per member (a member's record never changes), all in flight at once."""
+        """Fetched once per member (a member's record never changes), all in flight at once;
+        a fetch cut off by a connection loss is retried on its own."""
         wanted = list(node_ids)
         with self._fetching, self._converted():
             with self._lock:
@@ -190,26 +250,43 @@ class ZooKeeperStore(CachedStore):
                     data, stat = result.get(timeout=RETRY_DEADLINE)
                 except NoNodeError:
                     continue
+                except (ConnectionLoss, SessionExpiredError):
+                    # Reading is idempotent, so the retry (which waits for the connection to
+                    # come back) may simply ask again.
+                    record = self._client.retry(self._get_record, node_id)
+                    if record is None:
+                        continue
+                    data, stat = record
                 with self._lock:
                     self._records[node_id] = (stat.czxid, data)
         with self._lock:
             records = [self._records[node_id] for node_id in wanted if node_id in self._records]
         return [data for _, data in sorted(records)]
 
+    def job_exists(self) -> bool:
+        """Whether the job node exists (an agent has connected at least once)."""
+        with self._converted():
+            return self._client.retry(self._client.exists, self._root) is not None
+
     def is_closed(self) -> bool:
         with self._converted():
             return self._client.retry(self._client.exists, self._path("closed")) is not None
 
     def close_job(self) -> None:
+        """Tombstone first, so a late agent never takes the empty job for a new one; then the
+        members node, whose absence also stops anyone from creating the state again (see
+        ``_compare_and_set``); then the state."""
         with self._converted():
             self._client.retry(self._create, self._path("closed"), b"", False)
-            self._client.retry(self._delete, self._path("state"))
             self._client.retry(self._delete, self._path("members"), True)
+            self._client.retry(self._delete, self._path("state"))
+        logger.debug("zookeeper: job %s closed", self._run_id)
 
     def release(self) -> None:
         self._client.remove_listener(self._on_connection_state)
         self._client.stop()
         self._client.close()
+        self._notices.put(_STOP)
 
     def _path(self, *parts: str) -> str:
         return "/".join((self._root, *parts))
@@ -217,14 +294,58 @@ class ZooKeeperStore(CachedStore):
     def _converted(self) -> Any:
         return _converted(self._address, self._run_id)
 
-    def _ensure_paths(self) -> None:
+    def _ensure_job_node(self) -> None:
+        """The prefix (and chroot) nodes, then the job node; each kept if it exists."""
         parents = [part for part in self._root.split("/")[1:-1]]
         for depth in range(1, len(parents) + 1):
             path = "/" + "/".join(parents[:depth])
-            self._client.retry(self._create, path, b"", False, _SHARED_ACL)
-        self._client.retry(self._create, self._root, b"", False)
+            self._create_unless_refused(path, _SHARED_ACL)
+        self._create_unless_refused(self._root, self._acl)
+
+    def _create_unless_refused(self, path: str, acl: list[ACL]) -> None:
+        """Create ``path`` if missing. Creating needs CREATE on the parent, which the prefix
+        grants everyone: a refusal means someone made a parent theirs."""
+        try:
+            self._client.retry(self._create, path, b"", False, acl)
+        except NoAuthError as error:
+            parent = path.rsplit("/", 1)[0] or "/"
+            raise RendezvousAccessError(
+                f"ZooKeeper at '{self._address}' refused to create '{path}' for job "
+                f"'{self._run_id}' because another user made '{parent}' theirs; ask the "
+                "ensemble's admin to give it the ACL world:anyone CREATE only (see "
+                "docs/rendezvous.md)."
+            ) from error
+
+    def _ensure_members_node(self) -> None:
+        """Not once the job is closed: its absence is what keeps a closed job closed."""
         if self._client.retry(self._client.exists, self._path("closed")) is None:
             self._client.retry(self._create, self._path("members"), b"", False)
+
+    def _verify_acl(self) -> None:
+        """Refuse a job node that is not exactly ours. Anyone may create children of the
+        prefix, so another user who guessed the run id could have created the job node first,
+        with an ACL that lets them read the state (the master address), forge it, join as a
+        fake member or plant ``closed``. Our own creates skip an existing node (that is what
+        makes them idempotent), so this check is what stops us from moving in."""
+        try:
+            acls, _ = self._client.retry(self._client.get_acls, self._root)
+        except NoNodeError:
+            return  # Read-only and no agent has come yet: nothing to trust or to refuse.
+        except NoAuthError as error:
+            # Reading an ACL needs READ or ADMIN, which the job's own ACL grants its secret.
+            raise RendezvousAccessError(
+                f"ZooKeeper at '{self._address}' refused access to job '{self._run_id}'; its "
+                "secret does not match the one in --zk-auth-file, or another user created "
+                f"'{self._root}' first (then cancel the job and submit it again)."
+            ) from error
+        if _acl_set(acls) != _acl_set(self._acl):
+            found = ", ".join(sorted(f"{a.id.scheme}:{a.id.id}={a.perms}" for a in acls))
+            logger.debug("zookeeper: job node %s has a foreign ACL: %s", self._root, found)
+            raise RendezvousAccessError(
+                f"ZooKeeper node '{self._root}' of job '{self._run_id}' is not guarded by the "
+                f"job's secret (its ACL is '{found}'), so another user may have created it to "
+                "read or forge the job; cancel the job and submit it again."
+            )
 
     def _create(
         self, path: str, data: bytes, ephemeral: bool, acl: list[ACL] | None = None
@@ -236,10 +357,17 @@ class ZooKeeperStore(CachedStore):
         with suppress(NoNodeError):
             self._client.delete(path, recursive=recursive)
 
+    def _get_record(self, node_id: str) -> tuple[bytes, Any] | None:
+        try:
+            data, stat = self._client.get(self._path("members", node_id))
+        except NoNodeError:
+            return None
+        return data, stat
+
     def _compare_and_set(self, data: bytes, token: int) -> tuple[bytes | None, int, bool]:
         try:
             if token == ABSENT:
-                self._client.create(self._path("state"), data, acl=self._acl)
+                self._create_state(data)
                 return data, 0, True
             stat = self._client.set(self._path("state"), data, version=token)
             return data, stat.version, True
@@ -251,39 +379,103 @@ class ZooKeeperStore(CachedStore):
             # A retry after a lost reply finds our own write: that is a win.
             return current, stat.version, current == data
 
+    def _create_state(self, data: bytes) -> None:
+        """Create the state only while the job is open, in one transaction: ``check`` with
+        version -1 passes for any version of ``members`` but fails once ``close_job`` has
+        removed it, so a closed job can never be reopened by an agent that checked
+        ``is_closed`` just before the close."""
+        transaction = self._client.transaction()
+        transaction.check(self._path("members"), -1)
+        transaction.create(self._path("state"), data, acl=self._acl)
+        errors = [result for result in transaction.commit() if isinstance(result, Exception)]
+        # The other operations of a failed transaction report RolledBackError or
+        # RuntimeInconsistency; the one that failed says why.
+        for cause in (NoNodeError, NodeExistsError):
+            for error in errors:
+                if isinstance(error, cause):
+                    raise error
+        if errors:
+            raise errors[0]
+
     def _join(self, node_id: str, data: bytes) -> None:
+        closed = RendezvousClosedError(
+            f"Job '{self._run_id}' is closed (finished or cancelled); nothing to join."
+        )
         if self._client.exists(self._path("closed")) is not None:
-            raise RendezvousClosedError(
-                f"Job '{self._run_id}' is closed (finished or cancelled); nothing to join."
-            )
+            raise closed
         path = self._path("members", node_id)
         try:
             self._client.create(path, data, acl=self._acl, ephemeral=True)
+        except NoNodeError as error:
+            raise closed from error  # Only close_job removes the members node.
         except NodeExistsError:
+            # Ours from an attempt whose reply was lost: done. Another session's (an agent
+            # of this id whose old session has not expired yet): replace it, so the member
+            # dies with the session that is alive.
             stat = self._client.exists(path)
             if stat is not None and stat.ephemeralOwner != self._client.client_id[0]:
                 self._delete(path)
                 self._client.create(path, data, acl=self._acl, ephemeral=True)
 
     def _on_state(self, data: bytes | None, stat: Any) -> None:
+        """Runs in kazoo's thread: remember and hand over to the notifier, nothing more."""
         self._remember_state(data, stat.version if stat is not None else ABSENT)
-        self._notify()
+        self._notices.put(_CHANGED)
 
     def _on_members(self, children: list[str]) -> None:
         with self._lock:
             self._alive = frozenset(children)
             for gone in self._records.keys() - self._alive:
                 del self._records[gone]
-        self._notify()
+        self._notices.put(_CHANGED)
 
     def _on_connection_state(self, state: str) -> None:
-        if state == KazooState.LOST:
-            for callback in self._callbacks(session_lost=True):
-                callback()
+        """Runs in kazoo's connection thread, which must never block: only enqueue."""
+        logger.debug("zookeeper: connection of job %s is %s", self._run_id, state)
+        self._notices.put(_CONNECTION_STATES[state])
 
-    def _notify(self) -> None:
-        for callback in self._callbacks():
-            callback()
+    def _deliver(self) -> None:
+        """The notifier thread: call subscribers, in the order the events came."""
+        while True:
+            notice = self._notices.get()
+            if notice is _STOP:
+                return
+            if notice is _CHANGED:
+                for on_change in self._callbacks():
+                    _call(on_change)
+                continue
+            assert isinstance(notice, ConnectionState)
+            if notice is ConnectionState.LOST:
+                for on_session_lost in self._callbacks(session_lost=True):
+                    _call(on_session_lost)
+            for callback in self._connection_callbacks():
+                _call(partial(callback, notice))
+
+
+def _call(callback: Callable[[], None]) -> None:
+    """One subscriber's error must not end the notifier thread, which serves them all."""
+    try:
+        callback()
+    except Exception:
+        logger.exception("zookeeper: a subscriber failed; the others are still notified")
+
+
+def _acl_set(acls: Iterable[ACL]) -> set[tuple[int, str, str]]:
+    return {(acl.perms, acl.id.scheme, acl.id.id) for acl in acls}
+
+
+class _Marker:
+    """A notice that is not a connection state."""
+
+
+_Notice = ConnectionState | _Marker
+_CHANGED = _Marker()
+_STOP = _Marker()
+_CONNECTION_STATES = {
+    KazooState.CONNECTED: ConnectionState.CONNECTED,
+    KazooState.SUSPENDED: ConnectionState.SUSPENDED,
+    KazooState.LOST: ConnectionState.LOST,
+}
 
 
 class _CoalescedChildrenWatch:
@@ -302,7 +494,7 @@ class _CoalescedChildrenWatch:
         self._scheduled = False
         self._established = False
         client.add_listener(self._on_session)
-        with self._fetching, suppress(NoNodeError):
+        with self._fetching:
             self._fetch_once()
 
     def _on_event(self, event: WatchedEvent) -> None:
@@ -328,13 +520,19 @@ class _CoalescedChildrenWatch:
         with self._fetching:
             with self._lock:
                 self._scheduled = False
-            # NoNodeError: the job was closed, nothing left to watch. Any other error is
-            # connection trouble: the session listener fetches again once it is back.
+            # Connection trouble: the session listener fetches again once it is back.
             with suppress(KazooException):
                 self._fetch_once()
 
     def _fetch_once(self) -> None:
-        children = self._client.retry(self._client.get_children, self._path, watch=self._on_event)
+        try:
+            children = self._client.retry(
+                self._client.get_children, self._path, watch=self._on_event
+            )
+        except NoNodeError:
+            # Only close_job removes the members node: the job is closed and nobody is left
+            # (a member whose deletion fired this watch must not linger in alive()).
+            children = []
         self._established = True
         self._on_children(children)
 
@@ -345,10 +543,16 @@ def connect(
     node: NodeInfo,
     *,
     secret: str | None = None,
+    open_acl: bool = False,
     expected_nodes: Callable[[], int | None] | None = None,
     connect_timeout: float = CONNECT_TIMEOUT,
 ) -> StoreRendezvous:
-    """The agent's entry point: a rendezvous for ``node`` on the ensemble in ``zk``."""
+    """The agent's entry point: a rendezvous for ``node`` on the ensemble in ``zk``.
+
+    Without a ``secret`` the job's znodes are open to every user of the ensemble, so that
+    needs ``open_acl=True`` (the CLI's ``--zk-open-acl``), never just a forgotten flag.
+    """
+    require_secret(secret, settings.run_id, open_acl=open_acl)
     address = ZooKeeperAddress.parse(zk)
     client = open_client(address, secret, settings.session_timeout, connect_timeout)
     try:
@@ -361,29 +565,227 @@ def connect(
 
 
 @contextmanager
-def _job_store(zk: str, run_id: str, secret: str | None) -> Iterator[ZooKeeperStore]:
+def _existing_job(zk: str, run_id: str, secret: str | None) -> Iterator[ZooKeeperStore]:
+    """The job opened read-only (``create=False``): ``status`` and ``cancel`` create no znode."""
     address = ZooKeeperAddress.parse(zk)
     client = open_client(address, secret, session_timeout=10.0)
     try:
-        yield ZooKeeperStore(client, address, run_id, secret)
-    finally:
+        store = ZooKeeperStore(client, address, run_id, secret, create=False)
+    except RendezvousError:
         client.stop()
         client.close()
+        raise
+    try:
+        yield store
+    finally:
+        store.release()
 
 
 def describe_job(zk: str, run_id: str, secret: str | None) -> st.JobState | None:
     """The job's state for ``hpc-elastic status``; None if no agent has arrived yet."""
-    with _job_store(zk, run_id, secret) as store:
+    with _existing_job(zk, run_id, secret) as store:
         data, _ = store.get_state()
         return st.decode(data) if data is not None else None
 
 
 def close_job(zk: str, run_id: str, secret: str | None) -> None:
-    """Close the job for ``hpc-elastic cancel``: running agents stop, late ones exit cleanly."""
-    with _job_store(zk, run_id, secret) as store:
+    """Close the job for ``hpc-elastic cancel``: running agents stop, late ones exit cleanly.
+
+    A job no agent has reached has no node, and gets none: cancelling its Slurm array is
+    enough, and creating the node here would squat the path (with the wrong ACL if the
+    secret file is missing).
+    """
+    with _existing_job(zk, run_id, secret) as store:
+        if not store.job_exists():
+            logger.debug("zookeeper: job %s has no node; nothing to close", run_id)
+            return
         data, token = store.get_state()
         while data is not None:
             data, token, won = store.set_state(st.encode(st.close(st.decode(data))), token)
             if won:
                 break
         store.close_job()
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One health probe of the ensemble: when we asked, when it answered, and its clock."""
+
+    sent: float
+    received: float
+    server_time: float | None
+    """The server's wall clock (a fresh znode's ctime), None where we may not create one."""
+    znode: str | None = None
+    """The ephemeral znode that told the time; gone with the probe's session."""
+
+
+def probe(zk: str, connect_timeout: float = CONNECT_TIMEOUT) -> Probe:
+    """Connect, read the server's time, disconnect: the preflight's ZooKeeper check.
+
+    The time comes from an ephemeral sequential znode under the prefix, whose creation time
+    the server stamps; it vanishes with the session, so a probe leaves nothing behind.
+    """
+    address = ZooKeeperAddress.parse(zk)
+    client = open_client(address, None, session_timeout=10.0, connect_timeout=connect_timeout)
+    try:
+        sent = time.time()
+        znode, server_time = _server_time(client, address)
+        received = time.time()
+    except KazooException as error:
+        raise RendezvousError(
+            f"ZooKeeper at '{address}' failed the health probe ({type(error).__name__}); "
+            "check the server's log."
+        ) from error
+    finally:
+        client.stop()
+        client.close()
+    logger.debug("zookeeper: probe %s answered in %.3f s", address, received - sent)
+    return Probe(sent, received, server_time, znode)
+
+
+def _server_time(client: KazooClient, address: ZooKeeperAddress) -> tuple[str | None, float | None]:
+    _ensure_shared(client, f"{address.chroot}{PREFIX}")
+    try:
+        path, stat = client.create(
+            f"{address.chroot}{PREFIX}/.clock-",
+            b"",
+            acl=[ACL(Permissions.READ, Id("world", "anyone"))],
+            ephemeral=True,
+            sequence=True,
+            include_data=True,
+        )
+    except (NoNodeError, NoAuthError):
+        logger.debug("zookeeper: no clock probe under %s%s", address.chroot, PREFIX)
+        return None, None
+    return str(path), float(stat.ctime) / 1000.0
+
+
+def _ensure_shared(client: KazooClient, path: str) -> None:
+    """``path`` and its parents, each created (if missing) with the shared CREATE-only ACL, as
+    a job's agent creates the prefix; a parent someone else made and guards is left alone."""
+    parts = path.split("/")[1:]
+    for depth in range(1, len(parts) + 1):
+        with suppress(NodeExistsError, NoAuthError):
+            client.retry(client.create, "/" + "/".join(parts[:depth]), b"", acl=_SHARED_ACL)
+
+
+USERS = "@users"
+
+
+class BadNodeBook:
+    """One user's remembered bad nodes, in a znode only the user's secret opens."""
+
+    def __init__(self, client: KazooClient, address: ZooKeeperAddress, user: str, secret: str):
+        self._client = client
+        self._address = address
+        self._user = check_host(user)
+        self._root = f"{address.chroot}{PREFIX}/{USERS}/{user}"
+        self._acl = [make_digest_acl(DIGEST_USER, secret, all=True)]
+        with self._converted():
+            self._ensure()
+
+    def remember(self, record: BadNode) -> None:
+        """Record ``record.host`` as bad, replacing an older record of the same host."""
+        path = f"{self._root}/bad-nodes/{check_host(record.host)}"
+        with self._converted():
+            try:
+                self._client.retry(self._client.create, path, record.encode(), acl=self._acl)
+            except NodeExistsError:
+                self._client.retry(self._client.set, path, record.encode())
+        logger.debug("zookeeper: user %s remembers bad node %s", self._user, record.host)
+
+    def records(self) -> list[BadNode]:
+        """Every readable record, expired or not."""
+        found: list[BadNode] = []
+        with self._converted():
+            for host in self._client.retry(self._client.get_children, f"{self._root}/bad-nodes"):
+                try:
+                    data, _ = self._client.retry(self._client.get, f"{self._root}/bad-nodes/{host}")
+                except NoNodeError:
+                    continue  # Cleared by another agent between the listing and the read.
+                record = BadNode.decode(data)
+                if record is not None:
+                    found.append(record)
+        return found
+
+    def forget(self, hosts: Iterable[str]) -> None:
+        with self._converted():
+            for host in hosts:
+                with suppress(NoNodeError):
+                    self._client.retry(
+                        self._client.delete, f"{self._root}/bad-nodes/{check_host(host)}"
+                    )
+                logger.debug("zookeeper: user %s forgets bad node %s", self._user, host)
+
+    def _ensure(self) -> None:
+        """The shared parents (CREATE-only for everyone), then the user's node with the
+        user's ACL, checked like a job node, since anyone could have made it first."""
+        _ensure_shared(self._client, self._root.rsplit("/", 1)[0])
+        with suppress(NodeExistsError):
+            self._client.retry(self._client.create, self._root, b"", acl=self._acl)
+        try:
+            acls, _ = self._client.retry(self._client.get_acls, self._root)
+        except NoAuthError:
+            acls = []
+        if _acl_set(acls) != _acl_set(self._acl):
+            raise RendezvousAccessError(
+                f"ZooKeeper node '{self._root}' is not guarded by user '{self._user}'s secret: "
+                "either your user secret file (--user-secret-file) was replaced since your "
+                "agents made the node, so restore it, or another user made it, so ask the "
+                "ensemble's admin to delete it."
+            )
+        with suppress(NodeExistsError):
+            self._client.retry(self._client.create, f"{self._root}/bad-nodes", b"", acl=self._acl)
+
+    @contextmanager
+    def _converted(self) -> Iterator[None]:
+        """As a job's, but a refusal names the user's secret, not a job's --zk-auth-file."""
+        try:
+            with _converted(self._address, f"{USERS}/{self._user}"):
+                yield
+        except RendezvousError as error:
+            if not isinstance(error.__cause__, NoAuthError):
+                raise
+            raise RendezvousAccessError(
+                f"ZooKeeper at '{self._address}' refused user '{self._user}'s bad-node list "
+                "to the secret in your user secret file (--user-secret-file); restore the "
+                "file your agents used, or ask the ensemble's admin to delete "
+                f"'{self._root}' to start a new list."
+            ) from error.__cause__
+
+
+@contextmanager
+def bad_node_book(
+    zk: str, user: str, secret: str, connect_timeout: float = CONNECT_TIMEOUT
+) -> Iterator[BadNodeBook]:
+    """The user's bad-node book, connected for the duration of the ``with`` block."""
+    address = ZooKeeperAddress.parse(zk)
+    client = open_client(address, secret, session_timeout=10.0, connect_timeout=connect_timeout)
+    try:
+        yield BadNodeBook(client, address, user, secret)
+    finally:
+        client.stop()
+        client.close()
+
+
+def remember_bad_node(zk: str, user: str, secret: str, record: BadNode) -> None:
+    """Remember one bad node for the user's later jobs."""
+    with bad_node_book(zk, user, secret) as book:
+        book.remember(record)
+
+
+def list_bad_nodes(zk: str, user: str, secret: str, now: float) -> list[BadNode]:
+    """The user's bad nodes not yet expired; expired records are deleted on the way."""
+    with bad_node_book(zk, user, secret) as book:
+        return listing(book, now)
+
+
+def clear_bad_nodes(
+    zk: str, user: str, secret: str, hosts: Iterable[str] | None = None
+) -> list[str]:
+    """Forget ``hosts`` (all of the user's bad nodes when None); returns the hosts forgotten."""
+    with bad_node_book(zk, user, secret) as book:
+        known = sorted({record.host for record in book.records()})
+        chosen = known if hosts is None else sorted(set(hosts) & set(known))
+        book.forget(chosen)
+        return chosen

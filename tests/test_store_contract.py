@@ -1,0 +1,449 @@
+"""One contract for every Store: the in-memory one, the local-mode one, and ZooKeeper.
+
+In the style of torch's ``RendezvousBackendTestMixin``: each test runs against every store, so
+the rendezvous (and the simulator, which uses the in-memory store) may rely on exactly what
+is written here and nothing else. ZooKeeper is a real server that ``rendezvous/testing.py``
+starts on a free loopback port; every test gets a fresh chroot, so tests never see each other.
+
+Notifications from the local and ZooKeeper stores arrive on threads of their own, so a test
+waits for the event it expects, with a generous deadline, and never sleeps.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import Protocol
+
+import pytest
+
+from hpc_elastic.errors import RendezvousClosedError, RendezvousError
+from hpc_elastic.rendezvous import testing
+from hpc_elastic.rendezvous.api import NodeInfo, RendezvousSettings
+from hpc_elastic.rendezvous.backend import ABSENT, ConnectionState, Store
+from hpc_elastic.rendezvous.handler import StoreRendezvous
+from hpc_elastic.rendezvous.local_store import LocalStore, LocalStoreServer
+from hpc_elastic.rendezvous.memory import ManualClock, MemoryServer, MemoryStore
+from hpc_elastic.rendezvous.zookeeper import ZooKeeperAddress, ZooKeeperStore, open_client
+from hpc_elastic.spec import NodeRange
+
+DEADLINE = 20.0
+"""Seconds to wait for a notification; only a broken store ever takes that long."""
+SECRET = "contract-secret"
+SESSION = 2.0
+
+
+class Harness(Protocol):
+    """What the contract needs from one kind of store besides the Store protocol itself."""
+
+    def connect(self) -> Store:
+        """A new connection, with a session of its own."""
+
+    def expire(self, store: Store) -> None:
+        """End ``store``'s session on the server side, as a session timeout does."""
+
+    def close(self) -> None:
+        """Release every connection made and whatever serves them."""
+
+
+class MemoryHarness:
+    def __init__(self) -> None:
+        self.server = MemoryServer()
+        self.made: list[MemoryStore] = []
+
+    def connect(self) -> Store:
+        store = self.server.connect(session_timeout=SESSION)
+        self.made.append(store)
+        return store
+
+    def expire(self, store: Store) -> None:
+        assert isinstance(store, MemoryStore)
+        store.expire_session()
+
+    def close(self) -> None:
+        for store in self.made:
+            store.release()
+
+
+class LocalHarness:
+    """The local store's session is its socket: it ends when the serving process stops."""
+
+    def __init__(self, directory: Path) -> None:
+        self.server = LocalStoreServer(directory / "contract.sock")
+        self.server.start()
+        self.made: list[LocalStore] = []
+
+    def connect(self) -> Store:
+        store = LocalStore(self.server.path, "job")
+        self.made.append(store)
+        return store
+
+    def expire(self, store: Store) -> None:
+        del store
+        self.server.stop()
+
+    def close(self) -> None:
+        for store in self.made:
+            store.release()
+        self.server.stop()
+
+
+class ZooKeeperHarness:
+    def __init__(self, hosts: str) -> None:
+        self.address = ZooKeeperAddress.parse(f"{hosts}/contract-{uuid.uuid4().hex}")
+        self.made: list[ZooKeeperStore] = []
+
+    def connect(self) -> Store:
+        client = open_client(self.address, SECRET, SESSION)
+        store = ZooKeeperStore(client, self.address, "job", SECRET)
+        self.made.append(store)
+        return store
+
+    def expire(self, store: Store) -> None:
+        """A second client on the same session id, closed at once: the server ends the
+        session for real (kazoo's own tests expire sessions this way)."""
+        assert isinstance(store, ZooKeeperStore)
+        session_id, password = store.session_id
+        thief = open_client(
+            ZooKeeperAddress(self.address.hosts), None, SESSION, client_id=(session_id, password)
+        )
+        thief.stop()
+        thief.close()
+
+    def close(self) -> None:
+        """Release the connections; the znodes stay on this module's private server, which
+        goes with them (the prefix's ACL lets nobody delete a job node)."""
+        for store in self.made:
+            store.release()
+
+
+@pytest.fixture(params=["memory", "local", "zookeeper"])
+def harness(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]:
+    made: Harness
+    if request.param == "memory":
+        made = MemoryHarness()
+    elif request.param == "local":
+        made = LocalHarness(tmp_path)
+    else:
+        made = ZooKeeperHarness(request.getfixturevalue("private_zookeeper"))
+    yield made
+    made.close()
+
+
+def eventually(condition: Callable[[], bool], what: str) -> None:
+    """Wait until ``condition`` holds; the stores push, so this only waits for delivery."""
+    deadline = time.monotonic() + DEADLINE
+    while not condition():
+        assert time.monotonic() < deadline, f"never saw {what} within {DEADLINE:g} s"
+        time.sleep(0.01)
+
+
+View = tuple[tuple[bytes | None, int], frozenset[str]]
+
+
+class Recorder:
+    """A subscriber that records the store's view each time it is called."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.heard = threading.Condition()
+        self.views: list[View] = []
+        self.lost = threading.Event()
+        self.states: list[ConnectionState] = []
+        store.subscribe(self.on_change, self.lost.set)
+        store.subscribe_connection(self.states.append)
+
+    def on_change(self) -> None:
+        with self.heard:
+            self.views.append((self.store.get_state(), self.store.alive()))
+            self.heard.notify_all()
+
+    def was_told(self, condition: Callable[[View], bool]) -> bool:
+        """Whether a call came (or comes, within the deadline) whose view meets ``condition``:
+        the callback is how a subscriber learns of the change, the view proves which one."""
+        with self.heard:
+            return self.heard.wait_for(lambda: any(map(condition, self.views)), DEADLINE)
+
+
+# --- compare-and-set -----------------------------------------------------------------------
+
+
+def test_a_missing_state_is_created_only_with_the_absent_token(harness: Harness) -> None:
+    store = harness.connect()
+    assert store.get_state() == (None, ABSENT)
+    assert store.set_state(b"x", 0) == (None, ABSENT, False)
+    data, token, won = store.set_state(b"first", ABSENT)
+    assert (data, won) == (b"first", True)
+    assert token != ABSENT
+    assert store.set_state(b"second", ABSENT) == (b"first", token, False)
+
+
+def test_a_write_with_the_current_token_wins_and_moves_the_token_on(harness: Harness) -> None:
+    store = harness.connect()
+    _, token, _ = store.set_state(b"one", ABSENT)
+    data, newer, won = store.set_state(b"two", token)
+    assert (data, won) == (b"two", True)
+    assert newer != token
+    assert store.get_state() == (b"two", newer)
+
+
+def test_a_write_with_a_stale_token_loses_and_returns_the_current_state(harness: Harness) -> None:
+    writer, stale = harness.connect(), harness.connect()
+    _, first, _ = writer.set_state(b"one", ABSENT)
+    _, second, _ = writer.set_state(b"two", first)
+    assert stale.set_state(b"late", first) == (b"two", second, False)
+    eventually(lambda: writer.get_state() == (b"two", second), "the writer keep its own write")
+
+
+def test_another_connection_sees_the_write(harness: Harness) -> None:
+    writer, reader = harness.connect(), harness.connect()
+    _, token, _ = writer.set_state(b"news", ABSENT)
+    eventually(lambda: reader.get_state() == (b"news", token), "the write reach the reader")
+
+
+# --- ephemeral membership ------------------------------------------------------------------
+
+
+def test_a_member_is_alive_for_everyone_until_it_leaves(harness: Harness) -> None:
+    member, other = harness.connect(), harness.connect()
+    member.join("n1", b"record-1")
+    member.join("n1", b"record-1")
+    eventually(lambda: other.alive() == {"n1"}, "n1 join")
+    assert other.members(["n1"]) == [b"record-1"]
+    member.leave("n1")
+    member.leave("n1")
+    eventually(lambda: other.alive() == frozenset(), "n1 leave")
+    assert other.members(["n1"]) == []
+
+
+def test_members_come_in_join_order_and_the_departed_are_skipped(harness: Harness) -> None:
+    store, other = harness.connect(), harness.connect()
+    for node in ("c", "a", "b"):
+        store.join(node, node.encode())
+    other.join("d", b"d")
+    assert store.members(["d", "b", "a", "c", "nobody"]) == [b"c", b"a", b"b", b"d"]
+    store.leave("a")
+    eventually(lambda: other.alive() == {"b", "c", "d"}, "a leave")
+    assert other.members(["a", "b", "c", "d"]) == [b"c", b"b", b"d"]
+
+
+def test_a_membership_dies_with_its_connection(harness: Harness) -> None:
+    mortal, other = harness.connect(), harness.connect()
+    mortal.join("mortal", b"{}")
+    other.join("survivor", b"{}")
+    eventually(lambda: other.alive() == {"mortal", "survivor"}, "both members")
+    mortal.release()
+    eventually(lambda: other.alive() == {"survivor"}, "the released connection's member go")
+
+
+def test_an_expired_session_loses_its_memberships_and_its_owner_is_told(
+    harness: Harness,
+) -> None:
+    mortal = harness.connect()
+    recorder = Recorder(mortal)
+    mortal.join("mortal", b"{}")
+    harness.expire(mortal)
+    assert recorder.lost.wait(DEADLINE), "the owner was never told its session was lost"
+    eventually(lambda: ConnectionState.LOST in recorder.states, "LOST on the connection")
+
+
+# --- watches -------------------------------------------------------------------------------
+
+
+def test_every_subscriber_of_every_connection_hears_each_kind_of_change(
+    harness: Harness,
+) -> None:
+    stores = [harness.connect(), harness.connect()]
+    recorders = [Recorder(store) for store in stores for _ in range(2)]
+    _, token, _ = stores[0].set_state(b"one", ABSENT)
+    assert all(r.was_told(lambda view: view[0][0] == b"one") for r in recorders)
+    stores[1].set_state(b"two", token)
+    assert all(r.was_told(lambda view: view[0][0] == b"two") for r in recorders)
+    stores[1].join("n1", b"{}")
+    assert all(r.was_told(lambda view: view[1] == {"n1"}) for r in recorders)
+    stores[1].leave("n1")
+    assert all(
+        r.was_told(lambda view: view[1] == frozenset() and view[0][0] == b"two") for r in recorders
+    )
+
+
+def test_an_unsubscribed_callback_hears_nothing_more(harness: Harness) -> None:
+    store = harness.connect()
+    dropped, kept = Recorder(store), Recorder(store)
+    store.unsubscribe(dropped.on_change)
+    store.set_state(b"one", ABSENT)
+    assert kept.was_told(lambda view: view[0][0] == b"one")
+    # Subscribers are called in the order they subscribed, from one delivery: had the
+    # dropped one still been subscribed, it would have been told before the kept one.
+    assert not any(view[0][0] == b"one" for view in dropped.views)
+
+
+# --- closing -------------------------------------------------------------------------------
+
+
+def test_closing_leaves_a_tombstone_and_a_late_join_is_refused(harness: Harness) -> None:
+    closer, other = harness.connect(), harness.connect()
+    other.join("n1", b"{}")
+    closer.set_state(b"state", ABSENT)
+    eventually(lambda: other.alive() == {"n1"}, "n1 join")
+    closer.close_job()
+    closer.close_job()
+    assert other.is_closed()
+    eventually(lambda: other.get_state() == (None, ABSENT), "the state go")
+    eventually(lambda: other.alive() == frozenset(), "the members go")
+    late = harness.connect()
+    assert late.is_closed()
+    with pytest.raises(RendezvousClosedError, match="'job' is closed"):
+        late.join("late", b"{}")
+
+
+def test_a_closed_job_is_never_reopened_by_a_write(harness: Harness) -> None:
+    store = harness.connect()
+    _, token, _ = store.set_state(b"state", ABSENT)
+    store.close_job()
+    assert store.set_state(b"again", token) == (None, ABSENT, False)
+    assert store.set_state(b"fresh", ABSENT) == (None, ABSENT, False)
+    assert harness.connect().get_state() == (None, ABSENT)
+
+
+# --- the in-memory store's controls, which the simulator drives ----------------------------
+
+
+def test_a_memory_session_not_touched_within_its_timeout_expires_on_tick() -> None:
+    clock = ManualClock()
+    server = MemoryServer(clock)
+    quiet, busy = server.connect(session_timeout=2.0), server.connect(session_timeout=2.0)
+    quiet_recorder = Recorder(quiet)
+    quiet.join("quiet", b"{}")
+    busy.join("busy", b"{}")
+    clock.advance(1.5)
+    busy.touch()
+    clock.advance(1.0)
+    assert server.tick() == [quiet]
+    assert server.member_ids == {"busy"}
+    assert busy.alive() == {"busy"}
+    assert quiet_recorder.lost.is_set()
+    assert quiet_recorder.states == [ConnectionState.LOST, ConnectionState.CONNECTED]
+    quiet.join("quiet", b"{}")
+    assert server.member_ids == {"busy", "quiet"}, "a new session may join again"
+
+
+def cut_off_member() -> tuple[ManualClock, MemoryServer, MemoryStore, MemoryStore, Recorder]:
+    """Two connections with 2 s sessions; member ``n1`` joined on the first, which is then
+    cut off (``disconnect``), as a network partition would; the clock has not moved."""
+    clock = ManualClock()
+    server = MemoryServer(clock)
+    store, other = server.connect(session_timeout=2.0), server.connect(session_timeout=2.0)
+    recorder = Recorder(store)
+    store.join("n1", b"{}")
+    store.disconnect()
+    return clock, server, store, other, recorder
+
+
+def test_a_cut_off_memory_connection_is_suspended_and_resumes_its_session_in_time() -> None:
+    clock, server, store, other, recorder = cut_off_member()
+    assert recorder.states == [ConnectionState.SUSPENDED]
+    with pytest.raises(RendezvousError, match="out of reach"):
+        store.is_closed()
+    other.set_state(b"while away", ABSENT)
+    assert store.get_state() == (None, ABSENT), "a cut-off connection hears nothing"
+    clock.advance(1.9)
+    other.touch()
+    assert server.tick() == []
+    store.reconnect()
+    assert recorder.states == [ConnectionState.SUSPENDED, ConnectionState.CONNECTED]
+    assert store.get_state() == (b"while away", 0), "watches fire again on reconnect"
+    assert server.member_ids == {"n1"}
+    assert not recorder.lost.is_set()
+
+
+def test_a_memory_connection_cut_off_past_its_timeout_is_lost_on_reconnect() -> None:
+    clock, server, store, other, recorder = cut_off_member()
+    clock.advance(2.5)
+    other.touch()
+    assert server.tick() == [store]
+    assert other.alive() == frozenset(), "the others see the member go at expiry"
+    assert recorder.states == [ConnectionState.SUSPENDED], "the owner learns only on reconnect"
+    store.reconnect()
+    assert recorder.states == [
+        ConnectionState.SUSPENDED,
+        ConnectionState.LOST,
+        ConnectionState.CONNECTED,
+    ]
+    assert recorder.lost.is_set()
+
+
+def test_late_and_repeated_memory_deliveries_never_turn_a_view_back() -> None:
+    held: list[tuple[MemoryStore, Callable[[], None]]] = []
+    server = MemoryServer(deliver=lambda store, notification: held.append((store, notification)))
+    writer, reader = server.connect(), server.connect()
+    recorder = Recorder(reader)
+    _, token, _ = writer.set_state(b"one", ABSENT)
+    writer.set_state(b"two", token)
+    to_reader = [notification for store, notification in held if store is reader]
+    assert len(to_reader) == 2
+    assert reader.get_state() == (None, ABSENT), "nothing delivered yet"
+    to_reader[1]()
+    to_reader[0]()
+    to_reader[0]()
+    assert reader.get_state() == (b"two", 1)
+    assert len(recorder.views) == 3, "every delivery calls the subscribers"
+    assert {view[0] for view in recorder.views} == {(b"two", 1)}
+
+
+# --- ZooKeeper's connection states ---------------------------------------------------------
+
+
+def told_states(recorder: Recorder, count: int) -> bool:
+    return len(recorder.states) >= count
+
+
+def test_a_zookeeper_restart_suspends_and_reconnects_every_agent_without_disturbing_the_round(
+    tmp_path: Path, private_zookeeper: str
+) -> None:
+    """Replaces a test that slept a fixed 2 s after the restart and then asserted that nothing
+    had happened: it passed whether or not the clients were back. Here each agent's store
+    reports SUSPENDED and then CONNECTED (the same session: LOST would come instead), and only
+    once every one has reconnected is the round checked."""
+    del private_zookeeper  # Only for its skip-or-fail when ZooKeeper is missing.
+    # A session long enough to outlive the restart even on a loaded machine: with 2 s, a server
+    # that took longer than that to start again (load average 37) expired the sessions and the
+    # clients rightly saw LOST. Expiry is another test's subject; this one is about reconnecting.
+    session = 20.0
+    server = testing.ZooKeeperServer(tmp_path / "zk")
+    server.start()
+    address = ZooKeeperAddress.parse(f"{server.hosts}/restart")
+    settings = RendezvousSettings(
+        run_id="job", nodes=NodeRange(2, 2), last_call=0.3, session_timeout=session
+    )
+    recorders: list[Recorder] = []
+    agents: list[StoreRendezvous] = []
+    try:  # From the server's start: a client that failed to connect once left it running (CI).
+        for name in "ab":
+            store = ZooKeeperStore(open_client(address, SECRET, session), address, "job", SECRET)
+            recorders.append(Recorder(store))
+            agents.append(StoreRendezvous(settings, NodeInfo(name, "127.0.0.1", 1), store))
+        with ThreadPoolExecutor(2) as pool:
+            first = list(pool.map(lambda agent: agent.next_round(), agents))
+        server.stop()
+        for recorder in recorders:
+            eventually(partial(told_states, recorder, 1), "SUSPENDED")
+            assert recorder.states == [ConnectionState.SUSPENDED]
+        server.start()
+        for recorder in recorders:
+            eventually(partial(told_states, recorder, 2), "the connection come back")
+            assert recorder.states == [ConnectionState.SUSPENDED, ConnectionState.CONNECTED]
+            assert not recorder.lost.is_set()
+        assert not any(agent.changed.is_set() for agent in agents), "training goes on"
+        snapshot = agents[0].snapshot()
+        assert snapshot is not None
+        assert snapshot.round == first[0].number
+    finally:
+        for agent in agents:
+            agent.leave()
+        server.stop()
