@@ -1,10 +1,10 @@
 """The agent's life cycle: an explicit loop over rendezvous rounds (see docs/agent.md).
 
-    JOINING --round--> RUNNING --all exit 0--> SUCCEEDING --barrier--> done (0)
-       ^                  |  \\--worker fails / hangs--> REPORTING --+
-       |                  |--membership changed--------------------+--> STOPPING --> JOINING
-       |                  \\--signal--> DRAINING (grace) --> done (75 / 130 / 143)
-       +-- next_round raises JobFailedError --> done (1)
+    JOINING --round--> RUNNING --all exit 0--> SUCCEEDING --barrier--> DONE (0)
+       ^                  |  \\--worker fails / hangs--> REPORTING --+        |
+       |                  |--membership changed / fenced-----------+--> STOPPING --> JOINING
+       |                  \\--signal--> DRAINING (grace) --> DONE (75 / 130 / 143)
+       +-- next_round raises JobFailedError --> DONE (1)    <-- a failure elsewhere ends the round
 
 Signals only set a flag (``request_stop``); the loop acts on it within ``poll_interval``.
 Blocking rendezvous calls run on a helper thread so a signal is never stuck behind them.
@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import logging
 import os
 import shutil
 import signal
@@ -23,19 +24,43 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TypeVar
 
 from hpc_elastic import events
-from hpc_elastic.agent import rootcause
-from hpc_elastic.agent.api import AgentSpec, ExitCode
-from hpc_elastic.agent.standby import StandbyPool, standby_command
-from hpc_elastic.agent.workers import WorkerGroup, attempt_paths, launch, worker_env
-from hpc_elastic.errors import RendezvousClosedError
-from hpc_elastic.rendezvous.api import Failure, JobFailedError, Rendezvous, Round
+from hpc_elastic.agent import rootcause, watchdog
+from hpc_elastic.agent.api import AgentSpec, ExitCode, Phase
+from hpc_elastic.agent.standby import StandbyPool, may_import, standby_command
+from hpc_elastic.agent.workers import (
+    Worker,
+    WorkerGroup,
+    WorkerPaths,
+    attempt_paths,
+    launch,
+    worker_env,
+)
+from hpc_elastic.contract import ASSIGNMENT_FILE_ENV, LEASE_FILE_ENV, LEASE_TIMEOUT_ENV
+from hpc_elastic.errors import RendezvousClosedError, RendezvousError
+from hpc_elastic.events import FailedDetails, FailureDetails, Kind, RoundDetails
+from hpc_elastic.rendezvous import state as rdzv_state
+from hpc_elastic.rendezvous.api import (
+    Failure,
+    JobFailedError,
+    Rendezvous,
+    RendezvousSettings,
+    Round,
+)
 from hpc_elastic.train import heartbeat
+from hpc_elastic.train.assignment import (
+    ROUND_KEYS,
+    Assignment,
+    ack_path,
+    read_ack,
+    write_assignment,
+)
+from hpc_elastic.train.exitcodes import FENCED_EXIT_CODE
 
 T = TypeVar("T")
 
@@ -43,22 +68,282 @@ REFILL_AFTER = 30.0
 """New standbys start importing once every local rank has beaten its heartbeat, or this many
 seconds into a round, so that they do not slow the round's own start."""
 
+STACK_DUMP_DEADLINE = 5.0
+"""How long a hung group's ranks get to print their stacks after the SIGABRT: faulthandler
+takes milliseconds, but a rank that also writes a core file would hold the restart up."""
 
-class _Outcome(enum.Enum):
+FENCE_FRACTION = 1 / 3
+"""A cut-off agent stops its workers once SUSPENDED has lasted this fraction of the session
+timeout. Kazoo reports SUSPENDED only when a ping goes unanswered, up to two thirds of the
+session after the server last heard from us, and the server may expire the session (and the
+others re-form) one session after that: only the last third is left. The simulation finds
+the split brain with anything longer (docs/reliability.md)."""
+
+OVERSLEPT = 1.0
+"""Seconds past its deadline after which a wait that polls every 0.1 s must have been stalled
+(docs/agent.md): ten polls missed is no scheduling jitter."""
+
+ACK_TIMEOUT = 30.0
+"""In-place mode: seconds a surviving worker has to take up the new round (it acknowledges at
+its next step boundary, or at once when a collective failed on a dead peer). One that does not
+(stuck in a long step, or a loop without ``InPlace``) is killed and restarted the normal way."""
+
+log = logging.getLogger(__name__)
+
+
+class Outcome(enum.Enum):
+    """How one round ended for this node, as ``round_outcome`` decides it."""
+
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CHANGED = "changed"
+    FENCED = "fenced"
+    """Cut off from the rendezvous for nearly a session timeout: stop before others re-form."""
     SIGNALLED = "signalled"
     PREEMPTED = "preempted"
+
+
+def round_outcome(
+    codes: Sequence[int | None], *, stop_requested: bool, changed: bool, fenced: bool
+) -> tuple[Outcome, int | None] | None:
+    """One poll's decision: how the round ended (and the index of the failed worker), or None
+    while it goes on. Pure, so the simulator runs the very rule the agent runs."""
+    if stop_requested:
+        return Outcome.SIGNALLED, None
+    if changed:
+        return Outcome.CHANGED, None
+    if fenced:
+        return Outcome.FENCED, None
+    if FENCED_EXIT_CODE in codes:
+        return Outcome.FENCED, None  # its lease went stale: the round is not ours, no failure
+    preempted = ExitCode.PREEMPTED
+    for index, code in enumerate(codes):
+        if code not in (None, 0, preempted):
+            return Outcome.FAILED, index
+    if all(code == 0 for code in codes):
+        return Outcome.SUCCEEDED, None
+    if preempted in codes and None not in codes:
+        return Outcome.PREEMPTED, None
+    return None
+
+
+@dataclass(frozen=True)
+class PollDecision:
+    """What one poll of the monitor decides: renew the workers' lease or not, and how the
+    round ended (with the failed worker's index), or None while it goes on."""
+
+    renew_lease: bool
+    ended: tuple[Outcome, int | None] | None
+
+
+def poll_decision(
+    codes: Sequence[int | None],
+    *,
+    stop_requested: bool,
+    changed: bool,
+    suspended_since: float | None,
+    now: float,
+    session_timeout: float,
+) -> PollDecision:
+    """One poll, all of it pure: the agent's monitor and the simulator both call this, so the
+    lease rule (renew only while the round is ours and the connection is up) and the fencing
+    deadline are the very ones the simulation checks."""
+    fenced = connection_fenced(suspended_since, now, session_timeout)
+    return PollDecision(
+        renew_lease=not changed and suspended_since is None,
+        ended=round_outcome(codes, stop_requested=stop_requested, changed=changed, fenced=fenced),
+    )
+
+
+def fence_after(session_timeout: float) -> float:
+    """Seconds of lost connection after which the agent stops its workers (split brain)."""
+    return session_timeout * FENCE_FRACTION
+
+
+def connection_fenced(suspended_since: float | None, now: float, session_timeout: float) -> bool:
+    """Whether the connection has been down long enough that this node must stop training."""
+    return suspended_since is not None and now - suspended_since >= fence_after(session_timeout)
+
+
+class AfterRound(enum.Enum):
+    """What the agent does next about a round that ended: ``after_round``'s answer. The first
+    five end the round for this node; the others add a fact to ``RoundEnd`` and ask again."""
+
+    DRAIN = "drain"
+    """A stop signal: forward it once, give the workers ``--grace`` to save, leave."""
+    DRAIN_PREEMPTED = "drain_preempted"
+    """Every worker saved and exited 75 for a preemption: drain, exit 75 (Slurm requeues)."""
+    LEAVE = "leave"
+    """A stop signal came while the round was being wound up: leave with its exit code."""
+    REJOIN = "rejoin"
+    """Join the next round (the loop's ``next_round``)."""
+    DONE = "done"
+    """Every node's workers succeeded: exit 0."""
+    BARRIER = "barrier"
+    """Every local worker exited 0: wait in the exit barrier for the other nodes."""
+    STOP_WORKERS = "stop_workers"
+    """Stop the group (SIGTERM, ``stop_grace``, SIGKILL) before anything else."""
+    KEEP_WORKERS = "keep_workers"
+    """In-place mode: the live workers wait for the next round; only the dead are gone."""
+    WAIT_FOR_CHANGE = "wait_for_change"
+    """The failure reads as an echo of a peer's death: wait to hear of the peer first."""
+    ANNOUNCE_FAILURE = "announce_failure"
+    """Say the root cause, record it, and judge whether any restart could fix it."""
+    REPORT_FAILURE = "report_failure"
+    """Spend one restart of the job's budget (the first report of a round wins)."""
+    FAIL_JOB = "fail_job"
+    """No restart can fix it (a user error, the breaker): fail the job for every node."""
+
+
+ENDS_ROUND = frozenset(
+    {
+        AfterRound.DRAIN,
+        AfterRound.DRAIN_PREEMPTED,
+        AfterRound.LEAVE,
+        AfterRound.REJOIN,
+        AfterRound.DONE,
+    }
+)
+"""Actions after which this node is done with the round (the others ask ``after_round`` again)."""
+
+
+@dataclass(frozen=True)
+class RoundEnd:
+    """What the agent knows of a round that ended, and what it has done about it so far: the
+    input of ``after_round``. Plain values, so that the simulation passes its own."""
+
+    outcome: Outcome
+    hung: bool = False
+    """The failed rank was killed for a hang (never an echo: it died of nobody's death)."""
+    echo: bool = False
+    """The failed rank's own error says a peer died (``rootcause.is_echo``)."""
+    takes_rounds: bool = False
+    """In-place mode, and every live worker's loop takes rounds (``Agent._takes_rounds``)."""
+    stop_signal: bool = False
+    """A stop signal is pending (read again before every decision)."""
+    workers_stopped: bool = False
+    """The group was stopped, or its live workers kept (in-place)."""
+    heard_change: bool | None = None
+    """After ``WAIT_FOR_CHANGE``: whether the rendezvous said what happened in time."""
+    stalled: bool = False
+    """After ``WAIT_FOR_CHANGE``: the wait ran out while the agent was stalled (``overslept``)."""
+    cut_off: bool = False
+    """After ``WAIT_FOR_CHANGE``: the wait ran out while the rendezvous was out of reach
+    (SUSPENDED), so nothing could be heard, nor reported."""
+    announced: bool = False
+    unfixable: bool = False
+    """After ``ANNOUNCE_FAILURE``: no restart can fix the failure."""
+    reported: bool = False
+    """The failure was reported (or the job failed), or the attempt gave up on a stop."""
+    barrier: bool | None = None
+    """After ``BARRIER``: True when every node succeeded, False when a failure elsewhere
+    ended the round (rerun from the checkpoint)."""
+
+
+def after_round(end: RoundEnd) -> AfterRound:
+    """The agent's reaction to how its round ended, one action at a time (decide-then-act,
+    as torch's dynamic rendezvous does it): pure, so ``Agent._finish_round`` and the
+    simulation execute the very same rules. Every action but those in ``ENDS_ROUND`` adds
+    a fact to ``end``, so the rules below always move on."""
+    outcome = end.outcome
+    if outcome is Outcome.SIGNALLED:
+        return AfterRound.DRAIN
+    if outcome is Outcome.PREEMPTED:
+        return AfterRound.DRAIN_PREEMPTED
+    if outcome is Outcome.SUCCEEDED:
+        if end.barrier is None:
+            return AfterRound.LEAVE if end.stop_signal else AfterRound.BARRIER
+        return AfterRound.DONE if end.barrier else AfterRound.REJOIN
+    if not end.workers_stopped:
+        # In-place survivors take the next round up at a step boundary; after a fence they
+        # must stop (their round is no longer theirs), as after anything they never took up.
+        keep = end.takes_rounds and outcome in (Outcome.CHANGED, Outcome.FAILED)
+        return AfterRound.KEEP_WORKERS if keep else AfterRound.STOP_WORKERS
+    if outcome is not Outcome.FAILED:  # CHANGED or FENCED: nothing failed, nothing to spend
+        return AfterRound.REJOIN
+    if end.echo and not end.hung and (end.heard_change is None or end.stalled):
+        # A wait that ran out while this process was stalled (frozen, swapped out) heard
+        # nothing because it was not listening: its client has yet to learn, say, that its
+        # own session expired meanwhile. Listen again; reporting would charge a node loss.
+        return AfterRound.WAIT_FOR_CHANGE
+    if end.heard_change:
+        return AfterRound.REJOIN  # the peer's own report or departure ends the round
+    if end.echo and not end.hung and end.cut_off:
+        # Cut off, this node could not hear of the peer: charging the echo would spend a
+        # restart on a partition (the simulation's seed 1237565). Rejoin, which waits for
+        # the connection or exits for a requeue; the peer's own agent reports a real failure.
+        return AfterRound.REJOIN
+    if not end.announced:
+        return AfterRound.LEAVE if end.stop_signal else AfterRound.ANNOUNCE_FAILURE
+    if not end.reported:
+        # Also with a stop pending (the failure event may itself have asked this node to
+        # leave: the bad-node watch): unreported, a failure that follows the job from node to
+        # node (a full checkpoint disk) would never spend the budget or end the job.
+        return AfterRound.FAIL_JOB if end.unfixable else AfterRound.REPORT_FAILURE
+    return AfterRound.LEAVE if end.stop_signal else AfterRound.REJOIN
+
+
+def echo_deadline(started: float, settings: RendezvousSettings, unheard: float) -> float:
+    """When an echo's wait for its peer's news (``WAIT_FOR_CHANGE``), begun at ``started``,
+    gives up: after ``echo_wait`` of time in which this node could hear. Time it could not
+    (``unheard``: stalled, or cut off by an outage that has ended) is given back, since the
+    news of that time (a watch that re-fires after the reconnection) comes only after it;
+    without it, a wait mostly spent frozen charged a node loss (simulation seed 1461216).
+    An outage still going on is not given back: the wait ends ``cut_off`` (see
+    ``after_round``), and rejoining waits for the connection for ``min_wait`` at most."""
+    return started + rdzv_state.echo_wait(settings) + unheard
+
+
+def overslept(deadline: float, now: float) -> bool:
+    """Whether a wait that ends at ``now`` woke well past its ``deadline``: it wakes every
+    poll (0.1 s), so a late wake means the process was stalled (a freeze, swap)."""
+    return now - deadline > OVERSLEPT
+
+
+def restart_reason(end: RoundEnd) -> str | None:
+    """The ``restart`` event's reason when ``end`` rejoins; None when the job was failed
+    (the next ``next_round`` ends it) or the node leaves."""
+    if end.outcome is Outcome.SUCCEEDED:
+        return "failure on another node"
+    if end.outcome is Outcome.CHANGED:
+        return "membership or job changed"
+    if end.outcome is Outcome.FENCED:
+        return "connection lost"
+    if end.heard_change:
+        return "peer failure"
+    if end.cut_off and not end.announced:
+        return "connection lost"
+    return None if end.unfixable else "worker failure"
 
 
 @dataclass(frozen=True)
 class _Ended:
     """How one round ended for this node."""
 
-    outcome: _Outcome
+    outcome: Outcome
     failure: Failure | None = None
     hung: bool = False
+
+
+@dataclass
+class _RoundFacts:
+    """What ``Agent._finish_round``'s actions share beyond ``RoundEnd``'s plain facts."""
+
+    round: Round
+    failure: Failure | None
+    unfixable: str | None = None
+    """The sentence of why no restart can fix the failure, once announced."""
+
+
+def _told(end: RoundEnd) -> str:
+    """``end`` for the debug log: the outcome and every fact that differs from its default."""
+    defaults = RoundEnd(end.outcome)
+    learned = [
+        f"{each.name}={getattr(end, each.name)}"
+        for each in fields(RoundEnd)
+        if getattr(end, each.name) != getattr(defaults, each.name)
+    ]
+    return " ".join([end.outcome.value, *learned])
 
 
 class _Interrupted(Exception):
@@ -76,7 +361,10 @@ class Agent:
         environ: Mapping[str, str] | None = None,
         say: Callable[[str], None] | None = None,
         on_event: Callable[[events.Event], None] | None = None,
+        deadline_rules: Mapping[watchdog.Phase, watchdog.DeadlineRule] | None = None,
     ) -> None:
+        """``deadline_rules`` replaces ``watchdog.DEFAULT_RULES`` (whose floors are minutes),
+        so that a test can see a hang caught by a learned deadline within seconds."""
         self.spec = spec
         self.rdzv = rdzv
         self._environ = dict(os.environ if environ is None else environ)
@@ -87,7 +375,27 @@ class Agent:
         self._members: dict[str, str] | None = None
         """node_id -> slot of the last round, to log which nodes were lost or arrived."""
         self._run_dir = Path(tempfile.mkdtemp(prefix=f"hpc-elastic-{rdzv.settings.run_id}-"))
+        self._lease = self._run_dir / "lease"
+        """Touched every poll while this node holds a live round and is connected; workers
+        stop on their own once it is older than the session timeout (self-fencing)."""
+        self._phase = Phase.JOINING
         self._standbys = self._standby_pool()
+        self._deadlines = watchdog.Deadlines(
+            rules=dict(deadline_rules or watchdog.DEFAULT_RULES), override=spec.hang_timeout
+        )
+        """Hang deadlines learned from the heartbeats, kept across rounds (docs/unattended.md);
+        ``--hang-timeout`` overrides them."""
+        self._watch: watchdog.RankWatch | None = None
+        self._round_number: int | None = None
+        self._breaker = watchdog.Breaker()
+        self._acks: dict[int, tuple[int, float]] = {}
+        """In-place mode: local rank -> (round, deadline) of each survivor yet to take it up."""
+        rdzv.on_spare = self._waiting_as_spare
+
+    def _waiting_as_spare(self, round_number: int) -> None:
+        """A hot spare (``submit --spares``): its standbys are warm, it waits to replace a
+        member; the event makes ``status`` show the slot as a spare."""
+        self._event(Kind.SPARE, round=round_number, standbys=self._standbys is not None)
 
     def _standby_pool(self) -> StandbyPool | None:
         if not self.spec.prewarm:
@@ -99,6 +407,12 @@ class Agent:
                 "workers start cold."
             )
             return None
+        if not may_import(self.spec.command, self.spec.prewarm):
+            self._say(
+                f"The script imports none of {', '.join(self.spec.prewarm)}; "
+                "no standby workers are kept (they would only slow the start)."
+            )
+            return None
         env = {"OMP_NUM_THREADS": "1", **self._environ}
         stdout = subprocess.PIPE if self.spec.tee else subprocess.DEVNULL
         launcher = functools.partial(launch, stdin=subprocess.PIPE, stdout=stdout)
@@ -107,6 +421,11 @@ class Agent:
     @property
     def _node(self) -> str:
         return self.rdzv.node.slot or self.rdzv.node.node_id
+
+    @property
+    def phase(self) -> Phase:
+        """Where the agent is in its life cycle (for metrics and status)."""
+        return self._phase
 
     def request_stop(self, signum: int) -> None:
         """Async-signal-safe: only records the signal; the loop forwards it to the workers."""
@@ -125,49 +444,98 @@ class Agent:
     def run(self) -> ExitCode:
         """The whole life of the agent; always leaves no worker behind."""
         self.spec.job_dir.mkdir(parents=True, exist_ok=True)
-        self._event("join", host=self.rdzv.node.host, nproc=self.spec.nproc_per_node)
+        self._event(Kind.JOIN, host=self.rdzv.node.host, nproc=self.spec.nproc_per_node)
         try:
             if self._standbys is not None:
                 self._standbys.fill()
             return self._loop()
+        except RendezvousError as error:
+            # Cut off from the store: this slot can do nothing now, but the job may go on;
+            # stop the workers with grace and let Slurm requeue the slot. Any other refusal
+            # (a state this version cannot read, access denied) would only repeat: exit 1.
+            cut_off = self.rdzv.suspended_since() is not None
+            return self._abort(error, ExitCode.PREEMPTED if cut_off else ExitCode.FAILED)
+        except Exception as error:  # A bug: never leave workers without their grace.
+            log.exception("the agent loop failed")
+            return self._abort(error, ExitCode.FAILED)
         finally:
+            self._enter(Phase.DONE)
             if self._group is not None:
                 self._group.stop(0.0)
             if self._standbys is not None:
                 self._standbys.close()
             shutil.rmtree(self._run_dir, ignore_errors=True)
 
+    def _abort(self, error: Exception, code: ExitCode) -> ExitCode:
+        """Leave after an unexpected error: workers get ``--grace``, the reason is said once."""
+        self._say(
+            f"The agent cannot go on ({type(error).__name__}: {error}); stopping the workers "
+            f"and exiting with code {int(code)}."
+        )
+        self._event(Kind.ERROR, reason=str(error), exit_code=int(code))
+        if self._group is not None:
+            self._enter(Phase.DRAINING)
+            self._stop_with_grace(
+                self._group, signal.SIGTERM, self.spec.grace, self._lease_while_connected
+            )
+            self._group = None
+        with contextlib.suppress(Exception):
+            self.rdzv.leave()
+        return code
+
+    def _enter(self, phase: Phase) -> None:
+        if phase is not self._phase:
+            log.debug("%s: %s -> %s", self._node, self._phase.value, phase.value)
+            self._phase = phase
+
     def _loop(self) -> ExitCode:
         while True:
+            self._enter(Phase.JOINING)
             try:
                 rdzv_round = self._interruptibly(self.rdzv.next_round)
             except _Interrupted:
-                return self._leave(self._signal_exit_code())
+                return self._leave_on_signal()
             except RendezvousClosedError:
                 self._say("The job's rendezvous is closed; nothing left to do.")
                 return ExitCode.SUCCESS
             except JobFailedError as error:
-                self._say(f"The job failed: {error}")
-                self._event("failed", reason=str(error))
-                return ExitCode.FAILED
+                return self._job_failed(error)
             ended = self._run_round(rdzv_round)
-            code = self._finish_round(rdzv_round, ended)
+            try:
+                code = self._finish_round(rdzv_round, ended)
+            except JobFailedError as error:  # the exit barrier learned it
+                return self._job_failed(error)
             if code is not None:
                 return code
+
+    def _job_failed(self, error: JobFailedError) -> ExitCode:
+        self._say(f"The job failed: {error}")
+        self._event(Kind.FAILED, **FailedDetails(str(error)).to_details())
+        return ExitCode.FAILED
 
     def _run_round(self, rdzv_round: Round) -> _Ended:
         self._log_membership(rdzv_round)
         members = [member.slot or member.node_id for member in rdzv_round.members]
         self._event(
-            "round",
+            Kind.ROUND,
             round=rdzv_round.number,
-            world_size=rdzv_round.world_size,
-            members=members,
-            restarts_used=rdzv_round.restarts_used,
+            **RoundDetails(
+                world_size=rdzv_round.world_size,
+                members=tuple(members),
+                restarts_used=rdzv_round.restarts_used,
+            ).to_details(),
         )
+        self._renew_lease()
+        self._watch = watchdog.RankWatch(self._deadlines, watchdog.Stragglers(), time.time())
+        self._round_number = rdzv_round.number
         self._group = self._start_workers(rdzv_round)
-        self._event("start", round=rdzv_round.number, ranks=[w.rank for w in self._group.workers])
-        return self._monitor(self._group)
+        self._enter(Phase.RUNNING)
+        self._event(
+            Kind.START, round=rdzv_round.number, ranks=[w.rank for w in self._group.workers]
+        )
+        ended = self._monitor(self._group, rdzv_round.number)
+        self._event(Kind.ROUND_ENDED, round=rdzv_round.number, outcome=ended.outcome.value)
+        return ended
 
     def _log_membership(self, rdzv_round: Round) -> None:
         """Node losses and arrivals, logged once per round by the node with group rank 0."""
@@ -178,9 +546,9 @@ class Agent:
         lost = sorted(previous[node] for node in previous.keys() - current.keys())
         arrived = sorted(current[node] for node in current.keys() - previous.keys())
         if lost:
-            self._event("node_lost", round=rdzv_round.number, nodes=lost)
+            self._event(Kind.NODE_LOST, round=rdzv_round.number, nodes=lost)
         if arrived:
-            self._event("node_arrived", round=rdzv_round.number, nodes=arrived)
+            self._event(Kind.NODE_ARRIVED, round=rdzv_round.number, nodes=arrived)
 
     def _start_workers(self, rdzv_round: Round) -> WorkerGroup:
         node = self.rdzv.node
@@ -189,9 +557,21 @@ class Agent:
             attempt_paths(self.spec, self._run_dir, rdzv_round.number, first + local)
             for local in range(self.spec.nproc_per_node)
         ]
+        if self.spec.in_place:
+            # A survivor keeps the heartbeat file it was started with, whatever its new rank:
+            # a newcomer's file is named by round as well as rank, so the two never collide.
+            paths = [
+                replace(each, heartbeat=self._run_dir / f"heartbeat_{rdzv_round.number}_{i}")
+                for i, each in enumerate(paths, start=first)
+            ]
+        environ = {
+            **self._environ,
+            LEASE_FILE_ENV: str(self._lease),
+            LEASE_TIMEOUT_ENV: f"{fence_after(self.rdzv.settings.session_timeout):g}",
+        }
         envs = [
             worker_env(
-                self._environ,
+                environ,
                 self.spec,
                 rdzv_round,
                 node=node,
@@ -201,31 +581,144 @@ class Agent:
             )
             for local in range(self.spec.nproc_per_node)
         ]
+        if self.spec.in_place:
+            return self._start_in_place(rdzv_round.number, envs, paths)
         return WorkerGroup.start(self.spec, envs, paths, self._standbys)
 
-    def _monitor(self, group: WorkerGroup) -> _Ended:
+    def _start_in_place(
+        self, round_number: int, envs: list[dict[str, str]], paths: list[WorkerPaths]
+    ) -> WorkerGroup:
+        """In-place mode: write every local rank its round (a survivor takes it up at its next
+        step boundary), start workers only for the local ranks that have no survivor."""
+        group = self._group if self._group is not None else WorkerGroup([])
+        survivors = {worker.local_rank: worker for worker in group.keep_running()}
+        deadline = time.monotonic() + ACK_TIMEOUT
+        self._acks = {}
+        try:
+            for local, (env, worker_paths) in enumerate(zip(envs, paths, strict=True)):
+                assignment_file = self._assignment_file(local)
+                env[ASSIGNMENT_FILE_ENV] = str(assignment_file)
+                round_env = {key: env[key] for key in ROUND_KEYS}
+                write_assignment(assignment_file, Assignment(round_number, round_env))
+                survivor = survivors.get(local)
+                if survivor is None:
+                    # A new worker has yet to show that its loop takes rounds (_takes_rounds).
+                    ack_path(assignment_file).unlink(missing_ok=True)
+                    group.add(self.spec, env, worker_paths, local, self._standbys)
+                    continue
+                log.debug(
+                    "%s: rank %d (pid %d) goes on in place as rank %s of round %d",
+                    self._node,
+                    survivor.rank,
+                    survivor.process.pid,
+                    env["RANK"],
+                    round_number,
+                )
+                survivor.rank = int(env["RANK"])
+                self._acks[local] = (round_number, deadline)
+        except BaseException:
+            group.stop(0.0)
+            raise
+        if survivors:
+            kept = sorted(worker.rank for worker in survivors.values())
+            self._event(Kind.WORKERS_KEPT, round=round_number, ranks=kept)
+        return group
+
+    def _monitor(self, group: WorkerGroup, round_number: int) -> _Ended:
         """Wake every ``poll_interval``: a few waitpid and stat calls, well under 1% CPU."""
-        preempted = ExitCode.PREEMPTED
         refill_at = time.monotonic() + REFILL_AFTER
+        beating = False
         while True:
+            if not beating and self._training(group, float("inf")):
+                beating = True  # The restart timeline's first step when no helper reports it.
+                self._event(Kind.FIRST_HEARTBEAT, round=round_number)
             if self._standbys is not None and self._training(group, refill_at):
                 self._standbys.fill()
-            if self._stop_signal is not None:
-                return _Ended(_Outcome.SIGNALLED)
-            if self.rdzv.changed.is_set():
-                return _Ended(_Outcome.CHANGED)
-            codes = [worker.returncode for worker in group.workers]
-            for worker, code in zip(group.workers, codes, strict=True):
-                if code not in (None, 0, preempted):
-                    return _Ended(_Outcome.FAILED, self._failure(worker.rank, code))
-            if all(code == 0 for code in codes):
-                return _Ended(_Outcome.SUCCEEDED)
-            if preempted in codes and None not in codes:
-                return _Ended(_Outcome.PREEMPTED)
-            hung = self._hung_rank(group)
-            if hung is not None:
-                return hung
+            ended = self._poll(group)
+            if ended is not None:
+                log.debug("%s: round ended: %s", self._node, ended.outcome.value)
+                return ended
             time.sleep(self.spec.poll_interval)
+
+    def _poll(self, group: WorkerGroup) -> _Ended | None:
+        """One step of the monitor: renew the lease while the round is ours, then decide."""
+        codes = [worker.returncode for worker in group.workers]
+        decision = poll_decision(
+            codes,
+            stop_requested=self._stop_signal is not None,
+            changed=self.rdzv.changed.is_set(),
+            suspended_since=self.rdzv.suspended_since(),
+            now=time.monotonic(),
+            session_timeout=self.rdzv.settings.session_timeout,
+        )
+        if decision.renew_lease:
+            self._renew_lease()
+        decided = decision.ended
+        if decided is None:
+            return self._unacknowledged(group) or self._hung_rank(group)
+        outcome, index = decided
+        if outcome is Outcome.PREEMPTED:
+            return self._preempted_or_changed()
+        if index is not None:
+            worker = group.workers[index]
+            code = codes[index]
+            return _Ended(outcome, self._failure(worker.rank, code))
+        return _Ended(outcome)
+
+    def _takes_rounds(self, group: WorkerGroup) -> bool:
+        """In-place mode, and every running worker's loop uses ``InPlace`` (it acknowledged the
+        round it started in). A loop without it would never take up a round: restarting it
+        the normal way at once beats killing it at the deadline, round after round."""
+        if not self.spec.in_place:
+            return False
+        running = group.running()
+        return bool(running) and all(
+            read_ack(self._assignment_file(worker.local_rank)) is not None for worker in running
+        )
+
+    def _unacknowledged(self, group: WorkerGroup) -> _Ended | None:
+        """In-place mode: kill a survivor that did not take up its round in time; its failure
+        then restarts it the normal way (from a survivor's broadcast or the checkpoint)."""
+        if not self._acks:
+            return None
+        now = time.monotonic()
+        for worker in group.workers:
+            pending = self._acks.get(worker.local_rank)
+            if pending is None:
+                continue
+            round_number, deadline = pending
+            if read_ack(self._assignment_file(worker.local_rank)) == round_number:
+                log.debug("%s: rank %d took up round %d", self._node, worker.rank, round_number)
+                del self._acks[worker.local_rank]
+            elif now >= deadline and worker.returncode is None:
+                worker.signal_group(signal.SIGKILL)
+                worker.process.wait()
+                reason = (
+                    f"rank {worker.rank} did not take up round {round_number} in place within "
+                    f"{ACK_TIMEOUT:g} s; its loop must call InPlace.step() at every step"
+                )
+                return _Ended(Outcome.FAILED, self._failure(worker.rank, None, reason), hung=True)
+        return None
+
+    def _assignment_file(self, local_rank: int) -> Path:
+        """In-place mode: the file that hands local rank ``local_rank`` its next round."""
+        return self._run_dir / f"assignment_{local_rank}"
+
+    def _renew_lease(self) -> None:
+        try:
+            self._lease.touch()
+        except OSError as error:  # The run dir vanished: workers will fence, say why.
+            log.debug("%s: cannot renew the lease %s: %s", self._node, self._lease, error)
+
+    def _preempted_or_changed(self) -> _Ended:
+        """Every local worker saved and exited 75. With a stop signal of its own this node
+        leaves. Without one, a peer was preempted: the training helpers stop every rank at the
+        same step, so this node's workers stopped with the peer's, and this node must rejoin
+        once the peer has left, not leave with it (Slurm would then requeue a slot that was
+        never preempted). No change within a session timeout: leave as before."""
+        if self._stop_signal is None and self._wait_for_change():
+            return _Ended(Outcome.CHANGED)
+        return _Ended(Outcome.PREEMPTED)
 
     @staticmethod
     def _training(group: WorkerGroup, deadline: float) -> bool:
@@ -235,98 +728,249 @@ class Agent:
         return all(worker.heartbeat_age(now) is not None for worker in group.workers)
 
     def _hung_rank(self, group: WorkerGroup) -> _Ended | None:
-        timeout = self.spec.hang_timeout
-        if timeout is None:
+        """Kill the first rank past its phase's deadline; report new stragglers on the way."""
+        watch = self._watch
+        if watch is None:
             return None
-        now = time.time()
-        for worker in group.running():
-            age = worker.heartbeat_age(now)
-            if age is not None and age > timeout:
-                worker.signal_group(signal.SIGKILL)
-                worker.process.wait()
-                reason = (
-                    f"Rank {worker.rank} made no progress for {age:.1f} s "
-                    f"(--hang-timeout {timeout:g}) and was killed."
+        running = {
+            worker.rank: worker
+            for worker in group.running()
+            if not heartbeat.finished(worker.paths.heartbeat)  # its loop is over: not timed
+        }
+        verdict = watch.poll(
+            time.time(),
+            {rank: _reading(w) for rank, w in running.items()},
+            # a rank writing a checkpoint cannot beat: time it by the checkpoint deadline
+            checkpointing=any(heartbeat.checkpointing(w.paths.heartbeat) for w in running.values()),
+        )
+        for rank in verdict.stragglers:
+            score = round(verdict.scores.get(rank, 0.0), 2)
+            self._event(Kind.STRAGGLER, round=self._round_number, rank=rank, score=score)
+        for hung in verdict.hung:
+            worker = running[hung.rank]
+            self._dump_stacks(group)
+            reason = " ".join(
+                (
+                    hung.sentence(overridden=self.spec.hang_timeout is not None),
+                    rootcause.hung_sentence(worker.rank, worker.paths.log),
                 )
-                return _Ended(_Outcome.FAILED, self._failure(worker.rank, None, reason), hung=True)
+            )
+            return _Ended(Outcome.FAILED, self._failure(worker.rank, None, reason), hung=True)
         return None
+
+    def _dump_stacks(self, group: WorkerGroup) -> None:
+        """Every local rank prints its stacks into its log, then dies (docs/unattended.md):
+        the hung rank's shows where it was, the others' what they were waiting for."""
+        self._say(
+            f"A hang was caught; asking every local rank for its stacks (up to "
+            f"{STACK_DUMP_DEADLINE:g} s) before killing them."
+        )
+        group.dump_stacks(STACK_DUMP_DEADLINE)
 
     def _finish_round(self, rdzv_round: Round, ended: _Ended) -> ExitCode | None:
-        """Act on how the round ended; None means: join the next round."""
+        """Act on how the round ended; None means: join the next round.
+
+        Decide-then-act: ``after_round`` (pure) names the next action from what is known so
+        far, ``_act`` (the one executor) carries it out and adds what it learned, until an
+        action ends the round for this node. The simulation runs the same ``after_round``."""
         group = self._group
         assert group is not None
-        outcome = ended.outcome
-        if outcome is _Outcome.SIGNALLED:
-            return self._drain(group, self._signal_exit_code())
-        if outcome is _Outcome.PREEMPTED:
-            self._say("Workers stopped for preemption; exiting so the job is requeued.")
-            return self._drain(group, ExitCode.PREEMPTED)
-        if outcome is _Outcome.SUCCEEDED:
-            self._group = None
-            return self._succeed(rdzv_round)
-        group.stop(self.spec.stop_grace)
-        self._group = None
-        if outcome is _Outcome.CHANGED:
-            self._event("restart", round=rdzv_round.number, reason="membership or job changed")
-            return None
-        assert ended.failure is not None
-        return self._handle_failure(rdzv_round, ended.failure, ended.hung)
-
-    def _handle_failure(self, rdzv_round: Round, failure: Failure, hung: bool) -> ExitCode | None:
-        """Report a root cause, unless the rank only echoed a peer's death (then wait to hear)."""
-        if not hung and rootcause.is_echo(failure) and self._wait_for_change():
-            self._event("restart", round=rdzv_round.number, reason="peer failure")
-            return None
-        if self._stop_signal is not None:
-            return self._leave(self._signal_exit_code())
-        self._say(f"Worker failure, root cause:\n{rootcause.summary(failure)}")
-        self._event(
-            "failure",
-            round=rdzv_round.number,
-            rank=failure.rank,
-            exit_code=failure.exit_code,
-            signal=failure.signal,
-            message=failure.message,
-            hung=hung,
+        if ended.outcome is Outcome.SUCCEEDED:
+            self._group = None  # every local worker exited 0: nothing left to stop
+        failure = ended.failure
+        end = RoundEnd(
+            ended.outcome,
+            hung=ended.hung,
+            echo=failure is not None and not ended.hung and rootcause.is_echo(failure),
+            takes_rounds=ended.outcome is not Outcome.SUCCEEDED and self._takes_rounds(group),
         )
+        facts = _RoundFacts(rdzv_round, failure)
+        while True:
+            end = replace(end, stop_signal=self._stop_signal is not None)
+            action = after_round(end)
+            log.debug(
+                "%s: round %d %s, next: %s", self._node, rdzv_round.number, _told(end), action.value
+            )
+            if action in ENDS_ROUND:
+                return self._end_round(action, end, facts)
+            end = self._act(action, end, facts)
+
+    def _act(self, action: AfterRound, end: RoundEnd, facts: _RoundFacts) -> RoundEnd:
+        """Carry out one action that does not end the round; return what it learned."""
+        number = facts.round.number
+        if action is AfterRound.BARRIER:
+            return replace(end, barrier=self._succeed(facts.round))
+        if action in (AfterRound.STOP_WORKERS, AfterRound.KEEP_WORKERS):
+            self._stop_or_keep(action, end.outcome, number)
+            if end.outcome is Outcome.FAILED:
+                self._enter(Phase.REPORTING)
+            return replace(end, workers_stopped=True)
+        if action is AfterRound.WAIT_FOR_CHANGE:
+            heard, stalled = self._listen_for_change()
+            cut_off = not heard and self.rdzv.suspended_since() is not None
+            return replace(end, heard_change=heard, stalled=stalled, cut_off=cut_off)
+        failure = facts.failure
+        assert failure is not None, f"{action.value} needs the failure"
+        if action is AfterRound.ANNOUNCE_FAILURE:
+            facts.unfixable = self._announce(number, failure, end.hung)
+            return replace(end, announced=True, unfixable=facts.unfixable is not None)
+        assert action in (AfterRound.REPORT_FAILURE, AfterRound.FAIL_JOB), action
+        if action is AfterRound.FAIL_JOB:
+            assert facts.unfixable is not None
+            sentence = facts.unfixable
+            report: Callable[[], None] = lambda: self.rdzv.fail(sentence)  # noqa: E731
+        else:
+            report = lambda: self.rdzv.report_failure(failure)  # noqa: E731
+        if end.stop_signal:
+            # A stop is pending: report all the same (after_round says why), within bounds.
+            with contextlib.suppress(_Interrupted):
+                self._interruptibly(report, finish_within=self.rdzv.settings.session_timeout)
+            return replace(end, reported=True)
         try:
-            self._interruptibly(lambda: self.rdzv.report_failure(failure))
+            self._interruptibly(report)
         except _Interrupted:
-            return self._leave(self._signal_exit_code())
-        self._event("restart", round=rdzv_round.number, reason="worker failure")
+            return replace(end, reported=True)  # the signal now pending makes it leave
+        if action is AfterRound.REPORT_FAILURE:
+            self._event(Kind.FAILURE_REPORTED, round=number, rank=failure.rank)
+        return replace(end, reported=True)
+
+    def _end_round(self, action: AfterRound, end: RoundEnd, facts: _RoundFacts) -> ExitCode | None:
+        """Carry out an action that ends the round for this node: an exit code, or None to
+        join the next round."""
+        if action is AfterRound.DRAIN:
+            assert self._group is not None
+            return self._drain(self._group, self._signal_exit_code())
+        if action is AfterRound.DRAIN_PREEMPTED:
+            assert self._group is not None
+            self._say("Workers stopped for preemption; exiting so the job is requeued.")
+            return self._drain(self._group, ExitCode.PREEMPTED)
+        if action is AfterRound.LEAVE:
+            return self._leave_on_signal()
+        number = facts.round.number
+        if action is AfterRound.DONE:
+            self._event(Kind.DONE, round=number)
+            return ExitCode.SUCCESS
+        assert action is AfterRound.REJOIN, action
+        if end.outcome is Outcome.SUCCEEDED:
+            self._say("A worker failed on another node; rejoining to rerun from the checkpoint.")
+        if end.outcome is Outcome.FENCED:
+            self._say(
+                "Lost touch with the rendezvous for "
+                f"{fence_after(self.rdzv.settings.session_timeout):g} s; stopped the workers so "
+                "that the other nodes can re-form without two groups training at once."
+            )
+        reason = restart_reason(end)
+        if reason is not None:
+            self._event(Kind.RESTART, round=number, reason=reason)
         return None
 
-    def _wait_for_change(self) -> bool:
-        """Give the rendezvous a session timeout to tell us about the peer that really failed."""
-        deadline = time.monotonic() + self.rdzv.settings.session_timeout + 1.0
-        while time.monotonic() < deadline and self._stop_signal is None:
-            if self.rdzv.changed.wait(self.spec.poll_interval):
-                return True
-        return False
+    def _stop_or_keep(self, action: AfterRound, outcome: Outcome, round_number: int) -> None:
+        group = self._group
+        assert group is not None
+        self._enter(Phase.STOPPING)
+        if action is AfterRound.KEEP_WORKERS:
+            # In-place mode: the workers that are alive wait for the next round at a step
+            # boundary (or broke out of a collective on the dead peer); only the dead are gone.
+            kept = group.keep_running()
+            log.debug("%s: keeping %d worker(s) for the next round", self._node, len(kept))
+            return
+        if outcome is Outcome.CHANGED and self.rdzv.only_arrivals():
+            # Every rank is healthy: a slow step still reaches its boundary and saves.
+            grace = max(self.spec.stop_grace, rdzv_state.arrival_grace(self.rdzv.settings))
+            self._stop_with_grace(group, signal.SIGTERM, grace, self._lease_while_arrivals)
+        else:
+            # After a worker's death the others are blocked on it: only a saving rank waits.
+            group.stop(self.spec.stop_grace, peer_dead=outcome is Outcome.FAILED)
+        self._event(Kind.WORKERS_STOPPED, round=round_number)
+        self._group = None
 
-    def _succeed(self, rdzv_round: Round) -> ExitCode:
+    def _announce(self, round_number: int, failure: Failure, hung: bool) -> str | None:
+        """Say the root cause and record it; the sentence of why no restart can fix it, or
+        None. The failure event's observers may ask this node to leave (the bad-node watch)."""
+        self._say(f"Worker failure, root cause:\n{rootcause.summary(failure)}")
+        self._event(
+            Kind.FAILURE,
+            round=round_number,
+            **FailureDetails(
+                rank=failure.rank,
+                exit_code=failure.exit_code,
+                signal=failure.signal,
+                message=failure.message,
+                hung=hung,
+            ).to_details(),
+        )
+        unfixable = self._unfixable(failure, hung)
+        if unfixable is None:
+            return None
+        # Every agent's round is superseded; the next next_round raises JobFailedError,
+        # which ends the job through the usual path.
+        kind, sentence = unfixable
+        self._say(sentence)
+        self._event(kind, round=round_number, reason=sentence)
+        return sentence
+
+    def _unfixable(self, failure: Failure, hung: bool) -> tuple[Kind, str] | None:
+        """A failure no restart can fix, as (event kind, sentence): a user error (an
+        ImportError, a bad argument), or the breaker's verdict on restarts without a new
+        checkpoint, read from the job's shared events file."""
+        if not hung and watchdog.classify_exit(failure.exit_code, failure.message) is (
+            watchdog.ExitClass.USER_ERROR
+        ):
+            return Kind.USER_ERROR, watchdog.user_error_sentence(
+                failure.rank, failure.exit_code, failure.message
+            )
+        history = watchdog.checkpoints_at_restarts(events.read(self.spec.events_file))
+        tripped = self._breaker.tripped(history)
+        return (Kind.BREAKER, tripped) if tripped is not None else None
+
+    def _wait_for_change(self) -> bool:
+        """Wait to hear of the peer that really failed: its failure report or its departure
+        (``changed``), up to ``echo_wait``, which allows for an expiry a few ticks late."""
+        heard, _ = self._listen_for_change()
+        return heard
+
+    def _listen_for_change(self) -> tuple[bool, bool]:
+        """``_wait_for_change``, and whether the wait ran out while this process was stalled
+        (``overslept``): then it was not listening when the news would have come."""
+        started, cut_off_before, stalled = time.monotonic(), self.rdzv.time_cut_off(), 0.0
+        while self._stop_signal is None:
+            # A freeze may count twice (stalled, and cut off when it outlived the session's
+            # pings): that only waits longer, within the bound of one more freeze.
+            unheard = stalled + self.rdzv.time_cut_off() - cut_off_before
+            deadline = echo_deadline(started, self.rdzv.settings, unheard)
+            before = time.monotonic()
+            if before >= deadline:
+                return False, overslept(deadline, before)
+            if self.rdzv.changed.wait(self.spec.poll_interval):
+                return True, False
+            late = time.monotonic() - before - self.spec.poll_interval
+            if late > OVERSLEPT:
+                stalled += late
+        return False, False
+
+    def _succeed(self, rdzv_round: Round) -> bool | None:
+        """The exit barrier: True when every node succeeded, False when a failure elsewhere
+        ended the round, None when a stop signal interrupted the wait. A job that failed
+        meanwhile raises ``JobFailedError``, which the loop ends the job with."""
+        self._enter(Phase.SUCCEEDING)
         self._say("All local workers finished; waiting for the other nodes.")
         try:
-            self._interruptibly(self.rdzv.report_success)
+            return self._interruptibly(self.rdzv.report_success)
         except _Interrupted:
-            return self._leave(self._signal_exit_code())
-        except JobFailedError as error:
-            self._say(f"The job failed: {error}")
-            self._event("failed", reason=str(error))
-            return ExitCode.FAILED
-        self._event("done", round=rdzv_round.number)
-        return ExitCode.SUCCESS
+            return None
 
     def _drain(self, group: WorkerGroup, code: ExitCode) -> ExitCode:
-        """Forward the stop signal, give the workers ``--grace`` to save, then kill them."""
+        """Forward the stop signal once, give the workers ``--grace`` to save, then kill them."""
+        self._enter(Phase.DRAINING)
         signum = self._stop_signal
         if signum is not None:
             self._say(
                 f"Got {signal.Signals(signum).name}; forwarding it to the workers and giving "
                 f"them {self.spec.grace:g} s to save."
             )
-            group.forward(signum)
-        group.stop(self.spec.grace, signum or signal.SIGTERM)
+        self._stop_with_grace(
+            group, signum or signal.SIGTERM, self.spec.grace, self._lease_while_connected
+        )
         preempted = ExitCode.PREEMPTED
         if code is not ExitCode.PREEMPTED and all(
             worker.returncode == preempted for worker in group.workers
@@ -335,8 +979,48 @@ class Agent:
         self._group = None
         return self._leave(code)
 
+    def _stop_with_grace(
+        self, group: WorkerGroup, signum: int, grace: float, keep_lease: Callable[[], bool]
+    ) -> None:
+        """Send ``signum`` exactly once (a second SIGINT makes the training helpers raise
+        KeyboardInterrupt mid-save), keep the lease fresh while ``keep_lease`` allows (a
+        stale lease would fence the ranks at their step boundary, before the save), then
+        SIGKILL what is left after ``grace``."""
+        group.forward(signum)
+        group.forward(signal.SIGCONT)
+        deadline = time.monotonic() + grace
+        while group.running() and time.monotonic() < deadline:
+            if keep_lease():
+                self._renew_lease()
+            group.wait(min(self.spec.poll_interval, max(0.0, deadline - time.monotonic())))
+        group.stop(0.0, signal.SIGKILL)
+
+    def _lease_while_connected(self) -> bool:
+        """While a node leaves on a signal, its lease lasts as long as its connection."""
+        return self.rdzv.suspended_since() is None
+
+    def _lease_while_arrivals(self) -> bool:
+        """While workers stop for arrivals, the lease lasts as long as the round ends for
+        arrivals only (a departure or a lost connection ends it): no round can form without
+        this node before the others' straggler timeout, which the arrival grace is under."""
+        return self._lease_while_connected() and self.rdzv.only_arrivals()
+
+    def _leave_on_signal(self) -> ExitCode:
+        """Leave on the pending stop signal; in-place survivors kept for the next round get
+        the signal and ``--grace`` first, as any drained worker does."""
+        if self._group is not None:
+            self._enter(Phase.DRAINING)
+            self._stop_with_grace(
+                self._group,
+                self._stop_signal or signal.SIGTERM,
+                self.spec.grace,
+                self._lease_while_connected,
+            )
+            self._group = None
+        return self._leave(self._signal_exit_code())
+
     def _leave(self, code: ExitCode) -> ExitCode:
-        self._event("preempt" if code is ExitCode.PREEMPTED else "leave", exit_code=int(code))
+        self._event(Kind.PREEMPT if code is ExitCode.PREEMPTED else Kind.LEAVE, exit_code=int(code))
         self.rdzv.leave()
         return code
 
@@ -362,11 +1046,14 @@ class Agent:
             reason=reason,
         )
 
-    def _interruptibly(self, call: Callable[[], T]) -> T:
+    def _interruptibly(self, call: Callable[[], T], finish_within: float | None = None) -> T:
         """Run a blocking rendezvous call on a helper thread; give up on a stop signal, also
-        one that came before the call (e.g. the bad-node watch, from an event observer)."""
-        if self._stop_signal is not None:
+        one that came before the call (e.g. the bad-node watch, from an event observer).
+
+        With ``finish_within``, the call runs despite a stop, for at most that many seconds."""
+        if self._stop_signal is not None and finish_within is None:
             raise _Interrupted
+        deadline = None if finish_within is None else time.monotonic() + finish_within
         result: list[T] = []
         error: list[BaseException] = []
         done = threading.Event()
@@ -381,23 +1068,32 @@ class Agent:
 
         threading.Thread(target=target, name="rendezvous-call", daemon=True).start()
         while not done.wait(self.spec.poll_interval):
-            if self._stop_signal is not None:
+            stopped = self._stop_signal is not None if deadline is None else False
+            if stopped or (deadline is not None and time.monotonic() >= deadline):
                 raise _Interrupted
         if error:
             raise error[0]
         return result[0]
 
-    def _event(self, kind: str, round: int | None = None, **details: object) -> None:
+    def _event(self, kind: Kind, round: int | None = None, **details: object) -> None:
         event = events.Event(
             kind=kind,
             job=self.rdzv.settings.run_id,
             slot=self.rdzv.node.slot,
             round=round,
-            details={"node_id": self.rdzv.node.node_id, **details},
+            details={"node_id": self.rdzv.node.node_id, "phase": self._phase.value, **details},
         )
         events.append(self.spec.events_file, event)
         if self._on_event is not None:
             self._on_event(event)
+
+
+def _reading(worker: Worker) -> watchdog.Reading | None:
+    """A rank's heartbeat (mtime, step), or None before its first beat."""
+    try:
+        return heartbeat.read(worker.paths.heartbeat)
+    except OSError:
+        return None
 
 
 def _stderr(message: str) -> None:

@@ -8,10 +8,26 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpc_elastic.contract import PREEMPTED_EXIT_CODE
 from hpc_elastic.errors import UsageError
-from hpc_elastic.train.exitcodes import PREEMPTED_EXIT_CODE
+from hpc_elastic.jobdir import JobDir
 
 _MODULE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+class Phase(enum.Enum):
+    """Where the agent is in its life cycle; shown in its events, metrics and debug log.
+
+    Here rather than beside the loop in ``agent.py`` so that readers of events and metrics
+    name the phases without importing the agent."""
+
+    JOINING = "joining"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    REPORTING = "reporting"
+    SUCCEEDING = "succeeding"
+    DRAINING = "draining"
+    DONE = "done"
 
 
 class ExitCode(enum.IntEnum):
@@ -41,12 +57,19 @@ class AgentSpec:
     grace: float = 30.0
     """Seconds workers get to save and exit after SIGTERM or the preemption signal."""
     stop_grace: float = 2.0
-    """Seconds workers get when the group re-forms: short, so no survivor hangs in a collective."""
+    """Seconds workers get when the group re-forms: short, so no survivor hangs in a collective
+    (a round that only arrivals ended gives ``rendezvous.state.arrival_grace`` instead)."""
     hang_timeout: float | None = None
     """A rank whose heartbeat is older than this is killed and counted as a failure."""
     tee: bool = False
     prewarm: tuple[str, ...] = ()
     """Modules warm standby workers import ahead of a restart (``torch``); see standby.py."""
+    exclude_stragglers: bool = False
+    """Move a slot whose rank straggles to another node (``--exclude-stragglers``): the agent
+    command's bad-node watch does it, like a node that failed the slot too often."""
+    in_place: bool = False
+    """Keep the workers that are alive through a restart and write them the new round
+    (``--in-place``); only loops that use ``hpc_elastic.train.InPlace`` take it up."""
     poll_interval: float = 0.1
 
     def __post_init__(self) -> None:
@@ -78,15 +101,15 @@ class AgentSpec:
 
     @property
     def log_dir(self) -> Path:
-        return self.job_dir / "logs"
+        return JobDir(self.job_dir).logs
 
     @property
     def checkpoint_dir(self) -> Path:
-        return self.job_dir / "checkpoints"
+        return JobDir(self.job_dir).checkpoints
 
     @property
     def events_file(self) -> Path:
-        return self.job_dir / "events.jsonl"
+        return JobDir(self.job_dir).events
 
 
 def parse_signal(text: str) -> signal.Signals:

@@ -6,176 +6,279 @@ the signal handlers and runs the ``Agent``; its exit code is the agent's (see ``
 
 from __future__ import annotations
 
+import getpass
 import os
 import signal
 import socket
+import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from hpc_elastic import events
+from hpc_elastic import contract, events, notify
 from hpc_elastic.agent.agent import Agent
 from hpc_elastic.agent.api import AgentSpec, parse_signal
+from hpc_elastic.events import Kind
+from hpc_elastic.logs import configure_from_env
+from hpc_elastic.options import AGENT_OPTIONS, with_options
 from hpc_elastic.rendezvous import local_store
 from hpc_elastic.rendezvous.api import NodeInfo, RendezvousSettings
+from hpc_elastic.rendezvous.handler import StoreRendezvous
 from hpc_elastic.rendezvous.secret import read_secret_file
 from hpc_elastic.slurm.elastic import ElasticSlot, SlotLimits
 from hpc_elastic.spec import NodeRange
 
-HOST_ENV = "HPC_ELASTIC_HOST"
+if TYPE_CHECKING:
+    from hpc_elastic.agent.badnodes import BadNode
+    from hpc_elastic.agent.health import BadNodeStore, Check
+    from hpc_elastic.metrics import MetricsExporter
+
+HOST_ENV = contract.HOST_ENV
 
 CONTEXT = {"allow_interspersed_args": False}
 """Everything after ``--`` (or after the first positional argument) is the worker command."""
 
 
-def agent(  # noqa: PLR0917 (Typer maps each parameter to a flag)
+@dataclass(frozen=True)
+class AgentArguments:
+    """The agent's options by name, as the table (``options.AGENT_OPTIONS``) gives them.
+
+    The table is where an option is written (flag, default, help); this class only names the
+    values' types for the type checker, as ``JobSpec`` does for ``submit``'s rows.
+    tests/test_options.py checks that the fields and the rows are the same names.
+    """
+
+    run_id: str
+    job_dir: Path
+    zk: str
+    nodes: NodeRange
+    nproc_per_node: int
+    zk_auth_file: Path | None
+    zk_open_acl: bool
+    max_restarts: int
+    preempt_signal: str
+    grace: float
+    hang_timeout: float | None
+    last_call: float
+    session_timeout: float
+    min_wait: float
+    max_preemptions: int
+    max_time_limits: int
+    exclude_after: int
+    slot: str | None
+    host: str | None
+    prewarm: tuple[str, ...]
+    tee: bool
+    metrics_port: int | None
+    metrics_textfile: Path | None
+    metrics_bind: str
+    preflight: bool
+    expected_gpus: int | None
+    user_secret_file: Path
+    bad_node_ttl: float
+    exclude_stragglers: bool
+    in_place: bool
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, object]) -> AgentArguments:
+        """Typer's values (``with_options``), repeatable ones made tuples by their rows."""
+        # Typer converted each value by its row's type or parser, which mypy cannot follow
+        # through the table; the names are checked by a test, the types by Typer at run time.
+        return cls(**{row.name: row.finish(values[row.name]) for row in AGENT_OPTIONS})  # type: ignore[arg-type]
+
+
+@with_options(AGENT_OPTIONS)
+def agent(
     command: Annotated[
         list[str],
         typer.Argument(metavar="COMMAND", help="The worker command, e.g. python -u train.py."),
     ],
-    run_id: Annotated[str, typer.Option(help="The job's rendezvous id, shared by its agents.")],
-    job_dir: Annotated[
-        Path, typer.Option(help="The job directory: logs, checkpoints, events.jsonl.")
-    ],
-    zk: Annotated[
-        str, typer.Option(help="ZooKeeper hosts 'h1:p1,h2:p2[/chroot]', or local:SOCKET.")
-    ],
-    nodes: Annotated[
-        NodeRange,
-        typer.Option(parser=NodeRange.parse, metavar="MIN:MAX", help="Node count or range."),
-    ],
-    nproc_per_node: Annotated[int, typer.Option(help="Workers on this node.")] = 1,
-    zk_auth_file: Annotated[
-        Path | None, typer.Option(help="File holding the job's ZooKeeper secret (mode 0600).")
-    ] = None,
-    max_restarts: Annotated[
-        int, typer.Option(help="Worker-failure restarts for the whole job.")
-    ] = 3,
-    preempt_signal: Annotated[
-        str, typer.Option(metavar="USR1|USR2", help="Signal that announces preemption.")
-    ] = "USR2",
-    grace: Annotated[
-        float, typer.Option(help="Seconds workers get to save after a stop signal.")
-    ] = 30.0,
-    hang_timeout: Annotated[
-        float | None, typer.Option(help="Kill a rank whose heartbeat is this many seconds old.")
-    ] = None,
-    last_call: Annotated[
-        float, typer.Option(help="Seconds a round waits for more nodes once MIN are in.")
-    ] = 2.0,
-    session_timeout: Annotated[
-        float, typer.Option(help="ZooKeeper session timeout: how fast a dead node is noticed.")
-    ] = 6.0,
-    min_wait: Annotated[
-        float, typer.Option(help="Seconds the job may stay below MIN nodes before failing.")
-    ] = 600.0,
-    max_preemptions: Annotated[
-        int, typer.Option(help="Requeues of this slot after preemption before it gives up.")
-    ] = 100,
-    max_time_limits: Annotated[
-        int, typer.Option(help="Requeues of this slot after its time limit before it gives up.")
-    ] = 10,
-    exclude_after: Annotated[
-        int, typer.Option(help="Failures of this slot on one node before it avoids that node.")
-    ] = 2,
-    slot: Annotated[
-        str | None, typer.Option(help="This node's slot name (default: from Slurm).")
-    ] = None,
-    host: Annotated[
-        str | None,
-        typer.Option(help=f"Address other nodes reach this one at (default: ${HOST_ENV}, DNS)."),
-    ] = None,
-    prewarm: Annotated[
-        list[str] | None,
-        typer.Option(
-            metavar="MODULE",
-            help="Keep standby workers that imported MODULE (e.g. torch): faster restarts.",
-        ),
-    ] = None,
-    tee: Annotated[
-        bool, typer.Option(help="Also copy the workers' output to the console.")
-    ] = False,
-    metrics_port: Annotated[
-        int | None, typer.Option(help="Serve Prometheus metrics on this port (0: any free one).")
-    ] = None,
-    metrics_textfile: Annotated[
-        Path | None, typer.Option(help="Write Prometheus metrics here for node_exporter.")
-    ] = None,
+    **values: Any,
 ) -> None:
     """Run this node's workers in the job's rendezvous; restart them as nodes come and go."""
-    spec = AgentSpec(
-        job_dir=job_dir.absolute(),
-        command=tuple(command),
-        nproc_per_node=nproc_per_node,
-        preempt_signal=parse_signal(preempt_signal),
-        grace=grace,
-        hang_timeout=hang_timeout,
-        tee=tee,
-        prewarm=tuple(prewarm or ()),
+    configure_from_env()  # HPC_ELASTIC_LOG, also when called without main()
+    raise typer.Exit(run_agent(tuple(command), AgentArguments.from_values(values)))
+
+
+def run_agent(command: tuple[str, ...], args: AgentArguments) -> int:
+    """Arrive in the slot, pass the preflight, join the rendezvous and run; the exit code."""
+    # One notifier for the whole agent process (submit --notify; it never blocks the agent):
+    # the slot's own events (a task Slurm holds, reported by the squeue thread or by the
+    # last slot as it requeues itself in settle) come outside the Agent's observers, and
+    # settle runs after the Agent is done, so the notifier must outlive both.
+    notifier = notify.from_environ(os.environ)
+    try:
+        return _run_agent(command, args, notifier)
+    finally:
+        if notifier is not None:
+            notifier.close()
+
+
+def _run_agent(
+    command: tuple[str, ...], args: AgentArguments, notifier: notify.Notifier | None
+) -> int:
+    """``run_agent`` with its notifier."""
+    spec = agent_spec(command, args)
+    slot = args.slot if args.slot is not None else default_slot(os.environ)
+    limits = SlotLimits(args.max_preemptions, args.max_time_limits, args.exclude_after)
+    array_slot = ElasticSlot.from_env(os.environ, spec.job_dir, limits)
+    if array_slot is not None:
+        _arrive(array_slot, spec, args.run_id)
+    if args.preflight:
+        code = _preflight(spec, args, array_slot)
+        if code is not None:
+            return code
+    slot_emit = _emitter(spec, args.run_id, array_slot, notifier)
+    expected = array_slot.expected_nodes(slot_emit) if array_slot is not None else _slurm_node_count
+    rdzv = _connect(
+        args.zk,
+        rendezvous_settings(args),
+        this_node(args, slot),
+        expected,
+        args.zk_auth_file,
+        open_acl=args.zk_open_acl,
     )
-    settings = RendezvousSettings(
-        run_id=run_id,
-        nodes=nodes,
-        last_call=last_call,
-        session_timeout=session_timeout,
-        min_wait=min_wait,
-        max_restarts=max_restarts,
+    code = _supervise(spec, args, rdzv, slot, array_slot, notifier=notifier)
+    if array_slot is not None:
+        code = array_slot.settle(code, spec.grace, slot_emit)
+    return code
+
+
+def agent_spec(command: tuple[str, ...], args: AgentArguments) -> AgentSpec:
+    return AgentSpec(
+        job_dir=args.job_dir.absolute(),
+        command=command,
+        nproc_per_node=args.nproc_per_node,
+        preempt_signal=parse_signal(args.preempt_signal),
+        grace=args.grace,
+        hang_timeout=args.hang_timeout,
+        tee=args.tee,
+        prewarm=args.prewarm,
+        exclude_stragglers=args.exclude_stragglers,
+        in_place=args.in_place,
     )
-    slot = slot if slot is not None else default_slot(os.environ)
-    node = NodeInfo(
+
+
+def rendezvous_settings(args: AgentArguments) -> RendezvousSettings:
+    return RendezvousSettings(
+        run_id=args.run_id,
+        nodes=args.nodes,
+        last_call=args.last_call,
+        session_timeout=args.session_timeout,
+        min_wait=args.min_wait,
+        max_restarts=args.max_restarts,
+    )
+
+
+def this_node(args: AgentArguments, slot: str) -> NodeInfo:
+    """This incarnation's member: a fresh id each start (pid and random suffix), so a requeued
+    slot never answers for its previous incarnation."""
+    return NodeInfo(
         node_id=f"{slot or socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
-        host=host or default_host(os.environ),
-        nproc=nproc_per_node,
+        host=args.host or default_host(os.environ),
+        nproc=args.nproc_per_node,
         slot=slot,
     )
-    secret = read_secret_file(zk_auth_file) if zk_auth_file is not None else None
-    limits = SlotLimits(max_preemptions, max_time_limits, exclude_after)
-    array_slot = ElasticSlot.from_env(os.environ, spec.job_dir, limits)
-    expected = array_slot.expected_nodes() if array_slot is not None else _slurm_node_count
 
-    if local_store.is_local(zk):
-        rdzv = local_store.connect(zk, settings, node, expected_nodes=expected)
-    else:
-        from hpc_elastic.rendezvous.zookeeper import connect  # noqa: PLC0415 (kazoo: only here)
 
-        rdzv = connect(zk, settings, node, secret=secret, expected_nodes=expected)
+def _preflight(spec: AgentSpec, args: AgentArguments, array_slot: ElasticSlot | None) -> int | None:
+    book = None if local_store.is_local(args.zk) else BadNodeMemory(args.zk, args.user_secret_file)
+    return check_before_joining(
+        _default_checks(spec, args.zk, args.expected_gpus),
+        node=_node_name(array_slot, os.environ),
+        run_id=args.run_id,
+        array_slot=array_slot,
+        book=book,
+        ttl=args.bad_node_ttl,
+        emit=_emitter(spec, args.run_id, array_slot),
+    )
+
+
+def _supervise(
+    spec: AgentSpec,
+    args: AgentArguments,
+    rdzv: StoreRendezvous,
+    slot: str,
+    array_slot: ElasticSlot | None,
+    *,
+    notifier: notify.Notifier | None,
+) -> int:
+    """Run the ``Agent`` with its observers (alerts, metrics, the bad-node watch) and the
+    signal handlers; stop what was started for it, however it ends."""
     observers: list[Callable[[events.Event], None]] = []
-    exporter = None
-    if metrics_port is not None or metrics_textfile is not None:
-        from hpc_elastic import metrics  # noqa: PLC0415 (prometheus_client: only when asked)
-
-        gauges = metrics.AgentMetrics(run_id, slot, spec.events_file)
-        observers.append(gauges.observe)
-        runner = Agent(spec, rdzv, on_event=_fan_out(observers))
-        exporter = metrics.MetricsExporter(
-            gauges, runner.step, port=metrics_port, textfile=metrics_textfile
-        )
-        if exporter.port is not None:
-            typer.echo(f"hpc-elastic agent: metrics on port {exporter.port}", err=True)
-    else:
-        runner = Agent(spec, rdzv, on_event=_fan_out(observers))
+    if notifier is not None:
+        leader = notify.RankZero()  # job-level alerts come from rank 0's agent only
+        observers += [leader.observe, notify.observer(notifier, leader)]
+    runner, exporter = _start(spec, args, rdzv, slot, observers)
+    watch = None
     if array_slot is not None:
-        observers.append(_bad_node_watch(array_slot, runner, spec.preempt_signal))
-        _arrive(array_slot, spec, run_id)
+        observers.append(_bad_node_watch(array_slot, runner, spec))
+        watch = array_slot.watch_departure(spec.grace)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         runner.request_stop(signum)
+        if watch is not None:
+            watch.signalled(signum)  # Ask Slurm why now: after the drain it may have moved on.
 
     for signum in (signal.SIGTERM, signal.SIGINT, spec.preempt_signal):
         signal.signal(signum, on_signal)
     try:
-        code = int(runner.run())
+        return int(runner.run())
     finally:
         if exporter is not None:
             exporter.stop()
-    if array_slot is not None:
-        code = array_slot.settle(code, spec.grace, _emitter(spec, run_id, array_slot))
-    raise typer.Exit(code)
+
+
+def _start(
+    spec: AgentSpec,
+    args: AgentArguments,
+    rdzv: StoreRendezvous,
+    slot: str,
+    observers: list[Callable[[events.Event], None]],
+) -> tuple[Agent, MetricsExporter | None]:
+    """The ``Agent``, and the metrics exporter when asked for one (it reads the agent's step
+    and phase, so it is made after it; its gauges observe events like any other observer)."""
+    if args.metrics_port is None and args.metrics_textfile is None:
+        return Agent(spec, rdzv, on_event=_fan_out(observers)), None
+    from hpc_elastic import metrics  # noqa: PLC0415 (prometheus_client: only when asked)
+
+    gauges = metrics.AgentMetrics(args.run_id, slot, spec.events_file)
+    observers.append(gauges.observe)
+    runner = Agent(spec, rdzv, on_event=_fan_out(observers))
+    exporter = metrics.MetricsExporter(
+        gauges,
+        runner.step,
+        port=args.metrics_port,
+        bind=args.metrics_bind,
+        textfile=args.metrics_textfile,
+        phase=lambda: runner.phase,
+    )
+    if exporter.port is not None:
+        typer.echo(f"hpc-elastic agent: metrics on port {exporter.port}", err=True)
+    return runner, exporter
+
+
+def _connect(
+    zk: str,
+    settings: RendezvousSettings,
+    node: NodeInfo,
+    expected: Callable[[], int | None],
+    zk_auth_file: Path | None,
+    *,
+    open_acl: bool,
+) -> StoreRendezvous:
+    """This node's rendezvous: a private socket for ``local:`` addresses, else ZooKeeper."""
+    if local_store.is_local(zk):
+        return local_store.connect(zk, settings, node, expected_nodes=expected)
+    from hpc_elastic.rendezvous.zookeeper import connect  # noqa: PLC0415 (kazoo: only here)
+
+    secret = read_secret_file(zk_auth_file) if zk_auth_file is not None else None
+    return connect(zk, settings, node, secret=secret, open_acl=open_acl, expected_nodes=expected)
 
 
 def _fan_out(observers: list[Callable[[events.Event], None]]) -> Callable[[events.Event], None]:
@@ -187,31 +290,151 @@ def _fan_out(observers: list[Callable[[events.Event], None]]) -> Callable[[event
 
 
 def _bad_node_watch(
-    array_slot: ElasticSlot, runner: Agent, preempt_signal: signal.Signals
+    array_slot: ElasticSlot, runner: Agent, spec: AgentSpec
 ) -> Callable[[events.Event], None]:
-    """Count this slot's worker failures on its node; at the limit, stop and move elsewhere."""
+    """Count this slot's worker failures on its node; at the limit, stop and move elsewhere.
+    With ``--exclude-stragglers`` a straggling rank here makes the node bad at once: the
+    slot drains (its workers save) and ``settle`` requeues it away, as after failures."""
 
     def observe(event: events.Event) -> None:
-        if event.kind == "failure" and array_slot.count_failure():
-            runner.request_stop(preempt_signal)
+        if event.kind == Kind.FAILURE and array_slot.count_failure():
+            runner.request_stop(spec.preempt_signal)
+        elif event.kind == Kind.STRAGGLER and spec.exclude_stragglers:
+            array_slot.mark_bad()
+            runner.request_stop(spec.preempt_signal)
 
     return observe
 
 
-def _emitter(spec: AgentSpec, run_id: str, array_slot: ElasticSlot) -> Callable[..., None]:
-    def emit(kind: str, **details: object) -> None:
-        event = events.Event(kind=kind, job=run_id, slot=str(array_slot.context.array_task_id))
-        events.append(spec.events_file, replace(event, details=dict(details)))
+def _emitter(
+    spec: AgentSpec,
+    run_id: str,
+    array_slot: ElasticSlot | None,
+    notifier: notify.Notifier | None = None,
+) -> Callable[..., None]:
+    """Write the slot's own events (arrival, requeue, a task Slurm holds) to the timeline;
+    with ``notifier``, also post the alerts they deserve. Only slot-level alerts can come
+    from here (``held``): job-level ones are the leader's, through the Agent's observers."""
+    slot = str(array_slot.context.array_task_id) if array_slot is not None else ""
+    alert = notify.observer(notifier, lambda: False) if notifier is not None else None
+
+    def emit(kind: Kind, **details: object) -> None:
+        spec.job_dir.mkdir(parents=True, exist_ok=True)
+        event = replace(events.Event(kind=kind, job=run_id, slot=slot), details=dict(details))
+        events.append(spec.events_file, event)
+        if alert is not None:
+            alert(event)
 
     return emit
 
 
+# --- the health preflight ------------------------------------------------------------------
+
+
+class BadNodeMemory:
+    """The user's bad-node book in ZooKeeper, opened for each call (``health.BadNodeStore``):
+    the preflight reads it once and writes at most once, so a held connection buys nothing."""
+
+    def __init__(self, zk: str, secret_file: Path) -> None:
+        self._zk = zk
+        self._secret_file = secret_file.expanduser()
+        self._user = getpass.getuser()
+
+    def _secret(self) -> str:
+        from hpc_elastic.rendezvous.secret import user_secret  # noqa: PLC0415
+
+        self._secret_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return user_secret(self._secret_file)
+
+    def remember(self, record: BadNode) -> None:
+        from hpc_elastic.rendezvous import zookeeper  # noqa: PLC0415 (kazoo: only here)
+
+        zookeeper.remember_bad_node(self._zk, self._user, self._secret(), record)
+
+    def records(self) -> list[BadNode]:
+        from hpc_elastic.rendezvous import zookeeper  # noqa: PLC0415 (kazoo: only here)
+
+        return zookeeper.list_bad_nodes(self._zk, self._user, self._secret(), time.time())
+
+
+def _default_checks(spec: AgentSpec, zk: str, expected_gpus: int | None) -> dict[str, Check]:
+    from hpc_elastic.agent import health  # noqa: PLC0415 (NVML and kazoo: only when asked)
+
+    directories = [spec.job_dir, spec.checkpoint_dir]
+    return health.default_checks(
+        directories, None if local_store.is_local(zk) else zk, expected_gpus
+    )
+
+
+def check_before_joining(
+    checks: Mapping[str, Check],
+    *,
+    node: str,
+    run_id: str,
+    array_slot: ElasticSlot | None,
+    book: BadNodeStore | None,
+    ttl: float,
+    emit: Callable[..., None],
+) -> int | None:
+    """Run the preflight; None for a healthy node, else the agent's exit code.
+
+    An unhealthy node never joins: in a Slurm array its slot is requeued away from it and
+    from every bad node the user's memory holds (exit 75); elsewhere there is nowhere to
+    move, so the agent fails with one sentence (exit 1). The ``health`` event says why.
+    """
+    from hpc_elastic.agent import health  # noqa: PLC0415 (NVML and kazoo: only when asked)
+
+    checked = health.preflight(
+        checks,
+        node=node,
+        job=run_id,
+        now=time.time(),
+        book=book,
+        ttl=ttl,
+        emit=emit,
+    )
+    if array_slot is not None:  # Every later requeue of the slot keeps away from them too.
+        array_slot.remembered_bad = tuple(host for host in checked.exclude.split(",") if host)
+    if checked.healthy:
+        return None
+    if array_slot is None:
+        typer.echo(
+            f"hpc-elastic agent: node '{node}' failed its health check, so it does not join "
+            f"job '{run_id}': {checked.reason} Fix the node or run the job elsewhere.",
+            err=True,
+        )
+        return 1
+    # `scontrol requeue` signals every process of the step, this agent too, and it has no
+    # handler yet: without this it dies before it sets ExcNodeList and says so (seen on the
+    # dev cluster: the slot came back to a bad node). It exits right after, so Slurm's
+    # KillWait is never reached.
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        return array_slot.move_away("unhealthy", emit, reason=checked.reason)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _arrive(array_slot: ElasticSlot, spec: AgentSpec, run_id: str) -> None:
-    """Record this incarnation; one that died with its node counts against that node."""
+    """Record this incarnation; one that died with its node counts against that node, one
+    that Slurm killed while it drained for preemption or its time limit does not."""
     spec.job_dir.mkdir(parents=True, exist_ok=True)
-    crashed_on = array_slot.arrive()
-    if crashed_on is not None:
-        _emitter(spec, run_id, array_slot)("node_failure", node=crashed_on)
+    emit = _emitter(spec, run_id, array_slot)
+    if array_slot.problem is not None:
+        typer.echo(f"hpc-elastic agent: {array_slot.problem}", err=True)
+        emit(Kind.WARNING, message=array_slot.problem)
+    arrival = array_slot.arrive()
+    if arrival.node_failure is not None:
+        emit(Kind.NODE_FAILURE, node=arrival.node_failure)
+    elif arrival.killed_leaving is not None:
+        emit(Kind.KILLED_LEAVING, node=arrival.crashed_on, cause=arrival.killed_leaving.value)
+
+
+def _node_name(array_slot: ElasticSlot | None, environ: Mapping[str, str]) -> str:
+    """The name Slurm knows this node by (what ``ExcNodeList`` takes), else the host's."""
+    if array_slot is not None:
+        return array_slot.node
+    return environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def default_slot(environ: Mapping[str, str]) -> str:

@@ -12,6 +12,8 @@ from hpc_elastic.rendezvous.api import Failure
 
 _MAX_MESSAGE = 2000
 _TAIL_LINES = 15
+_DUMP_LINES = 400
+"""Enough for a faulthandler dump of many threads (it prints at most 100 frames each)."""
 
 _PEER_LOST = re.compile(
     r"Connection closed by peer|Connection reset by peer|ECONNRESET|Broken pipe"
@@ -20,6 +22,9 @@ _PEER_LOST = re.compile(
     re.IGNORECASE,
 )
 """Errors a rank raises when a *peer* vanished: an echo of another failure, not a root cause."""
+
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Timeout)\b")
+"""The line a traceback ends with: ``torch.distributed.DistNetworkError: ...``."""
 
 
 def error_file_message(path: Path) -> str | None:
@@ -39,7 +44,7 @@ def error_file_message(path: Path) -> str | None:
 
 def log_tail(path: Path, lines: int = _TAIL_LINES) -> str:
     try:
-        text = path.read_bytes()[-16384:].decode(errors="replace")
+        text = path.read_bytes()[-65536:].decode(errors="replace")
     except OSError:
         return ""
     return "\n".join(text.splitlines()[-lines:])
@@ -69,22 +74,46 @@ def worker_failure(
     """Build the root-cause record; the error file wins over the log's last lines."""
     exit_code, signal_name = describe_exit(returncode) if returncode is not None else (None, None)
     detail = error_file_message(error_file) or log_tail(log)
-    message = "\n".join(part for part in (reason, detail) if part)
     return Failure(
         node_id=node_id,
         host=host,
         rank=rank,
         exit_code=exit_code,
         signal=signal_name,
-        message=message[-_MAX_MESSAGE:],
+        message=_bounded(reason, detail),
         time=time.time(),
         slot=slot,
     )
 
 
+def _bounded(reason: str, detail: str) -> str:
+    """The agent's reason whole, then as much of the worker's own words as still fits.
+
+    The bound keeps the rendezvous state small; cutting from the front (as it once did) lost
+    the reason, the one sentence that says what happened, behind a long log tail."""
+    reason = reason[:_MAX_MESSAGE]
+    room = _MAX_MESSAGE - len(reason) - (1 if reason else 0)
+    tail = detail[-room:] if detail and room > 0 else ""
+    return "\n".join(part for part in (reason, tail) if part)
+
+
 def is_echo(failure: Failure) -> bool:
     """True if the rank most likely failed because a peer died (so the peer is the cause)."""
-    return failure.signal is None and _PEER_LOST.search(failure.message) is not None
+    return failure.signal is None and _PEER_LOST.search(own_error(failure.message)) is not None
+
+
+def own_error(message: str) -> str:
+    """The worker's own error: its traceback's last exception line and what follows it.
+
+    Only that counts for ``is_echo``: a log tail also holds lines the worker merely printed
+    (a retried "Connection refused" while a store started), which say nothing of its death.
+    """
+    lines = message.splitlines()
+    for index in range(len(lines) - 1, -1, -1):
+        if _EXCEPTION_LINE.match(lines[index].strip()):
+            return "\n".join(lines[index:])
+    stripped = [line for line in lines if line.strip()]
+    return stripped[-1] if stripped else ""
 
 
 def summary(failure: Failure) -> str:
@@ -96,3 +125,64 @@ def summary(failure: Failure) -> str:
     headline = f"Worker rank {failure.rank} on node '{where}' ({failure.node_id}) {how}."
     body = "\n".join(f"    {line}" for line in failure.message.splitlines())
     return f"{headline}\n{body}" if body else headline
+
+
+_FAULTHANDLER_HEADER = "Fatal Python error: Aborted"
+"""The first line faulthandler prints when the agent's SIGABRT reaches a hung worker."""
+
+_THREAD_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+ .*:$")
+_FRAME_LINE = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<function>.+)$')
+
+
+def hung_frame(log_text: str) -> str | None:
+    """Where the main thread was in the last faulthandler dump of ``log_text``, as
+    ``train.py:42 in all_reduce_step``; None when the log holds no dump.
+
+    faulthandler lists threads newest first, so the main thread (the first one started) is
+    the last block; its first ``File`` line is the innermost frame, the one that hung. When
+    that frame is in a library (torch's ``all_reduce``), the innermost frame of the user's
+    own code follows: ``distributed_c10d.py:3252 in all_reduce, called from train.py:42 in
+    step``. Only the file's base name is kept: the sentence names a place, the log holds the
+    full path.
+    """
+    start = log_text.rfind(_FAULTHANDLER_HEADER)
+    if start < 0:
+        return None
+    blocks: list[list[re.Match[str]]] = []
+    for line in log_text[start:].splitlines()[1:]:
+        if _THREAD_HEADER.match(line):
+            blocks.append([])
+        elif (frame := _FRAME_LINE.match(line)) and blocks:
+            blocks[-1].append(frame)
+        elif line.strip() and blocks and blocks[-1]:
+            break  # the dump is over: what follows is the next thing the log holds
+    main = next((block for block in reversed(blocks) if block), None)
+    if main is None:
+        return None
+    where = _place(main[0])
+    if _is_library(main[0]["file"]):
+        # torch's all_reduce says little alone: name the user's call that led there too.
+        caller = next((frame for frame in main if not _is_library(frame["file"])), None)
+        if caller is not None:
+            where += f", called from {_place(caller)}"
+    return where
+
+
+_LIBRARY = re.compile(r"[/\\](site-packages|dist-packages|lib[/\\]python\d+(\.\d+)?)[/\\]")
+"""Installed packages and the standard library: not the user's code."""
+
+
+def _is_library(path: str) -> bool:
+    return _LIBRARY.search(path) is not None
+
+
+def _place(frame: re.Match[str]) -> str:
+    return f"{Path(frame['file']).name}:{frame['line']} in {frame['function']}"
+
+
+def hung_sentence(rank: int, log: Path) -> str:
+    """The root-cause line's "where": the hung rank's innermost frame from its stack dump."""
+    where = hung_frame(log_tail(log, lines=_DUMP_LINES))
+    if where is None:
+        return f"Rank {rank} left no stack dump in {log} (started without faulthandler?)."
+    return f"Rank {rank} hung in {where}; its log has every thread's stack."

@@ -1,0 +1,430 @@
+"""Pure rules for a job that runs unattended: learned deadlines, stragglers, a breaker for
+futile restarts, and which worker exits are worth a restart at all (see docs/agent.md).
+
+Nothing here reads a clock, a file or a process: the agent feeds observations in and acts on
+the answers, so each rule is tested on plain numbers. The rules follow NVIDIA's resiliency
+extension in spirit (timeouts computed from observed intervals times a safety factor, a
+no-progress restart limit), with our own defaults for a shared, loaded machine.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import re
+import statistics
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from hpc_elastic.events import Event, Kind
+
+logger = logging.getLogger(__name__)
+
+
+class Phase(enum.Enum):
+    """What a rank is doing while the agent waits for its heartbeat to move."""
+
+    STARTUP = "startup"
+    """From launch to the first heartbeat: imports, process group, checkpoint load."""
+    STEP = "step"
+    """Between two heartbeats of a training loop."""
+    CHECKPOINT = "checkpoint"
+    """Writing a checkpoint, during which the heartbeat does not move."""
+
+
+@dataclass(frozen=True)
+class DeadlineRule:
+    """How one phase's deadline is learned: ``max(floor, percentile(samples) * factor)``.
+
+    Until ``min_samples`` durations are known the deadline is ``initial``: generous, because a
+    first start-up (cold imports on a shared filesystem) can take minutes, and a false hang
+    kills healthy work while a missed one only costs time.
+    """
+
+    initial: float
+    floor: float
+    percentile: float = 99.0
+    factor: float = 5.0
+    min_samples: int = 5
+
+
+DEFAULT_RULES: Mapping[Phase, DeadlineRule] = {
+    Phase.STARTUP: DeadlineRule(initial=1800.0, floor=300.0, min_samples=1),
+    Phase.STEP: DeadlineRule(initial=600.0, floor=60.0),
+    Phase.CHECKPOINT: DeadlineRule(initial=1800.0, floor=120.0, min_samples=2),
+}
+"""The floors stay far above a loaded machine's hiccups: the fault matrix saw false hangs at a
+fixed 4 s on 2 busy cores, and a step's 99th percentile times 5 alone would repeat that."""
+
+WINDOW = 1000
+"""Durations kept per phase: enough for a stable 99th percentile, bounded for a week-long job."""
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    """The nearest-rank ``q``-th percentile (0 < q <= 100) of a non-empty sequence: always one
+    of the observed values, so one outlier in a small window is the maximum, not extrapolated."""
+    if not samples:
+        raise ValueError("percentile of no samples")
+    ordered = sorted(samples)
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+def learned_deadline(
+    samples: Sequence[float], rule: DeadlineRule, override: float | None = None
+) -> float:
+    """Seconds a phase may last before the rank counts as hung; ``override`` (``--hang-timeout``)
+    wins over anything learned."""
+    if override is not None:
+        return override
+    if len(samples) < rule.min_samples:
+        return rule.initial
+    return max(rule.floor, percentile(samples, rule.percentile) * rule.factor)
+
+
+@dataclass
+class Deadlines:
+    """The observed durations of each phase and the deadlines learned from them.
+
+    One per agent, kept across rounds: a restart does not forget how long a step takes.
+    """
+
+    rules: Mapping[Phase, DeadlineRule] = field(default_factory=lambda: dict(DEFAULT_RULES))
+    override: float | None = None
+    _samples: dict[Phase, deque[float]] = field(default_factory=dict)
+
+    def observe(self, phase: Phase, seconds: float) -> None:
+        if seconds < 0 or math.isnan(seconds):
+            return
+        self._samples.setdefault(phase, deque(maxlen=WINDOW)).append(seconds)
+
+    def samples(self, phase: Phase) -> list[float]:
+        return list(self._samples.get(phase, ()))
+
+    def deadline(self, phase: Phase) -> float:
+        """``override`` (``--hang-timeout``) never shortens start-up: a second round's imports
+        on a loaded machine can take longer than a hang timeout tuned for steps."""
+        override = None if phase is Phase.STARTUP else self.override
+        value = learned_deadline(self.samples(phase), self.rules[phase], override)
+        logger.debug("watchdog: %s deadline %.1f s", phase.value, value)
+        return value
+
+
+def is_hung(phase: Phase, waited: float, deadlines: Deadlines) -> bool:
+    """True once a rank has waited longer than its phase allows."""
+    return waited > deadlines.deadline(phase)
+
+
+@dataclass(frozen=True)
+class StragglerRule:
+    """A rank slower than ``factor`` times the median step time for ``consecutive`` steps in a
+    row is a straggler; one slow step (a garbage collection, a checkpoint) is not."""
+
+    factor: float = 1.5
+    consecutive: int = 20
+    min_ranks: int = 3
+    """With fewer ranks the median is one of two ranks' times, so nobody can be told apart."""
+
+
+@dataclass
+class Stragglers:
+    """Counts, per rank, the consecutive observations in which it was slow.
+
+    ``observe`` takes one step time per rank (seconds per step, from the heartbeat) and
+    returns the ranks that have *just* become stragglers, so each produces one event, not
+    one per poll. A reported rank is forgiven (and may be reported again later) only after as
+    many fast observations in a row as it took to report it: one fast sample among slow ones
+    (the others slowed by a loaded machine) reported the same straggler twice in 10 s.
+    """
+
+    rule: StragglerRule = field(default_factory=StragglerRule)
+    _slow_for: dict[int, int] = field(default_factory=dict)
+    _fast_for: dict[int, int] = field(default_factory=dict)
+    """Fast observations in a row of a reported rank, towards its forgiveness."""
+
+    def observe(self, step_times: Mapping[int, float]) -> list[int]:
+        if len(step_times) < self.rule.min_ranks:
+            return []
+        median = statistics.median(step_times.values())
+        newly: list[int] = []
+        for rank, seconds in sorted(step_times.items()):
+            if median > 0 and seconds > self.rule.factor * median:
+                self._fast_for.pop(rank, None)
+                self._slow_for[rank] = self._slow_for.get(rank, 0) + 1
+                if self._slow_for[rank] == self.rule.consecutive:
+                    logger.debug(
+                        "watchdog: rank %d straggles (%.3f s vs %.3f)", rank, seconds, median
+                    )
+                    newly.append(rank)
+            elif self._slow_for.get(rank, 0) >= self.rule.consecutive:
+                self._fast_for[rank] = self._fast_for.get(rank, 0) + 1
+                if self._fast_for[rank] >= self.rule.consecutive:
+                    del self._slow_for[rank], self._fast_for[rank]
+                    logger.debug("watchdog: rank %d caught up", rank)
+            elif self._slow_for.pop(rank, 0):
+                logger.debug("watchdog: rank %d is not slow any more", rank)
+        return newly
+
+    def score(self, step_times: Mapping[int, float]) -> dict[int, float]:
+        """Each rank's step time over the median (1.0 is typical), for the metric."""
+        if not step_times:
+            return {}
+        median = statistics.median(step_times.values())
+        return {rank: (s / median if median > 0 else 1.0) for rank, s in step_times.items()}
+
+
+@dataclass(frozen=True)
+class Breaker:
+    """Stops a job that restarts without moving its checkpoint.
+
+    ``checkpoint`` is the newest committed step when each restart happened (None before the
+    first commit). Once ``limit`` restarts in a row saw the same checkpoint, more restarts
+    only burn the allocation; ``tripped`` returns the one sentence the job stops with.
+    """
+
+    limit: int = 5
+
+    def tripped(self, checkpoints_at_restarts: Iterable[int | None]) -> str | None:
+        history = list(checkpoints_at_restarts)
+        if not history:
+            return None
+        newest = history[-1]
+        streak = 0
+        for step in reversed(history):
+            if step != newest:
+                break
+            streak += 1
+        if streak < self.limit:
+            return None
+        since = f"step {newest}" if newest is not None else "the start (no checkpoint yet)"
+        return (
+            f"The job restarted {streak} times since {since} without progress; fix the cause "
+            "in the workers' logs, then resubmit."
+        )
+
+
+def checkpoints_at_restarts(events: Iterable[Event]) -> list[int | None]:
+    """The breaker's input from the job's events file: for each round that ended in a
+    worker failure (a ``failure`` event: a root cause, a hang), the newest committed
+    checkpoint step at that moment.
+
+    Restarts for lost or arriving nodes do not count: churn is not futile, nodes come back.
+    Two agents may report failures of one round, so rounds count once. The file is shared
+    by all nodes, so every agent that reads it reaches the same verdict.
+    """
+    newest: int | None = None
+    failed: set[int | None] = set()
+    history: list[int | None] = []
+    for event in sorted(events, key=lambda event: event.time):
+        step = event.details.get("step")
+        if event.kind == Kind.CHECKPOINT and isinstance(step, int):
+            newest = step if newest is None else max(newest, step)
+        elif event.kind == Kind.FAILURE and event.round not in failed:
+            failed.add(event.round)
+            history.append(newest)
+    return history
+
+
+class ExitClass(enum.Enum):
+    """Whether a worker's failure is worth a restart."""
+
+    RETRY = "retry"
+    """Hardware, network, a peer, a hang: another round may well succeed."""
+    USER_ERROR = "user_error"
+    """The same code fails the same way every time: restarting only wastes the allocation."""
+
+
+BAD_ARGUMENT_EXIT = 2
+"""argparse's and click's exit code for a bad command line."""
+
+_USER_ERRORS = re.compile(
+    r"^\s*(ModuleNotFoundError|ImportError|SyntaxError|IndentationError|TabError)\b",
+    re.MULTILINE,
+)
+"""Exceptions no restart can fix, as the last line of a Python traceback names them."""
+
+
+def classify_exit(exit_code: int | None, message: str) -> ExitClass:
+    """Classify one failed worker from its exit code and its error file (or log tail).
+
+    A signal (exit_code None) is never the user's fault here: it came from the OOM killer,
+    Slurm or our own hang detection.
+    """
+    if exit_code is None:
+        return ExitClass.RETRY
+    if exit_code == BAD_ARGUMENT_EXIT or _USER_ERRORS.search(message):
+        return ExitClass.USER_ERROR
+    return ExitClass.RETRY
+
+
+def user_error_sentence(rank: int, exit_code: int | None, message: str) -> str:
+    """The one sentence the job stops with after a user error."""
+    found = _USER_ERRORS.search(message)
+    what = found.group(1) if found else f"exit code {exit_code} (a bad argument)"
+    return (
+        f"Worker rank {rank} failed with {what}, which no restart can fix; the job is not "
+        "retried: correct the script or its arguments and resubmit."
+    )
+
+
+Reading = tuple[float, int | None]
+"""One heartbeat reading: the file's mtime and the step written in it."""
+
+
+def step_seconds(previous: Reading | None, current: Reading) -> float | None:
+    """Seconds per step between two heartbeat readings; None until the step has moved.
+
+    The heartbeat is written at most every half second, so one reading may cover many steps:
+    dividing by the steps advanced gives the per-step time the straggler rule compares.
+    """
+    if previous is None or previous[1] is None or current[1] is None:
+        return None
+    advanced = current[1] - previous[1]
+    if advanced <= 0:
+        return None
+    return max(0.0, current[0] - previous[0]) / advanced
+
+
+@dataclass(frozen=True)
+class Hung:
+    """A rank that waited past its phase's deadline: what the root-cause line says."""
+
+    rank: int
+    phase: Phase
+    waited: float
+    deadline: float
+
+    def sentence(self, overridden: bool) -> str:
+        how = "--hang-timeout" if overridden else "learned deadline"
+        return (
+            f"Rank {self.rank} made no progress for {self.waited:.1f} s in {self.phase.value} "
+            f"({how} {self.deadline:.1f} s) and was killed."
+        )
+
+
+@dataclass(frozen=True)
+class Verdict:
+    hung: list[Hung]
+    stragglers: list[int]
+    """Ranks that have just become stragglers."""
+    scores: dict[int, float]
+    """Each rank's latest step time over the median, for the straggler metric."""
+
+
+@dataclass
+class RankWatch:
+    """Watches one round's local ranks through their heartbeats, learning as it goes.
+
+    ``poll`` takes the time, each rank's heartbeat reading (None before its first beat), and
+    whether a checkpoint is being written; it feeds the durations it sees into ``deadlines``
+    (kept by the agent across rounds) and returns the hung ranks and the new stragglers.
+    """
+
+    deadlines: Deadlines
+    stragglers: Stragglers
+    started: float
+    """When the round's workers were launched: the start of every rank's start-up phase."""
+    _last: dict[int, Reading] = field(default_factory=dict)
+    _step_times: dict[int, float] = field(default_factory=dict)
+    _arrivals: dict[int, dict[int, float]] = field(default_factory=dict)
+    """rank -> step -> when the rank was first seen at that step (see ``arrival_lags``)."""
+
+    def poll(
+        self, now: float, readings: Mapping[int, Reading | None], checkpointing: bool = False
+    ) -> Verdict:
+        moved = False
+        hung = []
+        for rank, reading in sorted(readings.items()):
+            if reading is not None:
+                moved |= self._learn(rank, reading)
+                if not checkpointing:
+                    # A checkpoint mark rewrites the step after the collective, when every
+                    # rank is there: it says nothing about who arrived last.
+                    _remember_arrival(self._arrivals.setdefault(rank, {}), reading)
+            elif not self.deadlines.samples(Phase.STARTUP):
+                # No rank has ever beaten: an unmodified script that never calls the
+                # heartbeat must never be killed for silence.
+                continue
+            phase, waited = self._waiting(rank, reading, now, checkpointing)
+            deadline = self.deadlines.deadline(phase)
+            if waited > deadline:
+                hung.append(Hung(rank, phase, waited, deadline))
+        paced = paced_step_times(self._step_times, self._arrivals)
+        newly = self.stragglers.observe(paced) if moved else []
+        return Verdict(hung, newly, self.stragglers.score(paced))
+
+    def _learn(self, rank: int, reading: Reading) -> bool:
+        """Record a reading; True if the rank's heartbeat moved since the last poll."""
+        previous = self._last.get(rank)
+        if previous is not None and reading[0] <= previous[0]:
+            return False
+        self._last[rank] = reading
+        if previous is None:
+            self.deadlines.observe(Phase.STARTUP, reading[0] - self.started)
+            return False
+        self.deadlines.observe(Phase.STEP, reading[0] - previous[0])
+        seconds = step_seconds(previous, reading)
+        if seconds is not None:
+            self._step_times[rank] = seconds
+        return True
+
+    def _waiting(
+        self, rank: int, reading: Reading | None, now: float, checkpointing: bool
+    ) -> tuple[Phase, float]:
+        if reading is None:
+            return Phase.STARTUP, now - self.started
+        phase = Phase.CHECKPOINT if checkpointing else Phase.STEP
+        return phase, now - reading[0]
+
+
+ARRIVALS_KEPT = 32
+"""Steps of arrival times kept per rank: a few periods of the slowest rank are enough."""
+
+
+def _remember_arrival(arrivals: dict[int, float], reading: Reading) -> None:
+    """The first time a rank was seen at a step: a later rewrite of the same step (after a
+    save) is not an arrival."""
+    mtime, step = reading
+    if step is None or step in arrivals:
+        return
+    arrivals[step] = mtime
+    while len(arrivals) > ARRIVALS_KEPT:
+        del arrivals[min(arrivals)]
+
+
+def arrival_lags(arrivals: Mapping[int, Mapping[int, float]]) -> dict[int, float]:
+    """How long after the first rank each rank arrived at the newest step they all reached.
+
+    Ranks that train in lockstep (a collective every step) all step at the pace of the slowest,
+    so their heartbeats move equally fast and the step time alone cannot tell the straggler:
+    the heartbeat is beaten on arrival at the step's collective, and the straggler is the rank
+    that keeps arriving last. Empty unless the ranks are in lockstep, none more than one step
+    past the newest step they all reached (ranks that train independently drift apart, and
+    their step times already differ); empty too when the heartbeat's half-second throttle made
+    them record different steps.
+    """
+    if not arrivals or not all(arrivals.values()):
+        return {}
+    common = set.intersection(*(set(steps) for steps in arrivals.values()))
+    if not common:
+        return {}
+    step = max(common)
+    if max(max(steps) for steps in arrivals.values()) > step + 1:
+        return {}
+    first = min(steps[step] for steps in arrivals.values())
+    return {rank: steps[step] - first for rank, steps in arrivals.items()}
+
+
+def paced_step_times(
+    step_times: Mapping[int, float], arrivals: Mapping[int, Mapping[int, float]]
+) -> dict[int, float]:
+    """Each rank's step time plus its arrival lag: what the straggler rule compares.
+
+    For ranks that train independently the lags are zero or absent and this is the step time
+    itself; in lockstep the step times are equal and the lag is what sets the straggler apart
+    (a rank that arrives half a period late scores 1.5).
+    """
+    lags = arrival_lags({rank: arrivals.get(rank, {}) for rank in step_times})
+    return {rank: seconds + lags.get(rank, 0.0) for rank, seconds in step_times.items()}
