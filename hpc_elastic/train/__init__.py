@@ -10,13 +10,22 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from hpc_elastic.train.exitcodes import PREEMPTED_EXIT_CODE
+from hpc_elastic.train.exitcodes import FENCED_EXIT_CODE, PREEMPTED_EXIT_CODE
 
 if TYPE_CHECKING:
     from hpc_elastic.train.batch import BatchPlan, group, plan
-    from hpc_elastic.train.checkpoint import Checkpointer, TrainState, load, save, verify
+    from hpc_elastic.train.checkpoint import (
+        Checkpointer,
+        TrainState,
+        load,
+        reading,
+        save,
+        verify,
+    )
+    from hpc_elastic.train.inplace import InPlace
     from hpc_elastic.train.preemption import (
         exit_preempted,
+        finish,
         install_signal_handlers,
         requested,
         should_stop,
@@ -31,29 +40,36 @@ _LAZY = {
     "Checkpointer": "checkpoint",
     "TrainState": "checkpoint",
     "load": "checkpoint",
+    "reading": "checkpoint",
     "save": "checkpoint",
     "verify": "checkpoint",
     "exit_preempted": "preemption",
+    "finish": "preemption",
     "install_signal_handlers": "preemption",
     "requested": "preemption",
     "should_stop": "preemption",
     "ElasticSampler": "sampler",
+    "InPlace": "inplace",
     "load_sharded": "sharded",
     "save_sharded": "sharded",
 }
 
 __all__ = [
+    "FENCED_EXIT_CODE",
     "PREEMPTED_EXIT_CODE",
     "BatchPlan",
     "Checkpointer",
     "ElasticSampler",
+    "InPlace",
     "TrainState",
     "exit_preempted",
+    "finish",
     "group",
     "install_signal_handlers",
     "load",
     "load_sharded",
     "plan",
+    "reading",
     "requested",
     "save",
     "save_sharded",

@@ -7,35 +7,65 @@ sizes and checksums match and falls back, with a warning, past corrupt ones.
 
 For replicated (DDP) models rank 0 writes one file holding the model once and every rank's
 RNG state. Sharded models go through ``hpc_elastic.train.sharded`` instead.
+
+With ``asynchronous=True`` a save only copies the state into host memory on the training
+thread; serialising, fsyncing and the same fenced commit run behind the loop (see
+``hpc_elastic.train.background``).
 """
 
 from __future__ import annotations
 
+import copy
+import errno
+import fcntl
 import json
 import logging
 import os
 import re
 import shutil
+import time
 import zipfile
-from dataclasses import dataclass
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from hpc_elastic import events
-from hpc_elastic.errors import CheckpointError
-from hpc_elastic.train import _dist, rng
+from hpc_elastic import contract, events
+from hpc_elastic.errors import CheckpointError, CheckpointFencedError, UsageError
+from hpc_elastic.train import _dist, background, lease, local_tier, preemption, rng, storage
 from hpc_elastic.train.sampler import ElasticSampler
 
-CHECKPOINT_DIR_ENV = "HPC_ELASTIC_CHECKPOINT_DIR"
+CHECKPOINT_DIR_ENV = contract.CHECKPOINT_DIR_ENV
 FORMAT_VERSION = 1
 STATE_FILE = "state.pt"
 MANIFEST_FILE = "manifest.json"
-_COMMITTED = re.compile(r"^step-(\d{8,})$")
+ROUND_ENV = contract.ROUND_ENV
+LOCK_FILE = ".lock"
+LOCK_TIMEOUT = 60.0
+"""Seconds to wait for another writer's commit; it holds the lock for a few renames only."""
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF)
+"""What ``flock`` fails with where the filesystem has no locks (EBADF: NFS refuses an
+exclusive lock on a descriptor opened read-only); the caller then goes ahead unlocked."""
+_COMMITTED = re.compile(r"^step-(\d{8,})(?:\.(\d+))?$")
+_HIDDEN_ROUND = re.compile(r"^\.step-\d{8,}\.[a-z]+\d*-r(\d+)-j([0-9a-f]{8})-p\d+$")
+_ROUND_MARK = re.compile(r"^\.round-([0-9a-f]{8})-(\d{8,})$")
+JOB_ENV = "TORCHELASTIC_RUN_ID"
+ASYNC_ENV = contract.CHECKPOINT_ASYNC_ENV
+WHEN_BUSY_ENV = contract.CHECKPOINT_WHEN_BUSY_ENV
+KEEP_ENV = contract.CHECKPOINT_KEEP_ENV
+KEEP_EVERY_ENV = contract.CHECKPOINT_KEEP_EVERY_ENV
+WHEN_BUSY_CHOICES = contract.CHECKPOINT_WHEN_BUSY_CHOICES
+DEFAULT_KEEP = contract.DEFAULT_CHECKPOINT_KEEP
+WRITERS = ("thread", "process")
+LOCAL_WORLD_ENV = "LOCAL_WORLD_SIZE"
+"""torchrun's (and the agent's) count of ranks on this node."""
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +73,7 @@ log = logging.getLogger(__name__)
 def default_directory() -> Path:
     """The agent's job directory survives a requeue; without an agent, ./checkpoints does too."""
     configured = os.environ.get(CHECKPOINT_DIR_ENV)
-    return Path(configured) if configured else Path.cwd() / "checkpoints"
+    return Path(configured) if configured else Path.cwd() / contract.CHECKPOINTS_DIR
 
 
 class TrainState:
@@ -110,121 +140,463 @@ class TrainState:
         self.extras.update(state["extras"])
 
 
+def _env_text(name: str, default: str) -> str:
+    return os.environ.get(name) or default
+
+
+def _env_count(name: str, default: int) -> int:
+    """A whole number from the agent's environment; a bad one is a usage error, not a crash."""
+    value = os.environ.get(name)
+    if not value:
+        return default
+    if not value.isdigit():
+        raise UsageError(f"{name}={value!r} is not a whole number; set it to one such as 3.")
+    return int(value)
+
+
+def _env_path(name: str) -> Path | None:
+    value = os.environ.get(name)
+    return Path(value) if value else None
+
+
+def _env_flag(name: str) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise UsageError(f"{name}={value!r} is not a yes or no; set it to 1 or 0.")
+
+
+def round_from_environment() -> int | None:
+    """The agent's rendezvous round for this worker, or None outside the agent."""
+    value = os.environ.get(ROUND_ENV)
+    if not value:
+        return None
+    if not value.isdigit():
+        raise UsageError(
+            f"{ROUND_ENV}={value!r} is not a round number; unset it outside the hpc-elastic agent."
+        )
+    return int(value)
+
+
 @dataclass(frozen=True)
 class Checkpointer:
     """Saves and loads ``TrainState`` in one directory, keeping the newest ``keep`` checkpoints.
 
-    ``save`` and ``load`` are collectives: call them on every rank at the same step.
+    ``save``, ``load`` and ``wait`` are collectives: call them on every rank at the same step.
+    ``round`` is the agent's rendezvous round (``$HPC_ELASTIC_ROUND``): a writer whose round is
+    older than the newest one that began writing in the directory is refused (fencing). Without
+    a round (plain torchrun) nothing is fenced.
+
+    ``keep_every=K`` also keeps every checkpoint whose step is a multiple of K. With
+    ``asynchronous=True`` a save returns once the state is copied to host memory and commits
+    behind the loop; ``when_busy`` says what a save does while the previous one still commits:
+    ``"wait"`` for it, or ``"skip"`` this one (with a ``checkpoint_skipped`` event). Every
+    setting defaults to the agent's environment (``$HPC_ELASTIC_CHECKPOINT_*``).
     """
 
     directory: Path
-    keep: int = 3
+    keep: int = field(default_factory=lambda: _env_count(KEEP_ENV, DEFAULT_KEEP))
+    round: int | None = field(default_factory=round_from_environment)
+    job: str = field(default_factory=lambda: os.environ.get(JOB_ENV, ""))
+    """Rounds count from 1 again in a new job that resumes from this directory, so a round
+    is only compared with rounds of the same job (``$TORCHELASTIC_RUN_ID``)."""
+    keep_every: int = field(default_factory=lambda: _env_count(KEEP_EVERY_ENV, 0))
+    asynchronous: bool = field(default_factory=lambda: _env_flag(ASYNC_ENV))
+    when_busy: str = field(default_factory=lambda: _env_text(WHEN_BUSY_ENV, "wait"))
+    local_directory: Path | None = field(
+        default_factory=lambda: _env_path(local_tier.LOCAL_DIR_ENV)
+    )
+    """Node-local tier (see ``hpc_elastic.train.local_tier``); None: no local tier."""
+    persist_every: int = field(default_factory=lambda: _env_count(local_tier.PERSIST_EVERY_ENV, 1))
+    """With a local tier, write the shared tier at every ``persist_every``-th save only."""
+    writer: str = "thread"
+    """Who serialises an asynchronous save: ``"thread"``, or ``"process"`` (opt-in: a worker
+    process fed from shared memory, see ``hpc_elastic.train.writer_process``)."""
+    ranks_per_node: int = field(default_factory=lambda: _env_count(LOCAL_WORLD_ENV, 1))
+    """Sharded local tier: a rank's peer copy goes to the same local rank on the next node
+    (torchrun's ``$LOCAL_WORLD_SIZE``); tests that stand ranks for nodes set 1."""
+    _saves: list[int] = field(default_factory=lambda: [0], init=False, repr=False, compare=False)
+    _built_in_round: int | None = field(
+        default_factory=round_from_environment, init=False, repr=False, compare=False
+    )
+    """The agent's round when this checkpointer was built, to see that ``InPlace`` moved the
+    process into another one since (``fencing_round``)."""
 
     def __post_init__(self) -> None:
         if self.keep < 1:
             raise CheckpointError(
                 f"keep={self.keep} would delete every checkpoint; keep at least 1."
             )
+        if self.keep_every < 0:
+            raise CheckpointError(
+                f"keep_every={self.keep_every} is negative; use 0 to keep no extra steps."
+            )
+        if self.persist_every < 1:
+            raise CheckpointError(
+                f"persist_every={self.persist_every} would never write the shared tier; use "
+                f"1 or more."
+            )
+        if self.writer not in WRITERS or (self.writer == "process" and not self.asynchronous):
+            raise CheckpointError(
+                f"writer={self.writer!r} is not one of {', '.join(WRITERS)} for "
+                f"{'asynchronous' if self.asynchronous else 'synchronous'} saves; use "
+                f"'thread', or 'process' with asynchronous=True."
+            )
+        if self.when_busy not in WHEN_BUSY_CHOICES:
+            raise CheckpointError(
+                f"when_busy={self.when_busy!r} is not one of {', '.join(WHEN_BUSY_CHOICES)}; "
+                f"choose 'wait' to wait for the commit in flight or 'skip' to skip the save."
+            )
+
+    @property
+    def fencing_round(self) -> int | None:
+        """The round this worker's commits carry and are fenced by: ``round``, unless
+        ``InPlace`` has since moved this very process into another round (it changes
+        ``$HPC_ELASTIC_ROUND`` under the running loop). Then the new round's number: a
+        checkpointer built before an in-place change must neither be refused as an older
+        round's writer nor stamp the new round's checkpoints with the old number, and the loop
+        should not have to rebuild it. Rank and world size need no such care: every collective
+        here asks the current process group. ``round=None`` (no fencing) stays None."""
+        if self.round is None:
+            return None
+        now = round_from_environment()
+        if now is not None and now != self._built_in_round:
+            return now
+        return self.round
 
     @classmethod
-    def at(cls, directory: Path | str | None = None, keep: int = 3) -> Checkpointer:
-        """A checkpointer for ``directory``, or for the job's default directory."""
-        return cls(Path(directory) if directory is not None else default_directory(), keep)
+    def at(cls, directory: Path | str | None = None, keep: int | None = None) -> Checkpointer:
+        """A checkpointer for ``directory`` (a path or an fsspec URL such as
+        ``s3://bucket/prefix``), or for the job's default directory."""
+        location = directory if directory is not None else os.environ.get(CHECKPOINT_DIR_ENV)
+        settings = {} if keep is None else {"keep": keep}
+        if location is not None and storage.is_url(location):
+            from hpc_elastic.train.remote import ObjectCheckpointer  # noqa: PLC0415
+
+            return ObjectCheckpointer.for_url(str(location), **settings)
+        chosen = Path(location) if location is not None else default_directory()
+        return cls(chosen) if keep is None else cls(chosen, keep=keep)
+
+    @property
+    def where(self) -> str:
+        """The location as users wrote it, for messages."""
+        return str(self.directory)
+
+    @property
+    def tier(self) -> str:
+        """This location's name in ``checkpoint_loaded`` events (object storage: remote)."""
+        return "shared"
 
     def committed(self) -> list[Path]:
-        """Committed checkpoints, newest (highest step) first."""
+        """Committed checkpoints, newest (highest step, then latest re-save) first."""
         try:
             names = [entry.name for entry in self.directory.iterdir()]
         except FileNotFoundError:
             return []
-        steps = sorted(
-            (int(match.group(1)) for name in names if (match := _COMMITTED.match(name))),
-            reverse=True,
-        )
-        return [self.directory / _name(step) for step in steps]
+        paths = [self.directory / name for name in names if _parse_committed(name)]
+        return sorted(paths, key=_step_and_version, reverse=True)
 
-    def save(self, state: TrainState) -> Path:
-        """Write ``state`` from rank 0 and return once it is committed, on every rank."""
-        payload = {
-            "format": FORMAT_VERSION,
-            "world_size": _dist.world_size(),
-            "rng": _dist.gather_to_all(rng.capture()),
-            **state.state_dict(),
-        }
-        outcome: Path | str = self.directory / _name(state.step)
+    def save(self, state: TrainState) -> Path | None:
+        """Write ``state`` from rank 0; return its checkpoint's path on every rank.
+
+        Synchronous: returns once it is committed. Asynchronous: returns once the state is
+        copied, with the path it will be committed as (``wait()`` waits for that), or None
+        when ``when_busy="skip"`` skipped it.
+        """
+        lease.check()
+        if self.asynchronous:
+            return self._save_in_background(state)
+        background.drain_if_used()
+        saved_rng = _dist.gather_to_all(rng.capture())
+        if self.local_directory is not None and not self._save_locally(state, saved_rng):
+            return self._local().directory / _name(state.step)
+        with preemption.saving():
+            written = on_rank0(
+                lambda: str(self._write(state, saved_rng)),
+                f"write checkpoint step {state.step} to '{self.where}'",
+            )
         if _dist.rank() == 0:
-            try:
-                self._write(payload, state.step)
-            except (OSError, RuntimeError) as error:
-                outcome = (
-                    f"Could not write checkpoint step {state.step} to '{self.directory}' "
-                    f"({error}); check the directory's space and permissions."
-                )
-            else:
-                events.emit("checkpoint", step=state.step, path=str(outcome))
-        outcome = _dist.broadcast_from_rank0(outcome)
-        if isinstance(outcome, str):
-            raise CheckpointError(outcome)
-        return outcome
+            events.emit(events.Kind.CHECKPOINT, step=state.step, path=written)
+        return Path(str(written))
+
+    def wait(self) -> None:
+        """Collective: wait for the commit in flight; raise its error on every rank.
+
+        The loop cannot beat meanwhile, so the heartbeat says "checkpoint" as during a save.
+        """
+        with preemption.saving():
+            background.drain()
+
+    def _local(self) -> Checkpointer:
+        """This rank's node-local tier: one writer (this rank), so no round to fence."""
+        assert self.local_directory is not None
+        directory = local_tier.rank_directory(self.local_directory)
+        return Checkpointer(directory, keep=local_tier.LOCAL_KEEP, round=None, local_directory=None)
+
+    def _persisting(self) -> bool:
+        """Count this save (every rank counts alike); True when it goes to the shared tier."""
+        self._saves[0] += 1
+        return local_tier.persists(self._saves[0], self.persist_every)
+
+    def _save_locally(self, state: TrainState, saved_rng: list[dict[str, Any]]) -> bool:
+        """Every rank commits to its local tier; True when the shared tier is due as well."""
+        persist = self._persisting()
+        local = self._local()
+        with preemption.saving():
+            everyone(
+                lambda: local._write_payload(self._payload(state, saved_rng), state.step),
+                f"write checkpoint step {state.step} to the local tier '{local.directory}'",
+            )
+        events.emit(events.Kind.CHECKPOINT, step=state.step, tier="local", rank=_dist.rank())
+        return persist
+
+    def _save_in_background(self, state: TrainState) -> Path | None:
+        """Snapshot on the training thread, then serialise and commit behind it (rank 0)."""
+        if skips_while_busy(self.when_busy, state.step):
+            return None
+        background.mark_used()
+        background.drain()
+        saved_rng = _dist.gather_to_all(rng.capture())
+        step = state.step
+        if self.local_directory is not None:
+            return self._save_locally_in_background(state, saved_rng)
+
+        def start() -> str:
+            self._start_writer()
+            payload = snapshot(self._payload(state, saved_rng), shared=self.writer == "process")
+            background.submit(
+                lambda: str(self._commit_snapshot(payload, step)),
+                f"write checkpoint step {step} to '{self.where}'",
+            )
+            return str(self.directory / _name(step))
+
+        planned = on_rank0(start, f"copy checkpoint step {step} into host memory")
+        return Path(str(planned))
+
+    def _save_locally_in_background(
+        self, state: TrainState, saved_rng: list[dict[str, Any]]
+    ) -> Path:
+        """Every rank snapshots; its worker commits locally, then rank 0's to the shared tier
+        when it is due."""
+        step, persist, local = state.step, self._persisting(), self._local()
+        shared = persist and _dist.rank() == 0
+
+        def commit(payload: dict[str, Any]) -> str:
+            with preemption.saving():
+                written = local._write_payload(payload, step)
+            events.emit(
+                events.Kind.CHECKPOINT, step=step, tier="local", rank=_dist.rank(), mode="async"
+            )
+            return str(self._commit_snapshot(payload, step)) if shared else str(written)
+
+        def start() -> None:
+            if shared:
+                self._start_writer()
+            payload = snapshot(self._payload(state, saved_rng), shared=self.writer == "process")
+            background.submit(lambda: commit(payload), f"write checkpoint step {step}")
+
+        everyone(start, f"copy checkpoint step {step} into host memory")
+        return local.directory / _name(step)
+
+    def _commit_snapshot(self, payload: dict[str, Any], step: int) -> Path:
+        """The background half of an asynchronous save, on rank 0's worker thread."""
+        with preemption.saving():
+            written = self._write_payload(payload, step)
+        events.emit(events.Kind.CHECKPOINT, step=step, path=str(written), mode="async")
+        return written
 
     def load(self, state: TrainState) -> Path | None:
-        """Restore the newest intact checkpoint into ``state``; None when there is none yet."""
-        chosen = _dist.broadcast_from_rank0(self.newest_intact() if _dist.rank() == 0 else None)
-        if isinstance(chosen, str):
-            raise CheckpointError(chosen)
+        """Restore the newest intact checkpoint into ``state``; None when there is none yet.
+
+        Rank 0 claims the directory for this round and picks the checkpoint; every rank then
+        reads it, and all agree on the outcome, so a rank whose read fails cannot leave the
+        others to wait for it in their first collective.
+        """
+        lease.check()
+        chosen = on_rank0(self.choose, f"choose a checkpoint in '{self.where}'")
+        if self.local_directory is not None:
+            return self._load_with_local_tier(state, chosen)
         if chosen is None:
             return None
-        payload = _read(chosen / STATE_FILE)
-        state.load_state_dict(payload)
-        saved_rng = payload["rng"]
-        rng.restore(saved_rng[_dist.rank() % len(saved_rng)])
-        return chosen
+        path = Path(chosen)
+        self._restore(state, lambda: self._load_payload(path, state), path)
+        log.debug("resumed from %s at step %d", path, state.step)
+        if _dist.rank() == 0:
+            emit_loaded(state.step, self.tier)
+        return path
 
-    def _write(self, payload: dict[str, Any], step: int) -> Path:
+    def _load_with_local_tier(self, state: TrainState, shared: str | None) -> Path | None:
+        """Load from this rank's local copy, else a peer's over the process group, else the
+        shared tier; every rank emits ``checkpoint_loaded`` with the tier it used."""
+        mine = self._local().newest_intact()
+        my_step = _step_and_version(mine)[0] if isinstance(mine, Path) else None
+        local_steps = _dist.gather_to_all(my_step)
+        shared_step = _step_and_version(Path(shared))[0] if shared is not None else None
+        tier, step, holders = local_tier.choose_source(local_steps, shared_step)
+        if step is None:
+            return None
+        if tier == "shared":
+            tier = self.tier
+            assert shared is not None
+            path = Path(shared)
+            self._restore(state, lambda: self._load_payload(path, state), path)
+        elif all(found == step for found in local_steps):
+            # Every rank holds this step: each maps its own file, as a shared-tier load does,
+            # instead of reading it into memory and deserialising a copy (twice as slow).
+            assert isinstance(mine, Path)
+            path, local = mine, self._local()
+            self._restore(state, lambda: local._load_payload(path, state), path)
+        else:
+            if _dist.rank() in holders:
+                assert isinstance(mine, Path)
+                path, data = mine, (mine / STATE_FILE).read_bytes()
+            else:
+                path, data, tier = self._local().directory / _name(step), None, "peer"
+            received = _dist.broadcast_bytes(data, holders[0])  # raw bytes, no pickle
+            self._restore(state, lambda: _loaded(state, local_tier.load_bytes(received)), path)
+        emit_loaded(state.step, tier, _dist.rank())
+        log.debug("rank %d resumed from the %s tier at step %d", _dist.rank(), tier, state.step)
+        return path
+
+    def _restore(self, state: TrainState, read: Callable[[], dict[str, Any]], path: Path) -> None:
+        """Read on every rank, restore the RNG, and agree on the outcome (as ``load``)."""
+        problem: str | None = None
+        try:
+            payload = read()
+            saved_rng = payload["rng"]
+            rng.restore(saved_rng[_dist.rank() % len(saved_rng)])
+        except Exception as error:
+            problem = f"rank {_dist.rank()}: {error}"
+            raise
+        finally:
+            problems = [found for found in _dist.gather_to_all(problem) if found is not None]
+        if problems:
+            raise CheckpointError(
+                f"Could not load '{path}' on every rank ({problems[0]}); fix that rank's "
+                f"cause and restart."
+            )
+
+    def _load_payload(self, path: Path, state: TrainState) -> dict[str, Any]:
+        """Read one checkpoint into ``state`` (held open, so retention leaves it alone)."""
+        with reading(path):
+            payload = _read(path / STATE_FILE)
+            state.load_state_dict(payload)
+        return payload
+
+    def choose(self) -> str | None:
+        """Rank 0's part of a load: claim the directory for this round, pick the newest."""
+        if self.fencing_round is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with self._exclusive():
+                self._claim_round("load a checkpoint")
+        return self.newest_or_raise()
+
+    def _write(self, state: TrainState, saved_rng: list[dict[str, Any]]) -> Path:
+        return self._write_payload(self._payload(state, saved_rng), state.step)
+
+    @staticmethod
+    def _payload(state: TrainState, saved_rng: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "format": FORMAT_VERSION,
+            "world_size": _dist.world_size(),
+            "rng": saved_rng,
+            **state.state_dict(),
+        }
+
+    def write_serialised(self, data: bytes, step: int, world_size: int) -> Path:
+        """Commit an already serialised ``torch.save`` payload as checkpoint ``step``: a
+        sharded local-tier copy, written once and also sent to the ring neighbour."""
         staging = self.prepare_staging(step)
         path = staging / STATE_FILE
         try:
-            torch.save(payload, path)
-            _fsync_file(path)
+            _write_synced(path, data)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        files = {STATE_FILE: {"size": len(data), "zip_crc32": True}}
+        return self.commit(staging, step, world_size, files)
+
+    def _write_payload(self, payload: dict[str, Any], step: int) -> Path:
+        staging = self.prepare_staging(step)
+        path = staging / STATE_FILE
+        try:
+            self._save_file(payload, path)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)  # a full disk must not stay full of it
+            with suppress(OSError):  # say "a newer round removed it" rather than "no such file"
+                self._refuse_if_stale(f"commit step {step}")
             raise
         files = {STATE_FILE: {"size": path.stat().st_size, "zip_crc32": True}}
         return self.commit(staging, step, payload["world_size"], files)
 
+    def _start_writer(self) -> None:
+        """With ``writer="process"``: have a live writer before the commit needs it."""
+        if self.writer == "process":
+            from hpc_elastic.train import writer_process  # noqa: PLC0415 (opt-in)
+
+            writer_process.ensure_started()
+
+    def _save_file(self, payload: dict[str, Any], path: Path) -> None:
+        """``state.pt``, fsynced: here, or in the writer process (``writer="process"``)."""
+        if self.writer == "process":
+            from hpc_elastic.train import writer_process  # noqa: PLC0415 (opt-in)
+
+            writer_process.write(payload, path)
+            return
+        torch.save(payload, path)
+        _fsync_file(path)
+
     def prepare_staging(self, step: int) -> Path:
-        """A fresh hidden directory to write ``step`` into; removes half-written leftovers."""
+        """A fresh hidden directory to write ``step`` into; removes half-written leftovers.
+
+        Only leftovers of this writer's round or older ones go: a newer round's staging belongs
+        to a writer that is alive and current. Claiming the round here (under the directory's
+        lock) is what fences any older writer still running.
+        """
         self.directory.mkdir(parents=True, exist_ok=True)
+        with self._exclusive():
+            self._claim_round(f"commit step {step}")
         for leftover in self.directory.glob(".step-*"):
-            shutil.rmtree(leftover, ignore_errors=True)
-        staging = self.directory / f".{_name(step)}.tmp-{os.getpid()}"
+            if may_remove(self._leftover_round(leftover.name), self.fencing_round):
+                log.debug("removing leftover %s", leftover)
+                shutil.rmtree(leftover, ignore_errors=True)
+        staging = self.directory / self._hidden(step, "tmp")
         staging.mkdir()
+        log.debug("staging step %d in %s", step, staging)
         return staging
 
     def commit(
-        self, staging: Path, step: int, world_size: int, files: dict[str, dict[str, int]]
+        self, staging: Path, step: int, world_size: int, files: dict[str, dict[str, Any]]
     ) -> Path:
-        """Seal ``staging`` with its manifest and rename it into place; then drop the oldest."""
-        manifest = {"format": FORMAT_VERSION, "step": step, "world_size": world_size}
-        _write_synced(staging / MANIFEST_FILE, json.dumps({**manifest, "files": files}).encode())
-        _fsync_directory(staging)
-        final = self.directory / _name(step)
-        if final.exists():
-            replaced = final.rename(self.directory / f".{_name(step)}.old-{os.getpid()}")
-            staging.rename(final)
-            shutil.rmtree(replaced)
-        else:
-            staging.rename(final)
-        _fsync_directory(self.directory)
-        for old in self.committed()[self.keep :]:
-            shutil.rmtree(old)
+        """Seal ``staging`` with its manifest and rename it into place; then drop the oldest.
+
+        A stale lease exits here without committing; a stale round is refused (and its own
+        staging removed) under the directory's lock, so no newer writer can slip in between.
+        """
+        manifest: dict[str, Any] = {"format": FORMAT_VERSION, "step": step}
+        manifest.update(world_size=world_size, round=self.fencing_round, files=files)
+        lease.check(force=True)
+        with self._exclusive():
+            try:
+                self._claim_round(f"commit step {step}")
+            except CheckpointFencedError:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+            _write_synced(staging / MANIFEST_FILE, json.dumps(manifest).encode())
+            _fsync_directory(staging)
+            final = self._install(staging, step)
+        log.debug("committed step %d as %s (round %s)", step, final, self.fencing_round)
+        for old in self._beyond_keep():
+            self._remove_old(old)
         return final
 
     def newest_intact(self) -> Path | str | None:
         """Rank 0's choice: a path, None for a fresh start, or why nothing can be trusted."""
         candidates = self.committed()
         for candidate in candidates:
-            problem = verify(candidate)
+            problem = self._verify(candidate)
             if problem is None:
                 return candidate
             log.warning(
@@ -234,13 +606,284 @@ class Checkpointer:
             )
         if candidates:
             return (
-                f"No intact checkpoint in '{self.directory}' ({len(candidates)} corrupt); move "
+                f"No intact checkpoint in '{self.where}' ({len(candidates)} corrupt); move "
                 f"them aside to start from scratch."
             )
         return None
 
+    def newest_or_raise(self) -> str | None:
+        """The newest intact checkpoint's path as text, None for a fresh start, or an error."""
+        chosen = self.newest_intact()
+        if isinstance(chosen, str):
+            raise CheckpointError(chosen)
+        return None if chosen is None else str(chosen)
 
-def save(state: TrainState, directory: Path | str | None = None, keep: int = 3) -> Path:
+    def _claim_round(self, doing: str) -> None:
+        """Refuse a round older than the newest that used the directory; else record ours.
+
+        A round claims the directory when it loads, stages and commits, so an older round's
+        writer is refused from the moment a newer round started. The marks are empty files
+        ``.round-<job>-<N>``: creating one is atomic on every filesystem. Older marks of this
+        job, and every mark of another (finished) job, are dropped.
+        """
+        round_ = self.fencing_round
+        if round_ is None:
+            return
+        tag = _job_tag(self.job)
+        marks = self._marks()
+        newest = self._refuse_if_stale(doing, marks)
+        if newest != round_:
+            self._add_mark(_round_mark(tag, round_))
+            log.debug("round %d of job %r claims %s", round_, self.job, self.where)
+        for job, number in marks:
+            if job != tag or number < round_:
+                self._drop_mark(_round_mark(job, number))
+
+    def _marks(self) -> list[tuple[str, int]]:
+        return _round_marks(self.directory)
+
+    def _add_mark(self, name: str) -> None:
+        (self.directory / name).touch()
+        _fsync_directory(self.directory)
+
+    def _drop_mark(self, name: str) -> None:
+        (self.directory / name).unlink(missing_ok=True)
+
+    def _verify(self, checkpoint: Path) -> str | None:
+        return verify(checkpoint)
+
+    def _remove_old(self, checkpoint: Path) -> None:
+        remove_unless_read(checkpoint)
+
+    def _refuse_if_stale(
+        self, doing: str, marks: list[tuple[str, int]] | None = None
+    ) -> int | None:
+        """Raise ``CheckpointFencedError`` if a newer round of this job used the directory;
+        else return the newest round that did (None when none did)."""
+        round_ = self.fencing_round
+        if round_ is None:
+            return None
+        tag = _job_tag(self.job)
+        if marks is None:
+            marks = self._marks()
+        newest = max((number for job, number in marks if job == tag), default=None)
+        if fenced(round_, newest):
+            raise CheckpointFencedError(
+                f"Round {round_} may not {doing} in '{self.where}': round {newest} "
+                f"of the same job has used it since, so this worker belongs to a replaced "
+                f"round; stop it and let the agent restart it."
+            )
+        return newest
+
+    def _leftover_round(self, name: str) -> int | None:
+        """The round of a staging or set-aside name; None for no round or another job's."""
+        match = _HIDDEN_ROUND.match(name)
+        if match is None or match.group(2) != _job_tag(self.job):
+            return None
+        return int(match.group(1))
+
+    def _install(self, staging: Path, step: int) -> Path:
+        """Rename ``staging`` into place so that a committed copy of the step always exists.
+
+        A step saved again is first committed under a higher version (``step-N.1``), which
+        readers prefer; only then is the old copy moved aside and the new one renamed to the
+        plain name. A crash between any two renames leaves the old or the new copy committed.
+        """
+        final = self.directory / _name(step)
+        previous = self._versions(step)
+        if not previous:
+            os.rename(staging, final)
+            _fsync_directory(self.directory)
+            return final
+        version = max(_step_and_version(path)[1] for path in previous) + 1
+        newer = self.directory / f"{_name(step)}.{version}"
+        os.rename(staging, newer)
+        _fsync_directory(self.directory)
+        replaced = []
+        for index, old in enumerate(previous):
+            aside = self.directory / self._hidden(step, f"old{index}")
+            os.rename(old, aside)
+            replaced.append(aside)
+        os.rename(newer, final)
+        _fsync_directory(self.directory)
+        for aside in replaced:
+            shutil.rmtree(aside, ignore_errors=True)
+        return final
+
+    def _versions(self, step: int) -> list[Path]:
+        return [path for path in self.committed() if _step_and_version(path)[0] == step]
+
+    def _beyond_keep(self) -> list[Path]:
+        """Every copy of every step that ``retained`` does not keep."""
+        committed = self.committed()
+        kept = retained(
+            [_step_and_version(path)[0] for path in committed], self.keep, self.keep_every
+        )
+        return [path for path in committed if _step_and_version(path)[0] not in kept]
+
+    def _exclusive(self) -> AbstractContextManager[None]:
+        """The directory's commit lock, needed only where rounds are fenced (under the agent)."""
+        return _locked(self.directory) if self.fencing_round is not None else nullcontext()
+
+    def _hidden(self, step: int, kind: str) -> str:
+        """A hidden name no other writer uses: its round (when known) and this process."""
+        owner = f"p{os.getpid()}"
+        round_ = self.fencing_round
+        if round_ is not None:
+            owner = f"r{round_}-j{_job_tag(self.job)}-{owner}"
+        return f".{_name(step)}.{kind}-{owner}"
+
+
+def emit_loaded(step: int | None, tier: str, rank: int | None = None) -> None:
+    """The ``checkpoint_loaded`` event that ``status`` reads: one per restart from rank 0
+    (``rank`` None) when every rank read the same tier, else one per rank."""
+    details = events.LoadedDetails(step=step, tier=tier, rank=rank)
+    events.emit(events.Kind.CHECKPOINT_LOADED, **details.to_details())
+
+
+def skips_while_busy(when_busy: str, step: int) -> bool:
+    """Collective: True on every rank when ``when_busy="skip"`` and a commit is in flight on
+    any rank; then this save is skipped, with a log line and a ``checkpoint_skipped`` event."""
+    if when_busy != "skip" or not background.any_busy():
+        return False
+    log.info("Skipping checkpoint step %d: the previous one is still committing.", step)
+    if _dist.rank() == 0:
+        events.emit(events.Kind.CHECKPOINT_SKIPPED, step=step, reason="commit in flight")
+    return True
+
+
+def retained(steps: list[int], keep: int, keep_every: int) -> set[int]:
+    """The retention rule: the newest ``keep`` steps, plus every positive multiple of
+    ``keep_every`` (0: none). ``keep`` is at least 1, so the newest step is always kept."""
+    newest_first = sorted(set(steps), reverse=True)
+    kept = set(newest_first[: max(keep, 1)])
+    if keep_every > 0:
+        kept.update(step for step in newest_first if step > 0 and step % keep_every == 0)
+    return kept
+
+
+def remove_unless_read(checkpoint: Path) -> bool:
+    """Delete ``checkpoint`` unless a reader holds it open (``reading``); True if deleted.
+
+    The lock is taken without waiting: retention must never stall a save for an evaluator
+    that reads slowly, and the checkpoint it skips is deleted by a later save. The checkpoint
+    is first renamed to a hidden name, so a crash in the middle of deleting its files leaves
+    a leftover that the next save removes, never a committed name with half its files.
+    """
+    try:
+        descriptor = os.open(checkpoint, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.debug("keeping %s for now: a reader has it open", checkpoint)
+            return False
+        except OSError as error:
+            if error.errno not in _NO_LOCKS:
+                raise
+        log.debug("removing %s (beyond the retention policy)", checkpoint)
+        aside = checkpoint.with_name(f".{checkpoint.name}.del-p{os.getpid()}")
+        os.rename(checkpoint, aside)
+        _fsync_directory(checkpoint.parent)
+        shutil.rmtree(aside, ignore_errors=True)
+        return True
+    finally:
+        os.close(descriptor)
+
+
+@contextmanager
+def reading(checkpoint: Path) -> Iterator[Path]:
+    """Hold ``checkpoint`` open for reading: retention skips it until the block ends.
+
+    A shared ``flock`` on the checkpoint's directory; any number of readers may hold it. Use
+    it around your own reads (an evaluation job reading the training's checkpoints); ``load``
+    already does. Where the filesystem has no locks, reading goes ahead unprotected.
+    """
+    descriptor = os.open(checkpoint, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_SH)
+        except OSError as error:
+            if error.errno not in _NO_LOCKS:
+                raise
+            log.warning("Cannot lock '%s' (%s); reading it unprotected.", checkpoint, error)
+        yield checkpoint
+    finally:
+        os.close(descriptor)
+
+
+def fenced(round_: int, newest: int | None) -> bool:
+    """The fencing rule: a writer is stale once a newer round has begun writing."""
+    return newest is not None and round_ < newest
+
+
+def may_remove(leftover_round: int | None, round_: int | None) -> bool:
+    """Whose leftovers a writer removes: its own round's and older ones, never a newer round's.
+
+    A writer without a round (plain torchrun) only removes leftovers without one.
+    """
+    if round_ is None:
+        return leftover_round is None
+    return leftover_round is None or leftover_round <= round_
+
+
+def on_rank0(action: Callable[[], str | None], what: str) -> str | None:
+    """Rank 0 runs ``action``; every rank returns its result or raises its error.
+
+    Rank 0 reaches the broadcast whatever it hits (the ``finally``), so the other ranks learn
+    of any failure at once instead of waiting in the broadcast until the process group's
+    timeout. Only plain strings travel.
+    """
+    outcome: dict[str, Any] = {"error": f"Rank 0 stopped before it could {what}; see its log."}
+    if _dist.rank() == 0:
+        try:
+            outcome = {"value": action()}
+        except CheckpointFencedError as error:
+            outcome = {"error": str(error), "fenced": True}
+            raise
+        except CheckpointError as error:
+            outcome = {"error": str(error)}
+            raise
+        except Exception as error:
+            log.debug("rank 0 could not %s", what, exc_info=True)
+            outcome = {"error": background.failure(what, error)}
+            raise CheckpointError(outcome["error"]) from error
+        finally:
+            outcome = _dist.broadcast_from_rank0(outcome)
+    else:
+        outcome = _dist.broadcast_from_rank0(outcome)
+    if "error" in outcome:
+        kind = CheckpointFencedError if outcome.get("fenced") else CheckpointError
+        raise kind(outcome["error"])
+    value: str | None = outcome["value"]
+    return value
+
+
+def everyone(action: Callable[[], object], what: str) -> None:
+    """Every rank runs ``action``; if any rank fails, every rank raises its sentence at once."""
+    problem: str | None = None
+    try:
+        action()
+    except CheckpointError as error:
+        problem = str(error)
+    except Exception as error:
+        log.debug("rank %d could not %s", _dist.rank(), what, exc_info=True)
+        problem = f"rank {_dist.rank()}: " + background.failure(what, error)
+    problems = [found for found in _dist.gather_to_all(problem) if found is not None]
+    if problems:
+        raise CheckpointError(problems[0])
+
+
+def _loaded(state: TrainState, payload: dict[str, Any]) -> dict[str, Any]:
+    state.load_state_dict(payload)
+    return payload
+
+
+def save(
+    state: TrainState, directory: Path | str | None = None, keep: int | None = None
+) -> Path | None:
     """Save ``state`` as the newest checkpoint in ``directory`` (default: the job's)."""
     return Checkpointer.at(directory, keep).save(state)
 
@@ -250,22 +893,109 @@ def load(state: TrainState, directory: Path | str | None = None) -> Path | None:
     return Checkpointer.at(directory).load(state)
 
 
+def snapshot(value: Any, *, shared: bool = False) -> Any:
+    """A private host-memory copy of a state dict: tensors copied, containers rebuilt.
+
+    The training thread goes on changing the model the moment an asynchronous save returns, so
+    the worker must serialise a copy. Where CUDA exists the copies go to pinned memory (the
+    fastest device-to-host path) and one synchronize waits for all of them at the end.
+
+    The host buffers are kept and reused by the next snapshot (same place in the state dict,
+    same shape and dtype): allocating, and for pinned memory registering, a gigabyte at every
+    save costs more than the copy itself. That is safe because at most one commit is in
+    flight and a snapshot is only taken after the previous commit ended. The price is one
+    copy of the state kept in host memory between saves.
+
+    ``shared``: the buffers live in shared memory instead (not pinned: a pinned buffer cannot
+    be shared), so the writer process reads them where they are.
+    """
+    pinned = torch.cuda.is_available() and not shared
+    # Shared buffers are kept apart, so that checkpointers of both kinds in one process
+    # (the bench takes turns between them) do not reallocate each other's at every save.
+    copied = _copy(value, (pinned, shared), ("shared",) if shared else ())
+    if pinned:
+        torch.cuda.synchronize()
+    return copied
+
+
+_buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+
+
+def _copy(value: Any, memory: tuple[bool, bool], where: tuple[Any, ...]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return _copy_tensor(value, memory, where)
+    if isinstance(value, dict):
+        # A shallow copy keeps the dict's type and attributes (a state dict's ``_metadata``).
+        rebuilt = copy.copy(value)
+        for key, item in value.items():
+            rebuilt[key] = _copy(item, memory, (*where, key))
+        return rebuilt
+    if isinstance(value, list):
+        return [_copy(item, memory, (*where, index)) for index, item in enumerate(value)]
+    if isinstance(value, tuple):
+        return tuple(_copy(item, memory, (*where, index)) for index, item in enumerate(value))
+    return copy.deepcopy(value)
+
+
+def _copy_tensor(
+    value: torch.Tensor, memory: tuple[bool, bool], where: tuple[Any, ...]
+) -> torch.Tensor:
+    """Into the reused buffer for ``where``; anything but a plain dense tensor is cloned.
+    ``memory``: (pinned, shared), as ``snapshot`` chose."""
+    pinned, shared = memory
+    source = value.detach()
+    if type(source) is not torch.Tensor or source.layout != torch.strided:
+        copied = source.to("cpu", copy=True)
+        return _shared(copied) if shared else copied
+    pin = pinned and source.is_cuda
+    buffer = _buffers.get(where)
+    if buffer is None or _layout(buffer) != (source.shape, source.dtype, pin, shared):
+        buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=pin)
+        _buffers[where] = _shared(buffer) if shared else buffer
+    return buffer.copy_(source, non_blocking=pin)
+
+
+def _layout(buffer: torch.Tensor) -> tuple[Any, ...]:
+    shared = buffer.is_shared()  # type: ignore[no-untyped-call]
+    return buffer.shape, buffer.dtype, buffer.is_pinned(), shared
+
+
+def _shared(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` moved into shared memory, where a writer process can map it."""
+    moved: torch.Tensor = tensor.share_memory_()  # type: ignore[no-untyped-call]
+    return moved
+
+
 def verify(checkpoint: Path) -> str | None:
     """Why ``checkpoint`` cannot be trusted, or None when every file is whole and intact.
 
     Sizes catch truncation; for ``torch.save`` files the CRC-32 that torch already stores for
     every record in the zip catches corruption, so saving pays for no checksum of its own.
     """
+    return verify_files(
+        (checkpoint / MANIFEST_FILE).read_bytes,
+        lambda name: (checkpoint / name).stat().st_size,
+        lambda name: checkpoint / name,
+    )
+
+
+def verify_files(
+    manifest: Callable[[], bytes],
+    size_of: Callable[[str], int],
+    zip_of: Callable[[str], Path | IO[bytes]],
+) -> str | None:
+    """The rule behind ``verify``, wherever the files live (a directory, an object store):
+    the manifest's format, then every file's size and, for zips, every record's CRC-32."""
     try:
-        manifest = json.loads((checkpoint / MANIFEST_FILE).read_text())
-        if manifest.get("format") != FORMAT_VERSION:
-            return f"format {manifest.get('format')!r} is not {FORMAT_VERSION}"
-        for name, expected in manifest["files"].items():
-            size = (checkpoint / name).stat().st_size
+        found = json.loads(manifest())
+        if found.get("format") != FORMAT_VERSION:
+            return f"format {found.get('format')!r} is not {FORMAT_VERSION}"
+        for name, expected in found["files"].items():
+            size = size_of(name)
             if size != expected["size"]:
                 return f"{name} truncated: {size} of {expected['size']} bytes"
             if expected.get("zip_crc32"):
-                with zipfile.ZipFile(checkpoint / name) as archive:
+                with zipfile.ZipFile(zip_of(name)) as archive:
                     if (bad := archive.testzip()) is not None:
                         return f"{name} record '{bad}' fails its CRC-32"
     except (OSError, ValueError, KeyError, TypeError, AttributeError, zipfile.BadZipFile) as error:
@@ -292,6 +1022,71 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 def _name(step: int) -> str:
     return f"step-{step:08d}"
+
+
+def _parse_committed(name: str) -> tuple[int, int] | None:
+    """``(step, version)`` of a committed name: ``step-N`` is version 0, ``step-N.V`` is V."""
+    match = _COMMITTED.match(name)
+    if match is None:
+        return None
+    return int(match.group(1)), int(match.group(2) or 0)
+
+
+def _step_and_version(path: Path) -> tuple[int, int]:
+    """The sort key of a committed checkpoint (callers pass committed names only)."""
+    parsed = _parse_committed(path.name)
+    if parsed is None:
+        raise ValueError(f"'{path}' is not a committed checkpoint name")
+    return parsed
+
+
+def _job_tag(job: str) -> str:
+    """A short, filename-safe stand-in for the job's id."""
+    return f"{zlib.crc32(job.encode()):08x}"
+
+
+def _round_mark(tag: str, round_: int) -> str:
+    return f".round-{tag}-{round_:08d}"
+
+
+def _round_marks(directory: Path) -> list[tuple[str, int]]:
+    return [
+        (match.group(1), int(match.group(2)))
+        for entry in directory.iterdir()
+        if (match := _ROUND_MARK.match(entry.name))
+    ]
+
+
+@contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    """Hold the directory's commit lock: checking the round and renaming are one step then.
+
+    ``flock`` works on local filesystems and NFS; where it is not supported the commit goes
+    ahead unlocked (a warning says so). The wait is bounded: a writer that holds the lock
+    longer than ``LOCK_TIMEOUT`` is stopped or frozen, and this one gives up with an error.
+    """
+    descriptor = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + LOCK_TIMEOUT
+        while True:
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise CheckpointError(
+                        f"Another writer held '{directory / LOCK_FILE}' for over "
+                        f"{LOCK_TIMEOUT:g} s; find the stopped process that holds it and end it."
+                    ) from None
+                time.sleep(0.01)
+            except OSError as error:
+                if error.errno not in _NO_LOCKS:
+                    raise
+                log.warning("Cannot lock '%s' (%s); committing without it.", directory, error)
+                break
+        yield
+    finally:
+        os.close(descriptor)  # closing releases the lock
 
 
 def _write_synced(path: Path, data: bytes) -> None:

@@ -1,4 +1,9 @@
-"""Exit codes a worker uses to tell the agent why it stopped; torch-free, for the agent."""
+"""Exit codes a worker uses to tell the agent why it stopped; torch-free, for the agent.
 
-PREEMPTED_EXIT_CODE = 75
-"""Saved a checkpoint and stopped on request (EX_TEMPFAIL): requeue it, not a failure."""
+They live in ``hpc_elastic.contract`` with the rest of what agent and workers agree on; this
+module keeps the names where the training helpers and older scripts import them.
+"""
+
+from hpc_elastic.contract import FENCED_EXIT_CODE, PREEMPTED_EXIT_CODE
+
+__all__ = ["FENCED_EXIT_CODE", "PREEMPTED_EXIT_CODE"]

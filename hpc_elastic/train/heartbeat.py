@@ -1,34 +1,84 @@
 """The progress heartbeat: one small file per rank that the agent watches to detect hangs.
 
 The file holds the last training step as text and its mtime says when the loop last moved.
-Torch-free, so the agent reads it with the same code the worker writes it with.
+While a checkpoint is written on the training thread it holds "STEP checkpoint": the loop cannot
+beat then, and the agent times the rank by its checkpoint deadline instead of the (much shorter)
+learned step deadline. Torch-free, so the agent reads it with the same code the worker writes.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-HEARTBEAT_FILE_ENV = "HPC_ELASTIC_HEARTBEAT_FILE"
+from hpc_elastic import contract
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_FILE_ENV = contract.HEARTBEAT_FILE_ENV
 MIN_INTERVAL = 0.5
 """Seconds between two writes, so polling the heartbeat every step stays cheap."""
 
 
+FINISHED = "finished"
+"""What a rank writes once its training loop is over: the agent stops timing it from then on,
+so a final save, a last barrier or a slow shutdown is not taken for a hang."""
+
+
+CHECKPOINT = "checkpoint"
+"""The mark after the step while the rank writes a checkpoint (see the module docstring)."""
+
+
 def write(path: Path | str, step: int) -> None:
     """Replace the file atomically, so the agent never reads a half-written step."""
-    path = Path(path)
+    _replace(Path(path), f"{step}\n")
+
+
+def finish(path: Path | str) -> None:
+    """Say that this rank's training loop is over (see ``FINISHED``)."""
+    _replace(Path(path), f"{FINISHED}\n")
+
+
+def mark_checkpoint(path: Path | str, step: int) -> None:
+    """Say that this rank is writing a checkpoint after ``step`` (see ``CHECKPOINT``)."""
+    _replace(Path(path), f"{step} {CHECKPOINT}\n")
+
+
+def checkpointing(path: Path | str) -> bool:
+    """Whether the rank said it is writing a checkpoint; False also before its first beat."""
+    try:
+        return Path(path).read_text().split()[1:] == [CHECKPOINT]
+    except FileNotFoundError:
+        return False
+
+
+def finished(path: Path | str) -> bool:
+    """Whether the rank said its loop is over; False also when it has not beaten yet."""
+    try:
+        return Path(path).read_text().strip() == FINISHED
+    except FileNotFoundError:
+        return False
+
+
+def _replace(path: Path, text: str) -> None:
     temporary = path.with_name(f".{path.name}.{os.getpid()}")
-    temporary.write_text(f"{step}\n")
+    temporary.write_text(text)
     os.replace(temporary, path)
 
 
 def read(path: Path | str) -> tuple[float, int | None]:
-    """When the loop last moved (mtime) and its step; the step is None if the text is not one."""
+    """When the loop last moved (mtime) and its step; the step is None if the text is not one.
+
+    A checkpoint mark keeps the step it follows, so the step does not seem to go backwards.
+    """
     path = Path(path)
     mtime = path.stat().st_mtime
-    text = path.read_text().strip()
-    return mtime, int(text) if text.isdigit() else None
+    words = path.read_text().split()
+    return mtime, int(words[0]) if words and words[0].isdigit() else None
 
 
 class Heartbeat:
@@ -39,10 +89,51 @@ class Heartbeat:
         self.path = Path(target) if target else None
         self.min_interval = min_interval
         self._last_write = float("-inf")
+        self._step: int | None = None
+        self._finished = False
 
     def beat(self, step: int) -> None:
+        """Record ``step``; a no-op once the loop said it is over (``finished`` is final)."""
+        self._step = step
         now = time.monotonic()
-        if self.path is None or now - self._last_write < self.min_interval:
+        if self._silent() or now - self._last_write < self.min_interval:
             return
         self._last_write = now
+        assert self.path is not None
         write(self.path, step)
+
+    @contextmanager
+    def saving(self) -> Iterator[None]:
+        """Mark the file while a checkpoint is written, then write the step back.
+
+        Nothing is marked before the first beat (the agent still times start-up then) or after
+        ``finish`` (the agent no longer times the rank). Writing the step back at the end
+        moves the mtime: the rank has just made progress, and a hang after the save is then
+        timed by the step deadline again, not the checkpoint one.
+        """
+        path, step = self.path, self._step
+        if self._silent() or path is None or step is None:
+            yield
+            return
+        mark_checkpoint(path, step)
+        log.debug("heartbeat: checkpoint after step %d", step)
+        try:
+            yield
+        finally:
+            if not self._finished:
+                write(path, step)
+                self._last_write = time.monotonic()
+                log.debug("heartbeat: checkpoint after step %d done", step)
+
+    def finish(self) -> None:
+        """The training loop is over: from now on the agent does not time this rank."""
+        if self._silent():
+            return
+        self._finished = True
+        assert self.path is not None
+        finish(self.path)
+        log.debug("heartbeat: finished")
+
+    def _silent(self) -> bool:
+        """No file to write, or the loop already said it is over."""
+        return self.path is None or self._finished

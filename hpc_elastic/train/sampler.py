@@ -11,6 +11,7 @@ differs every epoch, so a different tail each time).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sized
 from typing import Any
 
@@ -19,6 +20,8 @@ from torch.utils.data import Sampler
 
 from hpc_elastic.errors import UsageError
 from hpc_elastic.train import _dist
+
+log = logging.getLogger(__name__)
 
 
 class ElasticSampler(Sampler[int]):
@@ -85,9 +88,16 @@ class ElasticSampler(Sampler[int]):
         return ordered
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its beginning (what ``DistributedSampler.set_epoch`` does)."""
-        self.epoch = epoch
-        self.position = 0
+        """Enter ``epoch``: a new epoch starts at its beginning, the current one keeps its place.
+
+        The usual loop calls ``sampler.set_epoch(epoch)`` at the top of every epoch, also the
+        first one after a resume; resetting the position there would train the samples before
+        the checkpoint twice. ``DistributedSampler`` has no position, so the two agree otherwise.
+        """
+        if epoch != self.epoch:
+            log.debug("sampler enters epoch %d (from epoch %d)", epoch, self.epoch)
+            self.epoch = epoch
+            self.position = 0
 
     def advance(self) -> None:
         """Record one optimizer step; rolls over to the next epoch when no full batch is left."""

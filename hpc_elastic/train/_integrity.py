@@ -1,0 +1,138 @@
+"""Seal a sharded checkpoint's ``.metadata`` at save time; check the seal before torch reads it.
+
+torch's distributed checkpoint loader unpickles ``.metadata`` (and, as a fallback, any
+``__<rank>.metadata``), so a file planted in the checkpoint directory would run code in every
+rank. Rank 0 records a digest of ``.metadata`` in the manifest when it commits; every rank
+checks it, and that nothing unlisted lies beside it, before calling the loader.
+
+The digest is an HMAC-SHA256 keyed by the job's secret when the workers can read one
+(``HPC_ELASTIC_SECRET_FILE``, else ``$HPC_ELASTIC_JOB_DIR/secret``): then a whole planted
+checkpoint, manifest included, is refused, because nobody else knows the key. Without a secret
+it is a plain SHA-256, which still refuses a ``.metadata`` swapped under a manifest we wrote.
+A reader that holds a secret accepts only the keyed kind, so a forger cannot downgrade to it.
+
+Non-tensor values in the data files are unpickled too; ``SafeLoadPlanner`` reads them with
+``torch.load(weights_only=True)`` instead, so a data file can hold only tensors and plain values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import io
+import json
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner import ReadItem
+
+from hpc_elastic import contract
+from hpc_elastic.errors import CheckpointError, HpcElasticError
+from hpc_elastic.rendezvous.secret import read_secret_file
+
+SECRET_FILE_ENV = contract.SECRET_FILE_ENV
+JOB_DIR_ENV = contract.JOB_DIR_ENV
+METADATA_FILE = ".metadata"
+MANIFEST_FILE = "manifest.json"
+KEYED = "hmac_sha256"
+PLAIN = "sha256"
+_CONTEXT = b"hpc-elastic sharded checkpoint metadata v1\0"
+"""Prefixed to what is keyed, so this HMAC can never be replayed as another use of the secret."""
+
+_log = logging.getLogger(__name__)
+
+
+def job_secret(environ: Mapping[str, str] = os.environ) -> bytes | None:
+    """The job's secret as the workers see it, or None when they were given none."""
+    configured = environ.get(SECRET_FILE_ENV)
+    if configured:
+        return read_secret_file(Path(configured)).encode()
+    job_dir = environ.get(JOB_DIR_ENV)
+    if job_dir and (Path(job_dir) / contract.SECRET_FILE).is_file():
+        return read_secret_file(Path(job_dir) / contract.SECRET_FILE).encode()
+    return None
+
+
+def seal(data: bytes, secret: bytes | None) -> dict[str, str]:
+    """The manifest entry's digest fields for a ``.metadata`` holding ``data``."""
+    if secret is None:
+        return {PLAIN: hashlib.sha256(data).hexdigest()}
+    return {KEYED: hmac.new(secret, _CONTEXT + data, hashlib.sha256).hexdigest()}
+
+
+def seal_problem(expected: Mapping[str, Any], data: bytes, secret: bytes | None) -> str | None:
+    """Why ``data`` does not match the manifest entry ``expected``, or None when it does."""
+    if secret is not None:
+        if KEYED not in expected:
+            return "it carries no digest keyed by this job's secret"
+        digest = seal(data, secret)[KEYED]
+        if not hmac.compare_digest(digest, str(expected[KEYED])):
+            return "its digest does not match this job's secret"
+        return None
+    if PLAIN not in expected:
+        reason = "keyed by a job secret that this worker was not given" if KEYED in expected else ""
+        return f"it carries no plain digest{' (it is ' + reason + ')' if reason else ''}"
+    if not hmac.compare_digest(seal(data, None)[PLAIN], str(expected[PLAIN])):
+        return "its SHA-256 does not match the manifest"
+    return None
+
+
+def check(checkpoint: Path, files: Mapping[str, Any], secret: bytes | None) -> str | None:
+    """Why torch must not read ``checkpoint``, or None: ``files`` is its manifest's table."""
+    unlisted = sorted(
+        entry.name
+        for entry in checkpoint.iterdir()
+        if entry.name not in files and entry.name != MANIFEST_FILE
+    )
+    if unlisted:
+        return f"it holds files its manifest does not list ({', '.join(unlisted)[:200]})"
+    expected = files.get(METADATA_FILE)
+    if not isinstance(expected, dict):
+        return f"its manifest lists no {METADATA_FILE}"
+    problem = seal_problem(expected, (checkpoint / METADATA_FILE).read_bytes(), secret)
+    return None if problem is None else f"{METADATA_FILE}: {problem}"
+
+
+def verify_before_load(checkpoint: Path) -> None:
+    """Raise a CheckpointError unless ``checkpoint`` is sealed as ``save_sharded`` seals it."""
+    try:
+        manifest = json.loads((checkpoint / MANIFEST_FILE).read_text())
+        files = manifest["files"] if isinstance(manifest, dict) else None
+        if not isinstance(files, dict):
+            raise TypeError("no files table")
+        problem = check(checkpoint, files, job_secret())
+    except (OSError, ValueError, KeyError, TypeError, HpcElasticError) as error:
+        problem = f"its seal cannot be checked ({error})"
+    if problem is not None:
+        _log.debug("refusing sharded checkpoint %s: %s", checkpoint, problem)
+        raise CheckpointError(
+            f"Sharded checkpoint '{checkpoint}' is not trusted because {problem}; move it "
+            f"aside, or set {SECRET_FILE_ENV} to the secret file of the job that wrote it."
+        )
+    _log.debug("sharded checkpoint %s: seal verified", checkpoint)
+
+
+def metadata_entry(staging: Path) -> dict[str, Any]:
+    """The manifest entry for the ``.metadata`` that ``dcp_save`` just wrote into ``staging``."""
+    data = (staging / METADATA_FILE).read_bytes()
+    return {"size": len(data), **seal(data, job_secret())}
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, but non-tensor values load with ``weights_only=True``.
+
+    The base class would ``torch.load`` them with ``weights_only=False``; it gets the value
+    re-saved after the safe load instead, which can hold only plain values by then.
+    """
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        safe = torch.load(value, weights_only=True)
+        resaved = io.BytesIO()
+        torch.save(safe, resaved)
+        resaved.seek(0)
+        super().load_bytes(read_item, resaved)

@@ -1,0 +1,110 @@
+"""A node-local checkpoint tier: fast saves that survive a lost node, the shared tier written less.
+
+With ``local_directory`` set (``$HPC_ELASTIC_LOCAL_CHECKPOINT_DIR``: node-local disk, /tmp or
+NVMe), every rank writes each checkpoint to its own ``<local>/rank-<R>/`` with the same
+atomic commit as the shared tier, and the shared (or object-storage) tier is written only at
+every ``persist_every``-th save.
+
+Replicated (DDP) state is the same on every rank, and the payload carries every rank's RNG
+state, so each rank's local copy is complete. That makes the peer copy a matter of loading:
+a rank whose local copy is missing or older (its node was replaced) receives the newest copy
+over the process group from the lowest rank that holds it. One lost node therefore loses no
+state while any other node survives, and the shared tier is read only when no rank holds a
+local copy at least as new as the shared tier's newest.
+
+Sharded state (FSDP, tensor parallel) differs on every rank, so no rank can stand in for
+another: rank R writes its own shard locally and sends a copy to its ring neighbour on the
+next node (``ring_neighbour``), which commits it on its own disk. A restart loads each shard
+from the rank that owns it when that rank still has it, else from the neighbour's copy, else
+from the shared tier (``choose_shard_sources``; see ``hpc_elastic.train.sharded_local``).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpc_elastic import contract
+from hpc_elastic.train import _dist
+
+LOCAL_DIR_ENV = contract.LOCAL_CHECKPOINT_DIR_ENV
+PERSIST_EVERY_ENV = contract.PERSIST_EVERY_ENV
+LOCAL_KEEP = 2
+
+log = logging.getLogger(__name__)
+
+
+def persists(save_number: int, persist_every: int) -> bool:
+    """The rule for the shared tier: every ``persist_every``-th save (the first is number 1)."""
+    return save_number % max(persist_every, 1) == 0
+
+
+def choose_source(
+    local_steps: list[int | None], shared_step: int | None
+) -> tuple[str, int | None, list[int]]:
+    """Where a restart loads from: ``("local", step, holders)`` when some rank's local copy
+    is at least as new as the shared tier's newest, else ``("shared", shared_step, [])``."""
+    newest = max((step for step in local_steps if step is not None), default=None)
+    if newest is not None and (shared_step is None or newest >= shared_step):
+        holders = [rank for rank, step in enumerate(local_steps) if step == newest]
+        return "local", newest, holders
+    return "shared", shared_step, []
+
+
+def rank_directory(root: Path) -> Path:
+    return root / f"rank-{_dist.rank()}"
+
+
+def load_bytes(data: bytes) -> dict[str, Any]:
+    payload: dict[str, Any] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    return payload
+
+
+def ring_neighbour(rank: int, world_size: int, ranks_per_node: int) -> int | None:
+    """The rank that keeps ``rank``'s peer copy: the same local rank on the next node, so the
+    copy lives on another node's disk. None on a single node (a copy there guards nothing)."""
+    step = max(ranks_per_node, 1)
+    if world_size <= step:
+        return None
+    return (rank + step) % world_size
+
+
+def ring_predecessor(rank: int, world_size: int, ranks_per_node: int) -> int | None:
+    """The rank whose peer copy ``rank`` keeps (the inverse of ``ring_neighbour``)."""
+    step = max(ranks_per_node, 1)
+    if world_size <= step:
+        return None
+    return (rank - step) % world_size
+
+
+def choose_shard_sources(
+    holdings: list[dict[int, list[int]]], shared_step: int | None
+) -> tuple[int | None, dict[int, int]]:
+    """Where each shard of a sharded restart comes from: ``(step, {shard: holder rank})``.
+
+    ``holdings[r]`` lists, per shard, the steps of the intact copies on rank r's disk (its
+    own and the peer copies it keeps), already restricted to copies of this world size.
+    The step is the newest that every shard has a copy of, provided it is at least as new as
+    the shared tier's newest; a shard is read from its own rank when that rank holds it,
+    else from the lowest rank that does. ``(shared_step, {})``: read the shared tier.
+    """
+    world_size = len(holdings)
+    candidates = sorted(
+        {step for held in holdings for steps in held.values() for step in steps}, reverse=True
+    )
+    for step in candidates:
+        if shared_step is not None and step < shared_step:
+            break
+        sources: dict[int, int] = {}
+        for shard in range(world_size):
+            holders = [rank for rank, held in enumerate(holdings) if step in held.get(shard, [])]
+            if not holders:
+                break
+            sources[shard] = shard if shard in holders else holders[0]
+        else:
+            return step, sources
+    return shared_step, {}
