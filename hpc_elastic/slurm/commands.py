@@ -7,6 +7,7 @@ hpc-elastic submits a rendered script and must work on clusters without accounti
 
 from __future__ import annotations
 
+import logging
 import re
 import subprocess
 from collections.abc import Mapping, Sequence
@@ -15,11 +16,15 @@ from typing import NewType
 
 from hpc_elastic.errors import SlurmError
 
+log = logging.getLogger(__name__)
 SlurmJobId = NewType("SlurmJobId", str)
 """A job id as Slurm prints it: ``123``, or ``123_4`` for one task of an array."""
 
 _TIMEOUT_S = 60.0
 _PING_HINT = "check that slurmctld is up with `scontrol ping`"
+_CONF_HINT = (
+    "check that slurmctld is up with `scontrol ping` and that SLURM_CONF names its slurm.conf"
+)
 _JOB_HINT = "check the job id with `squeue` and that slurmctld is up with `scontrol ping`"
 
 
@@ -122,6 +127,26 @@ def parse_scontrol_record(stdout: str) -> dict[str, str]:
     return fields
 
 
+def parse_scontrol_config(stdout: str) -> dict[str, str]:
+    """``scontrol show config``: ``Key = Value`` lines under a header; values may hold spaces."""
+    pairs = (line.split("=", 1) for line in stdout.splitlines() if " = " in line)
+    return {key.strip(): value.strip() for key, value in pairs}
+
+
+def parse_scontrol_records(stdout: str) -> list[dict[str, str]]:
+    """Every record of ``scontrol -o show ...``: one line each."""
+    return [parse_scontrol_record(line) for line in stdout.splitlines() if line.strip()]
+
+
+def pick_partition(records: Sequence[Mapping[str, str]], name: str | None) -> dict[str, str] | None:
+    """The record of partition ``name``; with no name, the one Slurm marks ``Default=YES``."""
+    for record in records:
+        wanted = record.get("PartitionName") == name if name else record.get("Default") == "YES"
+        if wanted:
+            return dict(record)
+    return None
+
+
 def _last_error(stderr: str) -> str:
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
     last = lines[-1] if lines else "no error message"
@@ -131,32 +156,52 @@ def _last_error(stderr: str) -> str:
 # --- running the tools --------------------------------------------------------------------
 
 
+def _spawn(
+    argv: Sequence[str],
+    env: Mapping[str, str] | None,
+    stdin: str | None,
+    timeout: float = _TIMEOUT_S,
+) -> subprocess.CompletedProcess[str]:
+    """The layer's one subprocess call. Tests replace this function and nothing else
+    (``tests/slurm_fake.py``), so every parser and error sentence above it runs for real."""
+    return subprocess.run(
+        list(argv),
+        input=stdin,
+        env=None if env is None else dict(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
 def _run(
-    argv: Sequence[str], env: Mapping[str, str] | None = None, stdin: str | None = None
+    argv: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    stdin: str | None = None,
+    timeout: float = _TIMEOUT_S,
 ) -> subprocess.CompletedProcess[str]:
     """Run one Slurm tool; its absence or a hang becomes a SlurmError, its exit code is kept."""
+    log.debug("running %s (timeout %g s)", " ".join(argv), timeout)
     try:
-        return subprocess.run(
-            list(argv),
-            input=stdin,
-            env=None if env is None else dict(env),
-            capture_output=True,
-            text=True,
-            timeout=_TIMEOUT_S,
-            check=False,
-        )
+        return _spawn(argv, env, stdin, timeout)
     except FileNotFoundError as error:
         raise SlurmError(
             f"{argv[0]} was not found on PATH; run this on a Slurm login node or install Slurm."
         ) from error
     except subprocess.TimeoutExpired as error:
         raise SlurmError(
-            f"`{' '.join(argv)}` did not answer within {_TIMEOUT_S:.0f} s; {_PING_HINT}."
+            f"`{' '.join(argv)}` did not answer within {timeout:g} s; {_PING_HINT}."
         ) from error
 
 
-def _checked(argv: Sequence[str], env: Mapping[str, str] | None, hint: str = _PING_HINT) -> str:
-    result = _run(argv, env)
+def _checked(
+    argv: Sequence[str],
+    env: Mapping[str, str] | None,
+    hint: str = _PING_HINT,
+    timeout: float = _TIMEOUT_S,
+) -> str:
+    result = _run(argv, env, timeout=timeout)
     if result.returncode != 0:
         raise SlurmError(f"`{' '.join(argv)}` failed: {_last_error(result.stderr)}; {hint}.")
     return result.stdout
@@ -176,12 +221,17 @@ def partitions(env: Mapping[str, str] | None = None) -> list[str]:
     return parse_partitions(_checked(["sinfo", "-h", "-o", "%R"], env))
 
 
-def squeue(job_ids: Sequence[str] = (), env: Mapping[str, str] | None = None) -> list[JobStatus]:
+def squeue(
+    job_ids: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    *,
+    timeout: float = _TIMEOUT_S,
+) -> list[JobStatus]:
     """Jobs Slurm still knows; a job id it has forgotten yields no line instead of an error."""
     argv = ["squeue", "-h", "-o", SQUEUE_FORMAT]
     if job_ids:
         argv += ["-j", ",".join(job_ids)]
-    result = _run(argv, env)
+    result = _run(argv, env, timeout=timeout)
     if result.returncode != 0:
         if "Invalid job id specified" in result.stderr:
             return []
@@ -189,10 +239,12 @@ def squeue(job_ids: Sequence[str] = (), env: Mapping[str, str] | None = None) ->
     return parse_squeue(result.stdout)
 
 
-def scontrol_show_job(job_id: str, env: Mapping[str, str] | None = None) -> dict[str, str]:
+def scontrol_show_job(
+    job_id: str, env: Mapping[str, str] | None = None, *, timeout: float = _TIMEOUT_S
+) -> dict[str, str]:
     """``scontrol show job`` as a dict (JobState, Reason, NodeList, Restarts, ...)."""
     return parse_scontrol_record(
-        _checked(["scontrol", "-o", "show", "job", job_id], env, _JOB_HINT)
+        _checked(["scontrol", "-o", "show", "job", job_id], env, _JOB_HINT, timeout)
     )
 
 
@@ -203,6 +255,11 @@ def cancel(job_id: str, signal: str | None = None, env: Mapping[str, str] | None
 
 def requeue(job_id: str, env: Mapping[str, str] | None = None) -> None:
     _checked(["scontrol", "requeue", job_id], env, _JOB_HINT)
+
+
+def release(job_id: str, env: Mapping[str, str] | None = None) -> None:
+    """``scontrol release``: let a held task (``REQUEUE_HOLD``) be scheduled again."""
+    _checked(["scontrol", "release", job_id], env, _JOB_HINT)
 
 
 def update_job(job_id: str, env: Mapping[str, str] | None = None, **fields: str) -> None:
@@ -219,3 +276,74 @@ def node_state(name: str, env: Mapping[str, str] | None = None) -> str:
     if not states:
         raise SlurmError(f"Slurm has no node '{name}'; run `sinfo -N` to list the nodes.")
     return states[0]
+
+
+def missing_tools(tools: Sequence[str], env: Mapping[str, str] | None = None) -> list[str]:
+    """The tools among ``tools`` that cannot be run. Each one runs ``--version`` through the one
+    subprocess call, so a test can take a tool away just as it answers for one."""
+    missing = []
+    for tool in tools:
+        try:
+            _spawn([tool, "--version"], env, None)
+        except OSError:
+            missing.append(tool)
+        except subprocess.TimeoutExpired:
+            pass  # it is there but hangs; the next real query says so in one sentence
+    return missing
+
+
+def slurm_version(env: Mapping[str, str] | None = None) -> str:
+    """``scontrol --version`` as printed, e.g. ``slurm 22.05.8``."""
+    return _checked(["scontrol", "--version"], env, _CONF_HINT).strip()
+
+
+def show_config(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """slurmctld's running configuration (``scontrol show config``) as a dict."""
+    return parse_scontrol_config(_checked(["scontrol", "show", "config"], env, _CONF_HINT))
+
+
+DEFAULT_MAX_BATCH_REQUEUE = 5
+"""Slurm's default ``MaxBatchRequeue``: a batch job requeued more often than this is held."""
+
+
+def max_batch_requeue(config: Mapping[str, str]) -> int:
+    """The site's ``MaxBatchRequeue`` from ``scontrol show config`` (Slurm's default if absent)."""
+    value = config.get("MaxBatchRequeue", "")
+    return int(value) if value.isdigit() else DEFAULT_MAX_BATCH_REQUEUE
+
+
+def partition_record(
+    name: str | None = None, env: Mapping[str, str] | None = None
+) -> dict[str, str] | None:
+    """``scontrol show partition``'s record of ``name`` (default: Slurm's default partition),
+    or None when Slurm has no such partition."""
+    argv = ["scontrol", "-o", "show", "partition", *([name] if name else [])]
+    result = _run(argv, env)
+    if result.returncode != 0:
+        if "not found" in result.stdout:  # scontrol prints "Partition x not found", exits 1
+            return None
+        raise SlurmError(f"`{' '.join(argv)}` failed: {_last_error(result.stderr)}; {_CONF_HINT}.")
+    return pick_partition(parse_scontrol_records(result.stdout), name)
+
+
+def srun_help(env: Mapping[str, str] | None = None) -> str:
+    """``srun --help`` as printed: SPANK plugins such as pyxis add their options to it."""
+    return _checked(["srun", "--help"], env, _CONF_HINT)
+
+
+def read_on_a_node(
+    path: str, partition: str | None = None, env: Mapping[str, str] | None = None
+) -> str | None:
+    """What one short step (``srun -N1 cat PATH``) reads at ``path`` on a compute node, or None
+    when that node has no such file. ``--immediate`` makes it give up instead of queueing."""
+    argv = ["srun", "-N1", "-n1", "--immediate=20", "--time=1", "--quiet"]
+    argv += [*(["-p", partition] if partition else []), "cat", path]
+    result = _run(argv, env)
+    if result.returncode == 0:
+        return result.stdout
+    if "No such file" in result.stderr:
+        return None
+    raise SlurmError(
+        f"no one-node step could run in partition '{partition or '(default)'}' "
+        f"({_last_error(result.stderr)}); rerun when the partition has an idle node."
+    )

@@ -12,24 +12,42 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 import os
+import queue
 import re
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from hpc_elastic import events
+from hpc_elastic.contract import PREEMPTED_EXIT_CODE
 from hpc_elastic.errors import SlurmError
+from hpc_elastic.events import CheckpointDetails, Event, Kind
+from hpc_elastic.jobdir import JobDir, write_private
 from hpc_elastic.slurm import commands
 from hpc_elastic.slurm.commands import JobStatus
 from hpc_elastic.slurm.env import SlurmContext
-from hpc_elastic.train.exitcodes import PREEMPTED_EXIT_CODE
+
+log = logging.getLogger(__name__)
 
 SQUEUE_INTERVAL = 2.0
 """Seconds between two squeue calls of one agent: the rendezvous asks on every change."""
+SQUEUE_TIMEOUT = 10.0
+"""Seconds one background squeue may take; the rendezvous does without the count meanwhile."""
+SCONTROL_TIMEOUT = 10.0
+"""Seconds the agent waits for ``scontrol show job`` when it asks why it is being stopped."""
+SCONTROL_TRIES = 3
+SCONTROL_PAUSE = 0.5
+"""Tries of that ``scontrol``, and seconds between two (well inside any GraceTime)."""
 _STARTING = frozenset({"RUNNING", "CONFIGURING"})
 _NOT_STARTED = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD"})
 """Task states the end of the job cancels; REQUEUE_HOLD is a task Slurm requeued too often."""
+HELD_POLL_S = 30.0
+"""Seconds between two looks for held siblings when nothing else makes the agent ask squeue:
+a hold happens after the slot has left, when the rendezvous may see no change for hours."""
 _TIME_LIMIT_MARGIN = 60.0
 """Slurm may send ``--signal=SIG@N`` up to about 30 s before N (field notes); allow double."""
 
@@ -94,6 +112,134 @@ def pending_tasks(statuses: Sequence[JobStatus]) -> list[int]:
     )
 
 
+CHURN_HOLD = "JobHoldMaxRequeue"
+"""The reason squeue gives for a task Slurm held because it was requeued more often than the
+site's ``MaxBatchRequeue``: the job's own churn, which a sibling slot may release."""
+_HELD_REASONS = frozenset(
+    {CHURN_HOLD, "launch_failed_requeued_held", "JobHeldAdmin", "JobHeldUser"}
+)
+"""Reasons squeue gives for a pending task that will never start until someone releases it."""
+
+
+def held_reasons(statuses: Sequence[JobStatus]) -> dict[int, str]:
+    """Tasks Slurm holds (``REQUEUE_HOLD``: requeued too often, or held by hand), each with
+    squeue's reason: they wait for an ``scontrol release`` that nobody gives on a weekend."""
+    return {
+        index: status.reason
+        for status in statuses
+        if status.array_task is not None
+        and (status.state == "REQUEUE_HOLD" or status.reason in _HELD_REASONS)
+        for index in task_indices(status.array_task)
+    }
+
+
+def every_task_held(statuses: Sequence[JobStatus]) -> bool:
+    """Whether Slurm lists the job only as held tasks: nothing runs, nothing starts by itself,
+    and no agent is left to release them (the one stall the job cannot end by itself)."""
+    return bool(statuses) and all(
+        status.state == "REQUEUE_HOLD" or status.reason in _HELD_REASONS for status in statuses
+    )
+
+
+def held_tasks(statuses: Sequence[JobStatus]) -> list[int]:
+    return sorted(held_reasons(statuses))
+
+
+def churn_held_tasks(statuses: Sequence[JobStatus]) -> list[int]:
+    """Held tasks the job may release itself: held for too many requeues, and for nothing
+    else. An admin's hold (``JobHeldAdmin``) or the user's own (``JobHeldUser``) is a person's
+    decision, and a launch failure a broken node: those are only reported."""
+    return sorted(task for task, reason in held_reasons(statuses).items() if reason == CHURN_HOLD)
+
+
+def running_tasks(statuses: Sequence[JobStatus]) -> list[int]:
+    return sorted(
+        index
+        for status in statuses
+        if status.state in _STARTING and status.array_task is not None
+        for index in task_indices(status.array_task)
+    )
+
+
+def reports_held(statuses: Sequence[JobStatus], me: int) -> bool:
+    """Whether slot ``me`` is the one to release or report held tasks: the lowest running
+    task, so a job of 64 slots raises one alert per held task, not 64."""
+    running = running_tasks(statuses)
+    return bool(running) and min(running) == me
+
+
+def will_be_held(restart_count: int, limit: int) -> bool:
+    """Whether the requeue this slot is about to ask for gets it held: Slurm holds a batch job
+    requeued more than ``MaxBatchRequeue`` times, and this requeue is number restart_count + 1."""
+    return restart_count + 1 > limit
+
+
+@dataclass(frozen=True)
+class HoldRecord:
+    """How often one slot was released from a ``JobHoldMaxRequeue`` hold, across agents."""
+
+    releases: int = 0
+    released_at: int | None = None
+    """The job's progress (newest committed checkpoint step) at the last release."""
+    ended: int = 0
+    """Holds that ended otherwise (someone ran ``scontrol release``): seen gone, not released."""
+
+    @property
+    def hold(self) -> int:
+        """The number of the slot's current (or next) hold: each ended hold starts a new one,
+        so a task released and held again is reported again."""
+        return self.releases + self.ended
+
+
+def may_release(record: HoldRecord, progress: int | None) -> bool:
+    """The no-progress breaker for releases: the first hold of a slot is released; a later
+    one only if the job committed a newer checkpoint since the last release. A slot that
+    crashes in a loop is then held for good (and reported) instead of revived forever."""
+    if record.releases == 0:
+        return True
+    if progress is None:
+        return False
+    return record.released_at is None or progress > record.released_at
+
+
+def newest_checkpoint_step(timeline: Iterable[Event]) -> int | None:
+    """The job's progress: the step of its newest committed checkpoint (None: none yet)."""
+    steps = [
+        CheckpointDetails.from_details(event.details).step
+        for event in timeline
+        if event.kind == Kind.CHECKPOINT
+    ]
+    known = [step for step in steps if step is not None]
+    return max(known) if known else None
+
+
+def load_hold_record(path: Path) -> HoldRecord:
+    """A slot's release record; missing or unreadable reads as never released (at worst one
+    more release, which the next hold's breaker then bounds)."""
+    try:
+        raw = json.loads(path.read_text())
+        at = raw.get("released_at")
+        return HoldRecord(
+            int(raw.get("releases", 0)), None if at is None else int(at), int(raw.get("ended", 0))
+        )
+    except FileNotFoundError:
+        return HoldRecord()
+    except (OSError, ValueError, TypeError, AttributeError) as error:
+        log.warning("'%s' is not a readable hold record (%s); it starts afresh", path, error)
+        return HoldRecord()
+
+
+def claim(path: Path) -> bool:
+    """Create ``path`` if nobody has: True for the one process (of any agent, on any node of
+    the shared job directory) that created it. O_EXCL makes the check and the creation one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        write_private(path, "", exclusive=True)
+    except FileExistsError:
+        return False
+    return True
+
+
 def parse_duration(text: str) -> float | None:
     """Slurm's ``[D-]HH:MM:SS``, ``MM:SS`` or ``UNLIMITED`` in seconds (None: no limit)."""
     if text in ("UNLIMITED", "INFINITE", "Partition_Limit", "NONE"):
@@ -112,16 +258,27 @@ _DEPARTURE_FIELDS = ("JobState", "PreemptTime", "RunTime", "TimeLimit")
 """What ``departure`` reads; kept in the requeue event so a surprising cause can be checked."""
 
 
+def _evidence(job: Mapping[str, str]) -> dict[str, str]:
+    return {key: job.get(key, "") for key in _DEPARTURE_FIELDS}
+
+
+_STILL_RUNNING = ("RUNNING", "SIGNALING")
+"""Job states of a task that was signalled but not cancelled."""
+
+
 def departure(job: Mapping[str, str], warning_s: float) -> Departure:
     """Tell preemption from time limit from a signal sent by hand, from ``scontrol show job``.
 
-    Slurm sets ``PreemptTime`` when it starts preempting a job; the time limit is near when
-    what is left of ``TimeLimit`` is within the ``--signal`` warning.
+    Slurm sets ``PreemptTime`` when it starts preempting a job, and may show it ``SIGNALING``
+    while the preemption's signal is delivered (seen on 22.05 in the 30-min soak: read as a
+    cancel, the slot left for good, since a task that exits by itself before GraceTime is not
+    requeued by Slurm). So ``PreemptTime`` is read first. The time limit is near when what is
+    left of ``TimeLimit`` is within the ``--signal`` warning.
     """
-    if job.get("JobState") != "RUNNING":
-        return Departure.CANCELLED
     if job.get("PreemptTime", "None") not in ("None", "Unknown", ""):
         return Departure.PREEMPTION
+    if job.get("JobState") not in _STILL_RUNNING:
+        return Departure.CANCELLED
     limit = parse_duration(job.get("TimeLimit", "UNLIMITED"))
     elapsed = parse_duration(job.get("RunTime", "00:00"))
     left = None if limit is None or elapsed is None else limit - elapsed
@@ -140,6 +297,9 @@ class SlotLedger:
     excluded: tuple[str, ...] = ()
     running_on: str | None = None
     """Set while an incarnation runs; still set at the next start means it died uncleanly."""
+    leaving_for: str | None = None
+    """The ``Departure`` value of a stop signal the incarnation was draining for: Slurm
+    SIGKILLs a slot that is still saving after GraceTime, which is no fault of its node."""
 
     def failed_on(self, node: str) -> SlotLedger:
         failures = {**self.node_failures, node: self.node_failures.get(node, 0) + 1}
@@ -150,6 +310,21 @@ class SlotLedger:
 
     def exclude(self, node: str) -> SlotLedger:
         return replace(self, excluded=tuple(sorted({*self.excluded, node})))
+
+    def arrived(self, node: str) -> tuple[SlotLedger, Arrival]:
+        """A new incarnation starts on ``node``: judge how the previous one ended.
+
+        One that left cleanly cleared ``running_on``. One still marked running died uncleanly:
+        if it was draining for preemption or its time limit, Slurm killed it after GraceTime
+        (it counts as that requeue); otherwise it died with its node, a failure there.
+        """
+        arrival = Arrival(self.running_on, _known_departure(self.leaving_for))
+        ledger = self
+        if arrival.killed_leaving is not None:
+            ledger = ledger.requeued(arrival.killed_leaving)
+        elif arrival.crashed_on is not None:
+            ledger = ledger.failed_on(arrival.crashed_on)
+        return replace(ledger, running_on=node, leaving_for=None), arrival
 
     def requeued(self, why: Departure) -> SlotLedger:
         if why is Departure.TIME_LIMIT:
@@ -173,65 +348,155 @@ class SlotLedger:
         return None
 
 
+@dataclass(frozen=True)
+class Arrival:
+    """How the slot's previous incarnation ended, judged when the next one starts."""
+
+    crashed_on: str | None = None
+    """The node it still ran on when it died uncleanly (None: it left cleanly, or never ran)."""
+    killed_leaving: Departure | None = None
+    """Set when it died while draining for this cause: Slurm's SIGKILL after GraceTime."""
+
+    @property
+    def node_failure(self) -> str | None:
+        """The node to blame: only a death that no stop signal explains."""
+        return self.crashed_on if self.killed_leaving is None else None
+
+
+_KILLED_LEAVING_IS_EXPECTED = frozenset({Departure.PREEMPTION, Departure.TIME_LIMIT})
+"""Causes whose stop Slurm itself ends with SIGKILL after GraceTime (or at the time limit)."""
+
+
+def _known_departure(value: str | None) -> Departure | None:
+    known = {why.value: why for why in _KILLED_LEAVING_IS_EXPECTED}
+    return known.get(value) if value is not None else None
+
+
 def load_ledger(path: Path) -> SlotLedger:
+    """The slot's record; a missing file is an empty one, an unreadable one a SlurmError."""
     try:
         raw = json.loads(path.read_text())
+        leaving_for = raw.get("leaving_for")
         return SlotLedger(
             preemptions=int(raw.get("preemptions", 0)),
             time_limits=int(raw.get("time_limits", 0)),
             node_failures={str(k): int(v) for k, v in raw.get("node_failures", {}).items()},
             excluded=tuple(str(node) for node in raw.get("excluded", ())),
             running_on=raw.get("running_on"),
+            leaving_for=None if leaving_for is None else Departure(leaving_for).value,
         )
     except FileNotFoundError:
         return SlotLedger()
     except (OSError, ValueError, TypeError, AttributeError) as error:
         raise SlurmError(
-            f"'{path}' is not a readable slot record; delete it to start the slot's counts afresh."
+            f"'{path}' is not a readable slot record ({error}); "
+            "its counts start afresh, delete it if this keeps happening."
         ) from error
 
 
 def save_ledger(path: Path, ledger: SlotLedger) -> None:
-    """Write to a temporary file and rename, so a killed agent never leaves half a record."""
+    save_json(path, asdict(ledger))
+
+
+def save_json(path: Path, record: Mapping[str, object]) -> None:
+    """Write a temporary file, fsync it, rename it over the record and fsync the directory:
+    a killed agent never leaves half a record, and a crashed node never loses the rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    scratch = path.with_suffix(f".{os.getpid()}.tmp")
-    scratch.write_text(json.dumps(asdict(ledger), sort_keys=True))
-    scratch.replace(path)
+    scratch = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with scratch.open("w") as out:
+        out.write(json.dumps(record, sort_keys=True))
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(scratch, path)
+    directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 # --- talking to Slurm ------------------------------------------------------------------------
 
 
+SlurmCall = Callable[[], None]
+Spawn = Callable[[SlurmCall], None]
+"""Runs one Slurm query away from the caller: a daemon thread in production."""
+
+
+def in_background(work: SlurmCall) -> None:
+    threading.Thread(target=work, name="hpc-elastic-slurm", daemon=True).start()
+
+
 class ComingSlots:
     """The rendezvous' ``expected_nodes``: slots of this array that run or start at once.
 
-    Rate-limited (one squeue per ``interval``); when squeue fails it answers None, and the
-    rendezvous falls back to waiting the last call.
+    The rendezvous asks on every change, from kazoo's watch and connection threads, and
+    those must never block: a stuck watch thread delays every later watch and the session's
+    pings, and squeue may take its whole timeout when slurmctld is busy. So a call never runs
+    squeue itself. It returns the last answer (None before the first one) and, when that
+    answer is older than ``interval``, starts one squeue through ``spawn`` (never two at once).
+    When squeue fails or times out the answer is None: the rendezvous then waits the last call.
     """
 
     def __init__(
         self,
         array_job_id: str,
-        squeue: Callable[[Sequence[str]], list[JobStatus]] = commands.squeue,
+        squeue: Callable[[Sequence[str]], list[JobStatus]],
         interval: float = SQUEUE_INTERVAL,
         clock: Callable[[], float] = time.monotonic,
+        spawn: Spawn = in_background,
+        *,
+        on_statuses: Callable[[Sequence[JobStatus]], None] | None = None,
     ) -> None:
         self._array_job_id = array_job_id
+        self._on_statuses = on_statuses
+        """Also shown each squeue answer (the held-task report), from the squeue thread."""
         self._squeue = squeue
         self._interval = interval
         self._clock = clock
+        self._spawn = spawn
+        self._lock = threading.Lock()
+        """Held only to read or swap the fields below, never while squeue runs."""
         self._asked_at: float | None = None
+        self._asking = False
         self._answer: int | None = None
 
     def __call__(self) -> int | None:
-        now = self._clock()
-        if self._asked_at is None or now - self._asked_at >= self._interval:
-            self._asked_at = now
-            try:
-                self._answer = coming_slots(self._squeue([self._array_job_id])) or None
-            except SlurmError:
-                self._answer = None
-        return self._answer
+        with self._lock:
+            due = not self._asking and (
+                self._asked_at is None or self._clock() - self._asked_at >= self._interval
+            )
+            if due:
+                self._asking, self._asked_at = True, self._clock()
+        if due:
+            self._spawn(self._refresh)
+        return self._answer  # Read after spawn: an inline spawn (tests) answers at once.
+
+    def _refresh(self) -> None:
+        try:
+            statuses = self._squeue([self._array_job_id])
+            answer = coming_slots(statuses) or None
+            if self._on_statuses is not None:
+                self._on_statuses(statuses)
+        except SlurmError as error:
+            log.debug("squeue failed, no slot count until the next try: %s", error)
+            answer = None
+        with self._lock:
+            if answer != self._answer:
+                log.debug("slots running or starting now: %s -> %s", self._answer, answer)
+            self._answer, self._asking = answer, False
+
+
+def _poll(coming: ComingSlots, interval: float) -> None:
+    """Ask ``coming`` every ``interval`` s from a daemon thread, so its squeue (and the held
+    report) also runs while the rendezvous is quiet; the count it refreshes is harmless."""
+
+    def loop() -> None:
+        while True:
+            time.sleep(interval)
+            coming()
+
+    threading.Thread(target=loop, name="hpc-elastic-held", daemon=True).start()
 
 
 def cancel_pending(
@@ -244,15 +509,126 @@ def cancel_pending(
     return pending
 
 
-def requeue(job_id: str, exclude: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
-    """Requeue a running task, away from ``exclude``.
+def requeue(
+    job_id: str,
+    exclude: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    *,
+    restarts: int = 0,
+) -> str | None:
+    """Requeue a running task, away from ``exclude``; ``restarts`` is its restart count now.
 
-    Right after ``scontrol requeue`` the task is PENDING (still completing), so its
-    ``ExcNodeList`` can be set by the very agent that is about to exit (checked on 22.05).
+    The requeue ends the task at once: Slurm signals every process of its step, and the
+    ``scontrol requeue`` that the agent runs is one of them, so it may die before it can say
+    that it worked (seen on 22.05: exit by signal, nothing on stderr, and the task requeued).
+    A failed call therefore counts as done when the task's ``Restarts`` has moved on.
+    Right after the requeue the task is PENDING (still completing), so its ``ExcNodeList``
+    can be set by the very agent that is about to exit (checked on 22.05).
+    Returns a warning when the task is requeued but its ``ExcNodeList`` could not be set.
     """
-    commands.requeue(job_id, env)
-    if exclude:
-        commands.update_job(job_id, env, ExcNodeList=",".join(exclude))
+    try:
+        commands.requeue(job_id, env)
+    except SlurmError:
+        if not requeued_since(job_id, restarts, env):
+            raise
+        log.debug("scontrol requeue %s died, but Slurm requeued the task", job_id)
+    if not exclude:
+        return None
+    try:
+        _set_excluded(job_id, exclude, env)
+    except SlurmError as error:
+        # Requeued all the same: the task comes back, maybe on a bad node, whose checks and
+        # failure counts then move it again. Leaving instead would lose the slot for good.
+        return f"slot {job_id} is requeued without keeping away from {','.join(exclude)}: {error}"
+    return None
+
+
+def _set_excluded(job_id: str, exclude: Sequence[str], env: Mapping[str, str] | None) -> None:
+    """Set a just-requeued task's ``ExcNodeList``. The ``scontrol update`` can die like the
+    requeue's own (the completing task's processes are still being signalled: seen in the
+    30-min soak as "failed: no error message"), so it is tried again, and a failed try counts
+    as done once Slurm shows the list."""
+    wanted = ",".join(exclude)
+    failed = SlurmError(f"scontrol update was not run for {job_id}.")
+    for attempt in range(SCONTROL_TRIES):
+        if attempt:
+            time.sleep(SCONTROL_PAUSE)
+        try:
+            commands.update_job(job_id, env, ExcNodeList=wanted)
+            return
+        except SlurmError as error:
+            log.debug(
+                "scontrol update %s ExcNodeList=%s, try %d: %s", job_id, wanted, attempt + 1, error
+            )
+            failed = error
+        if _excludes(job_id, exclude, env):
+            return
+    raise failed
+
+
+def _excludes(job_id: str, exclude: Sequence[str], env: Mapping[str, str] | None) -> bool:
+    """Whether Slurm shows every node of ``exclude`` in the task's ``ExcNodeList``."""
+    try:
+        record = commands.scontrol_show_job(job_id, env, timeout=SCONTROL_TIMEOUT)
+    except SlurmError:
+        return False
+    shown = record.get("ExcNodeList", "")
+    return all(node in shown.split(",") for node in exclude)
+
+
+def requeued_since(job_id: str, restarts: int, env: Mapping[str, str] | None = None) -> bool:
+    """Whether Slurm requeued the task since it had ``restarts`` restarts."""
+    try:
+        record = commands.scontrol_show_job(job_id, env, timeout=SCONTROL_TIMEOUT)
+    except SlurmError:
+        return False
+    count = record.get("Restarts", "")
+    return count.isdigit() and int(count) > restarts
+
+
+class DepartureWatch:
+    """Asks Slurm why this slot is being stopped at the moment the stop signal arrives.
+
+    Asked after the workers have drained (up to ``--grace`` later), Slurm describes the task
+    as it is then: already requeued by Slurm after GraceTime, or completing, which reads as
+    "cancelled", and a slurmctld busy with the preemption may not answer at all. So the signal
+    handler only hands the signal to a thread that was
+    started beforehand (``SimpleQueue.put`` is safe in a signal handler, starting a thread is
+    not: the handler may interrupt the main thread while it holds a lock of ``threading``);
+    that thread runs ``scontrol`` and keeps the answer for ``ElasticSlot.settle``.
+    """
+
+    def __init__(self, ask: Callable[[], tuple[Departure, dict[str, str]] | None]) -> None:
+        self._ask = ask
+        self._signals: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._signalled = False
+        self._answered = threading.Event()
+        self._answer: tuple[Departure, dict[str, str]] | None = None
+        threading.Thread(target=self._watch, name="hpc-elastic-departure", daemon=True).start()
+
+    def signalled(self, signum: int) -> None:
+        """Called from the signal handler: sets a flag and queues the signal, never blocks."""
+        self._signalled = True
+        self._signals.put(signum)
+
+    def answer(self, timeout: float) -> tuple[Departure, dict[str, str]] | None:
+        """What Slurm said when the first signal came; None if no signal came, or no answer
+        within ``timeout``."""
+        if not self._signalled:
+            return None
+        self._answered.wait(timeout)
+        return self._answer
+
+    def _watch(self) -> None:
+        signum = self._signals.get()
+        log.debug("signal %d: asking Slurm why this slot is being stopped", signum)
+        try:
+            self._answer = self._ask()
+            log.debug("Slurm says why the slot is stopped: %s", self._answer)
+        except Exception:  # A thread of its own: say so, and let settle ask again.
+            log.exception("could not record why this slot is being stopped")
+        finally:
+            self._answered.set()
 
 
 @dataclass
@@ -263,10 +639,23 @@ class ElasticSlot:
     job_dir: Path
     limits: SlotLimits = SlotLimits()
     env: Mapping[str, str] | None = None
+    problem: str | None = field(init=False, default=None)
+    """Why the ledger could not be read (its counts then start afresh), for a warning event."""
     _ledger: SlotLedger = field(init=False)
+    _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
+    """The departure watch writes the ledger from its own thread."""
+    _watch: DepartureWatch | None = field(init=False, default=None)
+    _requeue_limit: int | None = field(init=False, default=None)
+    remembered_bad: tuple[str, ...] = field(init=False, default=())
+    """The user's bad nodes remembered across jobs (the health preflight read them): every
+    requeue of this slot keeps away from them too, not only from the slot's own bad nodes."""
 
     def __post_init__(self) -> None:
-        self._ledger = load_ledger(self.ledger_path)
+        try:
+            self._ledger = load_ledger(self.ledger_path)
+        except SlurmError as error:
+            log.warning("%s", error)
+            self.problem, self._ledger = str(error), SlotLedger()
 
     @classmethod
     def from_env(
@@ -280,7 +669,7 @@ class ElasticSlot:
 
     @property
     def ledger_path(self) -> Path:
-        return self.job_dir / "slots" / f"{self.context.array_task_id}.json"
+        return JobDir(self.job_dir).slot_ledger(str(self.context.array_task_id))
 
     @property
     def job_id(self) -> str:
@@ -294,57 +683,275 @@ class ElasticSlot:
     def ledger(self) -> SlotLedger:
         return self._ledger
 
-    def arrive(self) -> str | None:
-        """Record the start on this node; a previous incarnation that never said goodbye
-        died with its node, which counts as a failure there. Returns that node, if any."""
-        crashed_on = self._ledger.running_on
-        ledger = self._ledger.failed_on(crashed_on) if crashed_on else self._ledger
-        self._save(replace(ledger, running_on=self.node))
-        return crashed_on
+    def arrive(self) -> Arrival:
+        """Record the start on this node, and how the previous incarnation ended: one that
+        died with its node counts as a failure there (``Arrival.node_failure``)."""
+        with self._lock:
+            ledger, arrival = self._ledger.arrived(self.node)
+            self._save(ledger)
+        log.debug("slot %s arrives on %s after %s", self.job_id, self.node, arrival)
+        return arrival
 
     def count_failure(self) -> bool:
         """A worker of this slot failed on this node; True once the node is bad for the slot."""
-        self._save(self._ledger.failed_on(self.node))
+        with self._lock:
+            self._save(self._ledger.failed_on(self.node))
         return self._ledger.is_bad(self.node, self.limits)
 
     def placed_badly(self) -> bool:
         return self._ledger.is_bad(self.node, self.limits) or self.node in self._ledger.excluded
 
-    def expected_nodes(self) -> ComingSlots:
+    def expected_nodes(self, emit: Callable[..., None] | None = None) -> ComingSlots:
+        """The slot count for the rendezvous, already asking Slurm: the first answer is
+        likely in by the time the first round is decided. With ``emit``, the same squeue
+        answers also report tasks Slurm holds (``watch_held``)."""
         assert self.context.array_job_id is not None
-        return ComingSlots(self.context.array_job_id, lambda ids: commands.squeue(ids, self.env))
+        coming = ComingSlots(
+            self.context.array_job_id,
+            lambda ids: commands.squeue(ids, self.env, timeout=SQUEUE_TIMEOUT),
+            on_statuses=self.watch_held(emit) if emit is not None else None,
+        )
+        coming()
+        if emit is not None:
+            _poll(coming, HELD_POLL_S)
+        return coming
+
+    def watch_held(self, emit: Callable[..., None]) -> Callable[[Sequence[JobStatus]], None]:
+        """What the lowest running slot (``reports_held``) does with each task Slurm holds:
+        release a hold that churn caused, under the no-progress breaker (``release_held``),
+        else raise one ``held`` alert per hold (``report_held``)."""
+        me = self.context.array_task_id
+        assert me is not None
+
+        still_held: set[int] = set()
+        """Tasks this process saw held and did not release: gone from the list, their hold ended."""
+
+        def observe(statuses: Sequence[JobStatus]) -> None:
+            held = held_reasons(statuses)
+            for task in sorted(still_held - set(held)):
+                self._hold_ended(task)
+            still_held.intersection_update(held)
+            if not reports_held(statuses, me):
+                return
+            churn = set(churn_held_tasks(statuses))
+            for task, reason in sorted(held.items()):
+                if task in churn and self.release_held(task, emit):
+                    still_held.discard(task)  # Our release ended it: counted as a release.
+                    continue
+                if task not in still_held:
+                    log.debug("slot %s sees task %s held by Slurm (%s)", self.job_id, task, reason)
+                    self.report_held(task, reason, emit)
+                    still_held.add(task)
+
+        return observe
+
+    def _task_job_id(self, task: int) -> str:
+        return f"{self.context.array_job_id}_{task}"
+
+    def _hold_ended(self, task: int) -> None:
+        path = JobDir(self.job_dir).hold_record(task)
+        record = load_hold_record(path)
+        save_json(path, asdict(replace(record, ended=record.ended + 1)))
+        log.debug("the hold of task %s ended (released by someone else)", task)
+
+    def release_held(self, task: int, emit: Callable[..., None]) -> bool:
+        """Release task ``task`` from a churn hold unless the breaker says no; True once done.
+
+        The progress figure is the newest committed checkpoint step in the job's events
+        file: it lives in the job directory that every agent shares, survives requeues, needs
+        no torch (the agent never imports it) and is what the restart breaker already trusts.
+        """
+        paths = JobDir(self.job_dir)
+        record = load_hold_record(paths.hold_record(task))
+        progress = newest_checkpoint_step(events.read(paths.events))
+        if not may_release(record, progress):
+            log.debug("task %s stays held: no progress (%s) since %s", task, progress, record)
+            return False
+        try:
+            commands.release(self._task_job_id(task), self.env)
+        except SlurmError as error:
+            log.warning("could not release task %s: %s", task, error)
+            return False
+        record = replace(record, releases=record.releases + 1, released_at=progress)
+        save_json(paths.hold_record(task), asdict(record))
+        log.debug("slot %s released task %s (%s)", self.job_id, task, record)
+        emit(
+            Kind.RELEASED,
+            task=task,
+            slurm_job=self._task_job_id(task),
+            releases=record.releases,
+            progress=progress,
+        )
+        return True
+
+    def report_held(
+        self, task: int, reason: str, emit: Callable[..., None], **details: object
+    ) -> bool:
+        """One ``held`` event per hold, across every agent process: the first to claim the
+        hold's marker in the job directory writes it. A hold is numbered by the task's
+        ended holds so far (``HoldRecord.hold``): released and held again, it is reported again."""
+        paths = JobDir(self.job_dir)
+        hold = load_hold_record(paths.hold_record(task)).hold
+        if not claim(paths.hold_alert(task, hold)):
+            log.debug("hold %d of task %s was already reported", hold, task)
+            return False
+        emit(Kind.HELD, task=task, slurm_job=self._task_job_id(task), reason=reason, **details)
+        return True
+
+    def requeue_limit(self) -> int:
+        """The site's ``MaxBatchRequeue``, asked once per agent (Slurm's default if it cannot
+        say: the alert may then come early, never late)."""
+        if self._requeue_limit is None:
+            try:
+                self._requeue_limit = commands.max_batch_requeue(commands.show_config(self.env))
+            except SlurmError as error:
+                log.debug("no MaxBatchRequeue from Slurm, assuming the default: %s", error)
+                self._requeue_limit = commands.DEFAULT_MAX_BATCH_REQUEUE
+        return self._requeue_limit
+
+    def announce_own_hold(self, emit: Callable[..., None]) -> bool:
+        """Right after this slot's own requeue: when Slurm answered it with a hold for too
+        many requeues and no other slot runs to release or report it, raise the ``held``
+        alert now, since after this slot leaves nobody may. True when announced.
+
+        Slurm is asked only once the restart count (``SLURM_RESTART_COUNT``) has reached the
+        site's ``MaxBatchRequeue``; the count alone would cry wolf, since Slurm 22.05 counts
+        only node-failure requeues towards the hold, never an ``scontrol requeue``. So what
+        Slurm says of the task right after the requeue decides (the agent is still alive
+        then: it sets the task's ``ExcNodeList`` at that moment too).
+        """
+        if self.context.restart_count == 0:
+            # A first requeue is held only where MaxBatchRequeue is 0, a site on which no
+            # elastic job can live; not asking spares slurmctld a call on every first requeue.
+            return False
+        limit = self.requeue_limit()
+        if not will_be_held(self.context.restart_count, limit):
+            return False
+        record = self._read_job()
+        if isinstance(record, SlurmError) or record.get("Reason") != CHURN_HOLD:
+            log.debug("slot %s reached %d restarts but is not held", self.job_id, limit)
+            return False
+        array, me = self.context.array_job_id, self.context.array_task_id
+        assert array is not None
+        assert me is not None
+        try:
+            statuses = commands.squeue([array], self.env, timeout=SQUEUE_TIMEOUT)
+        except SlurmError:
+            statuses = []  # Nobody known to be running: announce rather than stay silent.
+        if [task for task in running_tasks(statuses) if task != me]:
+            log.debug("slot %s is held; a running sibling will see it", self.job_id)
+            return False
+        return self.report_held(
+            me, CHURN_HOLD, emit, restarts=self.context.restart_count + 1, limit=limit, last=True
+        )
+
+    def watch_departure(self, warning_s: float) -> DepartureWatch:
+        """Start the thread that asks Slurm why, as soon as a stop signal arrives; its answer
+        is also noted in the ledger, in case Slurm SIGKILLs the slot before it leaves. When
+        Slurm cannot answer then, there is no answer, and ``settle`` asks again."""
+
+        def ask() -> tuple[Departure, dict[str, str]] | None:
+            record = self._read_job()
+            if isinstance(record, SlurmError):
+                log.warning("Slurm did not say why slot %s stops: %s", self.job_id, record)
+                return None
+            why, evidence = departure(record, warning_s), _evidence(record)
+            if why in _KILLED_LEAVING_IS_EXPECTED:
+                with self._lock:
+                    self._save(replace(self._ledger, leaving_for=why.value))
+            return why, evidence
+
+        self._watch = DepartureWatch(ask)
+        return self._watch
+
+    def ask_slurm_why(self, warning_s: float) -> tuple[Departure, dict[str, str]]:
+        """Why Slurm stops this task now, and the fields that said so. A Slurm that cannot
+        say is treated as a cancel, since it could not requeue us either."""
+        record = self._read_job()
+        if isinstance(record, SlurmError):
+            return Departure.CANCELLED, {"error": str(record)}
+        return departure(record, warning_s), _evidence(record)
+
+    def _read_job(self) -> dict[str, str] | SlurmError:
+        """``scontrol show job`` for this task, tried a few times: a slurmctld busy with the
+        very preemption that signalled us may drop a first request."""
+        error = SlurmError(f"scontrol was not asked about {self.job_id}.")
+        for attempt in range(SCONTROL_TRIES):
+            if attempt:
+                time.sleep(SCONTROL_PAUSE)
+            try:
+                return commands.scontrol_show_job(self.job_id, self.env, timeout=SCONTROL_TIMEOUT)
+            except SlurmError as failed:
+                log.debug("scontrol show job %s, try %d: %s", self.job_id, attempt + 1, failed)
+                error = failed
+        return error
 
     def why_stopping(self, warning_s: float) -> tuple[Departure, dict[str, str]]:
-        """Workers stopped to be requeued (exit 75): why, and the Slurm fields that said so.
-        A Slurm that cannot say is treated as a cancel, since it could not requeue us either."""
-        try:
-            record = commands.scontrol_show_job(self.job_id, self.env)
-        except SlurmError:
-            return Departure.CANCELLED, {}
-        evidence = {key: record.get(key, "") for key in _DEPARTURE_FIELDS}
-        why = departure(record, warning_s)
+        """Workers stopped to be requeued (exit 75): why. The answer Slurm gave when the stop
+        signal arrived, if one did (see ``DepartureWatch``); else Slurm is asked now, as when
+        the bad-node watch or the workers themselves stopped the slot."""
+        deadline = SCONTROL_TRIES * (SCONTROL_TIMEOUT + SCONTROL_PAUSE)
+        recorded = self._watch.answer(deadline) if self._watch is not None else None
+        why, evidence = recorded if recorded is not None else self.ask_slurm_why(warning_s)
+        evidence = {**evidence, "asked": "at the signal" if recorded else "after the drain"}
         if why is not Departure.CANCELLED and self.placed_badly():
             return Departure.BAD_NODE, evidence
         return why, evidence
 
-    def requeue(self, why: Departure) -> str | None:
-        """Requeue this task (away from its bad nodes); returns why it may not, if so."""
-        ledger = self._ledger.requeued(why)
-        if why is Departure.BAD_NODE:
-            ledger = ledger.exclude(self.node)
-        refused = ledger.over_limit(self.limits)
-        self._save(replace(ledger, running_on=None))
+    def requeue(self, why: Departure, emit: Callable[..., None] | None = None) -> str | None:
+        """Requeue this task (away from its bad nodes); returns why it may not, if so. With
+        ``emit``, a requeue that Slurm answered with a hold is announced (``announce_own_hold``)."""
+        with self._lock:
+            ledger = self._ledger.requeued(why)
+            if why is Departure.BAD_NODE:
+                ledger = ledger.exclude(self.node)
+            refused = ledger.over_limit(self.limits)
+            self._save(replace(ledger, running_on=None, leaving_for=None))
         if refused is not None:
             return refused
         try:
-            requeue(self.job_id, ledger.excluded, self.env)
+            warning = requeue(
+                self.job_id, self.excluded(), self.env, restarts=self.context.restart_count
+            )
         except SlurmError as error:
             return str(error)
+        if warning is not None:
+            log.warning("%s", warning)
+        if emit is not None:
+            if warning is not None:
+                emit(Kind.WARNING, message=warning)
+            self.announce_own_hold(emit)
         return None
+
+    def excluded(self) -> list[str]:
+        """The requeue's ``ExcNodeList``: the slot's own bad nodes and the user's."""
+        return sorted({*self._ledger.excluded, *self.remembered_bad})
+
+    def move_away(self, cause: str, emit: Callable[..., None], **details: object) -> int:
+        """Leave this node for good and requeue the slot elsewhere, before or instead of
+        running: the health preflight failed here (``cause`` "unhealthy"), or a rank here
+        straggles. Returns the slot's exit code: 75 once requeued, 1 if Slurm refused."""
+        emit("exclude", node=self.node, cause=cause, **details)
+        refused = self.requeue(Departure.BAD_NODE, emit)
+        if refused is not None:
+            emit("leave", reason=f"slot {self.context.array_task_id} is not requeued: {refused}")
+            return 1
+        emit("requeue", cause=cause, slurm_job=self.job_id, excluded=self.excluded())
+        log.debug(
+            "slot %s leaves %s (%s), excluding %s", self.job_id, self.node, cause, self.excluded()
+        )
+        return PREEMPTED_EXIT_CODE
+
+    def mark_bad(self) -> None:
+        """This node must not host the slot again (a straggler here): the next settle sees
+        ``placed_badly`` and requeues the slot away from it, as after repeated failures."""
+        with self._lock:
+            self._save(self._ledger.exclude(self.node))
 
     def leave(self) -> None:
         """A clean exit: the next incarnation must not count this one as a crash."""
-        self._save(replace(self._ledger, running_on=None))
+        with self._lock:
+            self._save(replace(self._ledger, running_on=None, leaving_for=None))
 
     def settle(self, exit_code: int, warning_s: float, emit: Callable[..., None]) -> int:
         """After the agent: requeue a slot that stopped to be moved, or, once the job is over
@@ -354,19 +961,23 @@ class ElasticSlot:
         )
         if why is not None and why is not Departure.CANCELLED:
             if why is Departure.BAD_NODE:
-                emit("exclude", node=self.node, failures=self._ledger.node_failures.get(self.node))
-            refused = self.requeue(why)
+                emit(
+                    Kind.EXCLUDE, node=self.node, failures=self._ledger.node_failures.get(self.node)
+                )
+            refused = self.requeue(why, emit)
             if refused is None:
                 emit(
-                    "requeue",
+                    Kind.REQUEUE,
                     cause=why.value,
                     slurm=evidence,
                     slurm_job=self.job_id,
-                    excluded=list(self._ledger.excluded),
+                    excluded=self.excluded(),
                 )
                 return exit_code
-            emit("leave", reason=f"slot {self.context.array_task_id} is not requeued: {refused}")
+            emit(Kind.LEAVE, reason=f"slot {self.context.array_task_id} is not requeued: {refused}")
             return 1
+        if why is Departure.CANCELLED:
+            emit(Kind.CANCELLED, slurm=evidence, slurm_job=self.job_id)
         self.leave()
         if exit_code in (0, 1):
             try:
@@ -374,7 +985,7 @@ class ElasticSlot:
             except SlurmError:
                 cancelled = []  # Another slot's agent got there first: they are gone.
             if cancelled:
-                emit("cancel_pending", tasks=cancelled)
+                emit(Kind.CANCEL_PENDING, tasks=cancelled)
         return exit_code
 
     def cancel_pending(self) -> list[int]:

@@ -1,8 +1,9 @@
 """What Slurm tells a process about its job, read once from the environment into a frozen value.
 
 submitit's ``SlurmJobEnvironment`` reads ``os.environ`` itself and knows neither the node name
-nor the restart count, so it does not fit an agent that is tested with a plain dict; only its
-nodelist parser is reused, in ``SlurmContext.hostnames``.
+nor the restart count, so it does not fit an agent that is tested with a plain dict. Nothing here
+expands ``SLURM_JOB_NODELIST``: no product path needs the host names (the agents find each other
+through the rendezvous), and the scripts that do use ``scontrol show hostnames``.
 """
 
 from __future__ import annotations
@@ -68,18 +69,3 @@ class SlurmContext:
     def slot(self) -> str:
         """The stable name of this node's place in the job: array task id, else node name."""
         return str(self.array_task_id) if self.array_task_id is not None else self.node_name
-
-    def hostnames(self) -> list[str]:
-        """The job's nodes, expanded from SLURM_JOB_NODELIST (``n[1-3]`` -> n1, n2, n3)."""
-        # Imported here: submitit costs about 0.1 s to import and most callers never need this.
-        from submitit.slurm.slurm import SlurmParseException, _parse_node_list  # noqa: PLC0415
-
-        if not self.nodelist:
-            return [self.node_name] if self.node_name else []
-        try:
-            return list(_parse_node_list(self.nodelist))
-        except SlurmParseException as error:
-            raise SlurmError(
-                f"SLURM_JOB_NODELIST='{self.nodelist}' is not a Slurm node list; "
-                "run inside a Slurm job or fix the variable."
-            ) from error
