@@ -1,7 +1,11 @@
 """The one reader of the config file and of the HPC_ELASTIC_* variables.
 
 Defaults for ``submit`` come from ``hpc-elastic.toml``, or from ``[tool.hpc-elastic]`` in a
-``pyproject.toml``, whichever is found first searching from the working directory upwards.
+``pyproject.toml``, whichever is found first searching from the working directory upwards. The
+search stops at the project root (a directory holding ``.git`` or ``pyproject.toml``) or at
+``$HOME``: on a shared filesystem the directories above those belong to other people, and a
+file planted there must not choose our template or ``--setup`` lines. A file that another user
+owns, or that group or others may write, is refused as git's ``safe.directory`` refuses one.
 Keys are the long flags without ``--`` (``nproc-per-node = 4``); each value goes through the
 same parser as its flag, so a bad value in the file reads like a bad flag, prefixed with the
 file's path. Relative paths in the file are relative to the file, not to the working directory.
@@ -9,34 +13,26 @@ file's path. Relative paths in the file are relative to the file, not to the wor
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Callable, Mapping
+import stat
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import tomllib
 
+from hpc_elastic.contract import DEFAULT_ZK, ZK_ENV
 from hpc_elastic.errors import ConfigError, UsageError
-from hpc_elastic.spec import (
-    NodeRange,
-    PreemptSignal,
-    parse_env,
-    parse_job_name,
-    parse_mem,
-    parse_positive,
-    parse_sbatch_arg,
-    parse_sbatch_value,
-    parse_setup_line,
-    parse_time,
-    parse_zk,
-)
+from hpc_elastic.options import ConfigReader, WrongTypeError, config_readers
+from hpc_elastic.spec import parse_zk
 
 CONFIG_FILE = "hpc-elastic.toml"
 PYPROJECT_FILE = "pyproject.toml"
-ZK_ENV = "HPC_ELASTIC_ZK"
-DEFAULT_ZK = "127.0.0.1:2181"
-
-_Converter = Callable[[object, Path], object]
+PROJECT_MARKERS = (".git", PYPROJECT_FILE)
+"""What makes a directory a project root, where the search for a config file ends."""
+__all__ = ["DEFAULT_ZK", "ZK_ENV", "Config", "find_config", "load_config"]
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,21 +43,68 @@ class Config:
     values: Mapping[str, object] = field(default_factory=dict)
 
 
-def find_config(start: Path) -> Path | None:
-    """The nearest hpc-elastic.toml, or pyproject.toml with a [tool.hpc-elastic] table."""
-    for directory in (start, *start.parents):
+def find_config(start: Path, home: Path | None = None, uid: int | None = None) -> Path | None:
+    """The nearest hpc-elastic.toml, or pyproject.toml with a [tool.hpc-elastic] table.
+
+    Only ``start`` and its parents up to the project root or ``home`` are searched; a file
+    found there must pass ``unsafe_config_reason`` for ``uid`` (default: this process's user).
+    """
+    home = Path.home() if home is None else home
+    uid = os.geteuid() if uid is None else uid
+    for directory in search_directories(start, home):
         candidate = directory / CONFIG_FILE
         if candidate.is_file():
-            return candidate
+            return _trusted(candidate, uid)
         pyproject = directory / PYPROJECT_FILE
         if pyproject.is_file() and _hpc_elastic_table(_read_toml(pyproject)) is not None:
-            return pyproject
+            return _trusted(pyproject, uid)
     return None
 
 
-def load_config(start: Path, environ: Mapping[str, str] = os.environ) -> Config:
+def search_directories(start: Path, home: Path) -> list[Path]:
+    """``start`` and its parents, ending with the first project root or ``home`` on the way."""
+    directories = []
+    for directory in (start, *start.parents):
+        directories.append(directory)
+        if directory == home or any((directory / marker).exists() for marker in PROJECT_MARKERS):
+            break
+    return directories
+
+
+def unsafe_config_reason(owner: int, mode: int, uid: int) -> str | None:
+    """Why a config file with this owner and mode must not be trusted by ``uid``, or None.
+
+    Anyone else's file, or one that group or others may rewrite, could name a template or setup
+    lines that would run as us.
+    """
+    if owner != uid:
+        return f"it is owned by user id {owner}, not by you"
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"group or others may write it (mode {stat.S_IMODE(mode):04o})"
+    return None
+
+
+def _trusted(path: Path, uid: int) -> Path:
+    info = path.stat()
+    reason = unsafe_config_reason(info.st_uid, info.st_mode, uid)
+    if reason is not None:
+        _log.debug("refusing config file %s: %s", path, reason)
+        raise ConfigError(
+            f"Config file '{path}' is not trusted because {reason}; remove it, or make it "
+            "yours and writable only by you (chmod go-w)."
+        )
+    _log.debug("using config file %s", path)
+    return path
+
+
+def load_config(
+    start: Path,
+    environ: Mapping[str, str] = os.environ,
+    home: Path | None = None,
+    uid: int | None = None,
+) -> Config:
     """Read the defaults that apply in ``start``; the environment beats the file."""
-    path = find_config(start.absolute())
+    path = find_config(start.absolute(), home, uid)
     values: dict[str, object] = {}
     if path is not None:
         table: object = _read_toml(path)
@@ -105,119 +148,12 @@ def _convert(table: object, path: Path) -> dict[str, object]:
             )
         try:
             values[key.replace("-", "_")] = converter(raw, path.parent)
-        except _WrongTypeError as err:
+        except WrongTypeError as err:
             raise ConfigError(f"{path}: key '{key}' {err}") from err
         except UsageError as err:
             raise ConfigError(f"{path}: key '{key}' is invalid: {err}") from err
     return values
 
 
-class _WrongTypeError(UsageError):
-    """A value of the wrong TOML type; _convert adds which file and key."""
-
-
-def _wrong_type(expected: str, value: object) -> _WrongTypeError:
-    return _WrongTypeError(
-        f"must be {expected}, not {type(value).__name__} {value!r}; fix the config file."
-    )
-
-
-def _text(parse: Callable[[str], object], *, numbers: bool = False) -> _Converter:
-    """A string value (or a bare number, for keys like ``nodes = 4`` and ``time = 60``)."""
-
-    def convert(value: object, _base: Path) -> object:
-        if numbers and isinstance(value, int) and not isinstance(value, bool):
-            value = str(value)
-        if not isinstance(value, str):
-            raise _wrong_type("a string", value)
-        return parse(value)
-
-    return convert
-
-
-def _count(option: str, *, zero_ok: bool = False) -> _Converter:
-    def convert(value: object, _base: Path) -> object:
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise _wrong_type("an integer", value)
-        return parse_positive(option, value, zero_ok=zero_ok)
-
-    return convert
-
-
-def _seconds(option: str) -> _Converter:
-    def convert(value: object, _base: Path) -> object:
-        if not isinstance(value, int | float) or isinstance(value, bool):
-            raise _wrong_type("a number of seconds", value)
-        if value < 0:
-            raise UsageError(f"{option} '{value}' is negative; give 0 or more seconds.")
-        return float(value)
-
-    return convert
-
-
-def _flag(value: object, _base: Path) -> object:
-    if not isinstance(value, bool):
-        raise _wrong_type("true or false", value)
-    return value
-
-
-def _path(value: object, base: Path) -> object:
-    if not isinstance(value, str):
-        raise _wrong_type("a path string", value)
-    return base / Path(value).expanduser()
-
-
-def _lines(parse: Callable[[str], str]) -> _Converter:
-    def convert(value: object, _base: Path) -> object:
-        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-            raise _wrong_type("a list of strings", value)
-        return tuple(parse(item) for item in value)
-
-    return convert
-
-
-def _environment(value: object, _base: Path) -> object:
-    if not isinstance(value, dict) or not all(
-        isinstance(item, str | int | float) and not isinstance(item, bool)
-        for item in value.values()
-    ):
-        raise _wrong_type('a table of KEY = "value"', value)
-    return tuple(parse_env(f"{key}={item}") for key, item in value.items())
-
-
-def _word(option: str) -> _Converter:
-    return _text(lambda text: parse_sbatch_value(option, text))
-
-
-_KEYS: dict[str, _Converter] = {
-    "nodes": _text(NodeRange.parse, numbers=True),
-    "nproc-per-node": _count("--nproc-per-node"),
-    "job-name": _text(parse_job_name),
-    "partition": _word("--partition"),
-    "account": _word("--account"),
-    "qos": _word("--qos"),
-    "time": _text(parse_time, numbers=True),
-    "gpus-per-node": _count("--gpus-per-node"),
-    "cpus-per-task": _count("--cpus-per-task"),
-    "mem": _text(parse_mem, numbers=True),
-    "constraint": _word("--constraint"),
-    "exclude": _word("--exclude"),
-    "requeue": _flag,
-    "signal": _text(PreemptSignal.parse),
-    "setup": _lines(parse_setup_line),
-    "env": _environment,
-    "log-dir": _path,
-    "template": _path,
-    "max-restarts": _count("--max-restarts", zero_ok=True),
-    "zk": _text(parse_zk),
-    "python": _text(str),
-    "sbatch-args": _lines(parse_sbatch_arg),
-    "hang-timeout": _seconds("--hang-timeout"),
-    "last-call": _seconds("--last-call"),
-    "session-timeout": _seconds("--session-timeout"),
-    "min-wait": _seconds("--min-wait"),
-    "max-preemptions": _count("--max-preemptions", zero_ok=True),
-    "max-time-limits": _count("--max-time-limits", zero_ok=True),
-    "exclude-after": _count("--exclude-after"),
-    "prewarm": _flag,
-}
+_KEYS: dict[str, ConfigReader] = config_readers()
+"""Config key -> reader, derived from the option table (``hpc_elastic.options``)."""

@@ -2,38 +2,44 @@
 
 It asks what the first submit would otherwise find out the hard way: the Slurm tools and
 version, the partition, the preemption settings and what they mean for an elastic job,
-ZooKeeper and its latency, and whether the checkpoint directory is writable and shared
-between nodes. Doctor probes the Slurm tools themselves, so it runs them directly.
+ZooKeeper and its latency, the nodes the user's jobs keep away from
+(``hpc-elastic nodes``), the container runtimes (pyxis, Apptainer), and whether the
+checkpoint directory is writable and shared between nodes. Slurm is asked through the Slurm
+layer (``hpc_elastic.slurm.commands``), like every other command; what the answers mean is
+decided here, by small rule functions that each turn settings into one finding with a
+severity and a one-sentence fix.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
+import os
 import re
 import secrets
-import shutil
 import socket
 import statistics
-import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
 
-import typer
+from hpc_elastic.agent import badnodes
+from hpc_elastic.agent.badnodes import BadNode
+from hpc_elastic.contract import DEFAULT_USER_SECRET_FILE, USER_SECRET_FILE_ENV
+from hpc_elastic.errors import HpcElasticError, SlurmError, one_line
+from hpc_elastic.slurm import commands
 
-from hpc_elastic.config import DEFAULT_ZK, load_config
-from hpc_elastic.errors import UsageError
-from hpc_elastic.spec import parse_zk
+log = logging.getLogger(__name__)
 
 TOOLS = ("sbatch", "srun", "scontrol", "squeue")
 MIN_SLURM = (20, 11)
 """Array tasks with per-task requeue and ``--signal=B:`` behave as documented from here on."""
-TIMEOUT = 30.0
 
 
 class Level(enum.Enum):
+    """A finding's severity: only FAIL makes doctor exit 1."""
+
     PASS = "pass"
     WARN = "warn"
     FAIL = "fail"
@@ -45,6 +51,8 @@ class Level(enum.Enum):
 
 @dataclass(frozen=True)
 class Check:
+    """One finding: what was checked, its severity, what was seen, and the fix (the hint)."""
+
     name: str
     level: Level
     message: str
@@ -55,30 +63,7 @@ class Check:
         return [head, f"         hint: {self.hint}"] if self.hint else [head]
 
 
-Run = Callable[[Sequence[str]], "subprocess.CompletedProcess[str]"]
-
-
-def run_tool(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
-    try:
-        return subprocess.run(
-            list(argv), capture_output=True, text=True, timeout=TIMEOUT, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired) as error:
-        return subprocess.CompletedProcess(list(argv), 127, "", str(error))
-
-
 # --- pure rules ----------------------------------------------------------------------------
-
-
-def parse_config(text: str) -> dict[str, str]:
-    """``scontrol show config``: ``Key = Value`` lines."""
-    pairs = (line.split("=", 1) for line in text.splitlines() if " = " in line)
-    return {key.strip(): value.strip() for key, value in pairs}
-
-
-def parse_record(text: str) -> dict[str, str]:
-    """One ``scontrol -o show ...`` line: ``Key=Value`` pairs (values without spaces)."""
-    return dict(re.findall(r"(\w+)=(\S*)", text.strip().splitlines()[0] if text.strip() else ""))
 
 
 def version_check(text: str) -> Check:
@@ -96,111 +81,168 @@ def version_check(text: str) -> Check:
     return Check("Slurm version", Level.PASS, match.group(0))
 
 
+@dataclass(frozen=True)
+class Preemption:
+    """The settings that decide what preemption does to an elastic job in one partition,
+    with Slurm's defaults where slurm.conf is silent."""
+
+    partition: str
+    preempt_type: str
+    mode: str
+    """The partition's PreemptMode, else the cluster's: ``REQUEUE``, ``OFF``, ``SUSPEND,GANG``..."""
+    slurmctld_parameters: tuple[str, ...]
+    job_requeue: str
+    grace_time: str
+
+    @classmethod
+    def read(cls, config: Mapping[str, str], partition: Mapping[str, str]) -> Preemption:
+        """From ``scontrol show config`` and the partition's ``scontrol show partition`` record."""
+        return cls(
+            partition=partition.get("PartitionName", "?"),
+            preempt_type=config.get("PreemptType", "preempt/none"),
+            mode=partition.get("PreemptMode") or config.get("PreemptMode", "OFF"),
+            slurmctld_parameters=tuple(config.get("SlurmctldParameters", "").split(",")),
+            job_requeue=config.get("JobRequeue", "1"),
+            grace_time=partition.get("GraceTime", "0"),
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.preempt_type != "preempt/none"
+
+    @property
+    def action(self) -> str:
+        """What happens to a preempted job: the first word of PreemptMode (``REQUEUE,GANG``)."""
+        return self.mode.split(",")[0].upper()
+
+
+def preempt_type_rule(settings: Preemption) -> Check:
+    """Without a preemption plugin an elastic job can never borrow idle nodes."""
+    if settings.enabled:
+        return Check("PreemptType", Level.PASS, settings.preempt_type)
+    return Check(
+        "PreemptType",
+        Level.WARN,
+        "preemption is off (preempt/none): nodes never come back to an elastic job "
+        "once others need them, and idle nodes are never lent to it",
+        "ask for PreemptType=preempt/partition_prio (or preempt/qos) with "
+        "PreemptMode=REQUEUE to run on borrowed nodes",
+    )
+
+
+def preempt_mode_rule(settings: Preemption) -> Check:
+    """REQUEUE brings a preempted task back; CANCEL and SUSPEND shrink the job for good."""
+    where = f"in partition '{settings.partition}'"
+    if settings.action == "REQUEUE":
+        return Check(
+            "PreemptMode",
+            Level.PASS,
+            f"{settings.mode} {where}: a preempted array task is requeued and its "
+            "agent rejoins when it runs again",
+        )
+    if settings.action == "OFF":
+        return Check(
+            "PreemptMode",
+            Level.WARN if settings.enabled else Level.PASS,
+            f"OFF {where}: its jobs are never preempted",
+            "use a preemptible partition to soak up idle nodes; MIN:MAX then still absorbs "
+            "node failures"
+            if settings.enabled
+            else "",
+        )
+    fate = "cancelled for good" if settings.action == "CANCEL" else "suspended, not requeued"
+    return Check(
+        "PreemptMode",
+        Level.WARN,
+        f"{settings.mode} {where}: a preempted task is {fate}",
+        "an elastic job shrinks and stays smaller; ask for PreemptMode=REQUEUE",
+    )
+
+
+def user_signal_rule(settings: Preemption) -> Check:
+    """Only with preempt_send_user_signal does a preempted task get the job's --signal."""
+    if "preempt_send_user_signal" in settings.slurmctld_parameters:
+        return Check(
+            "preempt_send_user_signal",
+            Level.PASS,
+            "a preempted task gets the job's --signal (USR2) at GraceTime, so workers "
+            "checkpoint before they stop",
+        )
+    return Check(
+        "preempt_send_user_signal",
+        Level.WARN,
+        "not in SlurmctldParameters: a preempted task gets SIGTERM, not --signal",
+        "workers still save on SIGTERM but get only the partition's GraceTime; ask "
+        "for SlurmctldParameters=preempt_send_user_signal",
+    )
+
+
+def job_requeue_rule(settings: Preemption) -> Check:
+    """Informational: hpc-elastic's scripts pass --requeue, so either value works."""
+    meaning = (
+        "jobs are requeueable by default"
+        if settings.job_requeue == "1"
+        else "jobs are not requeueable by default; hpc-elastic's scripts ask for "
+        "--requeue themselves"
+    )
+    return Check("JobRequeue", Level.PASS, f"{settings.job_requeue}: {meaning}")
+
+
+def grace_time_rule(settings: Preemption) -> Check | None:
+    """A requeued task without GraceTime is killed before its workers can checkpoint."""
+    if settings.action != "REQUEUE" or settings.grace_time not in ("0", "00:00:00"):
+        return None
+    return Check(
+        "GraceTime",
+        Level.WARN,
+        f"0 in partition '{settings.partition}': preempted tasks are killed at once",
+        "workers lose the steps since their last checkpoint; ask for a GraceTime of "
+        "a minute or more",
+    )
+
+
+PreemptionRule = Callable[[Preemption], Check | None]
+PREEMPTION_RULES: tuple[PreemptionRule, ...] = (
+    preempt_type_rule,
+    preempt_mode_rule,
+    user_signal_rule,
+    job_requeue_rule,
+    grace_time_rule,
+)
+"""Run in this order; a rule that has nothing to say returns None."""
+
+
 def preemption_checks(config: Mapping[str, str], partition: Mapping[str, str]) -> list[Check]:
     """What the cluster's preemption settings mean for an elastic job in ``partition``."""
-    checks = []
-    preempt_type = config.get("PreemptType", "preempt/none")
-    mode = partition.get("PreemptMode") or config.get("PreemptMode", "OFF")
-    name = partition.get("PartitionName", "?")
-    if preempt_type == "preempt/none":
-        checks.append(
-            Check(
-                "PreemptType",
-                Level.WARN,
-                "preemption is off (preempt/none): nodes never come back to an elastic job "
-                "once others need them, and idle nodes are never lent to it",
-                "ask for PreemptType=preempt/partition_prio (or preempt/qos) with "
-                "PreemptMode=REQUEUE to run on borrowed nodes",
-            )
-        )
-    else:
-        checks.append(Check("PreemptType", Level.PASS, preempt_type))
-    mode_word = mode.split(",")[0].upper()
-    if mode_word == "REQUEUE":
-        checks.append(
-            Check(
-                "PreemptMode",
-                Level.PASS,
-                f"{mode} in partition '{name}': a preempted array task is requeued and its "
-                "agent rejoins when it runs again",
-            )
-        )
-    elif mode_word == "OFF":
-        checks.append(
-            Check(
-                "PreemptMode",
-                Level.PASS if preempt_type == "preempt/none" else Level.WARN,
-                f"OFF in partition '{name}': its jobs are never preempted",
-                ""
-                if preempt_type == "preempt/none"
-                else "use a preemptible partition to "
-                "soak up idle nodes; MIN:MAX then still absorbs node failures",
-            )
-        )
-    else:
-        checks.append(
-            Check(
-                "PreemptMode",
-                Level.WARN,
-                f"{mode} in partition '{name}': a preempted task is "
-                + ("cancelled for good" if mode_word == "CANCEL" else "suspended, not requeued"),
-                "an elastic job shrinks and stays smaller; ask for PreemptMode=REQUEUE",
-            )
-        )
-    parameters = config.get("SlurmctldParameters", "")
-    if "preempt_send_user_signal" in parameters.split(","):
-        checks.append(
-            Check(
-                "preempt_send_user_signal",
-                Level.PASS,
-                "a preempted task gets the job's --signal (USR2) at GraceTime, so workers "
-                "checkpoint before they stop",
-            )
-        )
-    else:
-        checks.append(
-            Check(
-                "preempt_send_user_signal",
-                Level.WARN,
-                "not in SlurmctldParameters: a preempted task gets SIGTERM, not --signal",
-                "workers still save on SIGTERM but get only the partition's GraceTime; ask "
-                "for SlurmctldParameters=preempt_send_user_signal",
-            )
-        )
-    requeue = config.get("JobRequeue", "1")
-    checks.append(
-        Check(
-            "JobRequeue",
-            Level.PASS,
-            f"{requeue}: "
-            + (
-                "jobs are requeueable by default"
-                if requeue == "1"
-                else "jobs are not requeueable by default; hpc-elastic's scripts ask for "
-                "--requeue themselves"
-            ),
-        )
+    settings = Preemption.read(config, partition)
+    return [check for rule in PREEMPTION_RULES if (check := rule(settings)) is not None]
+
+
+def partition_check(record: Mapping[str, str]) -> Check:
+    return Check(
+        "partition",
+        Level.PASS,
+        f"'{record.get('PartitionName', '?')}' exists: nodes {record.get('Nodes', '?')}, "
+        f"{record.get('TotalNodes', '?')} in all, MaxTime {record.get('MaxTime', '?')}",
     )
-    grace = partition.get("GraceTime", "0")
-    if mode_word == "REQUEUE" and grace in ("0", "00:00:00"):
-        checks.append(
-            Check(
-                "GraceTime",
-                Level.WARN,
-                f"0 in partition '{name}': preempted tasks are killed at once",
-                "workers lose the steps since their last checkpoint; ask for a GraceTime of "
-                "a minute or more",
-            )
-        )
-    return checks
 
 
-# --- probes --------------------------------------------------------------------------------
+def unknown_partition_check(name: str | None, known: list[str]) -> Check:
+    return Check(
+        "partition",
+        Level.FAIL,
+        f"'{name or '(default)'}' does not exist",
+        f"pick one of {', '.join(known) or '(none)'} with --partition",
+    )
 
 
-def slurm_checks(partition: str | None, run: Run) -> tuple[list[Check], str | None]:
-    """Tools, version, controller, partition and preemption; also the partition to use."""
-    missing = [tool for tool in TOOLS if shutil.which(tool) is None]
+# --- probes: ask Slurm, ZooKeeper and the filesystem, then apply the rules -----------------
+
+
+def slurm_checks(partition: str | None) -> tuple[list[Check], str | None]:
+    """Tools, version, controller, partition and preemption; also the partition to use
+    (None when Slurm is not usable, which skips the shared-filesystem step)."""
+    missing = commands.missing_tools(TOOLS)
     if missing:
         return [
             Check(
@@ -210,53 +252,29 @@ def slurm_checks(partition: str | None, run: Run) -> tuple[list[Check], str | No
                 "run doctor on a login node, or load Slurm (e.g. `module load slurm`)",
             )
         ], None
-    checks = [Check("Slurm tools", Level.PASS, ", ".join(TOOLS) + " found")]
-    checks.append(version_check(run(["scontrol", "--version"]).stdout))
-    shown = run(["scontrol", "show", "config"])
-    if shown.returncode != 0:
-        checks.append(
-            Check(
-                "slurmctld",
-                Level.FAIL,
-                f"`scontrol show config` failed: {_last_line(shown.stderr)}",
-                "check `scontrol ping` and SLURM_CONF",
-            )
-        )
-        return checks, None
-    config = parse_config(shown.stdout)
-    record, partition = _partition(partition, run)
+    checks = [Check("Slurm tools", Level.PASS, ", ".join(TOOLS) + " found"), _version_probe()]
+    try:
+        config = commands.show_config()
+        record = commands.partition_record(partition)
+        known = commands.partitions() if record is None else []
+    except SlurmError as error:
+        log.debug("doctor: Slurm is not usable: %s", error)
+        return [*checks, Check("slurmctld", Level.FAIL, str(error))], None
     if record is None:
-        known = run(["sinfo", "-h", "-o", "%R"]).stdout.split()
-        checks.append(
-            Check(
-                "partition",
-                Level.FAIL,
-                f"'{partition or '(default)'}' does not exist",
-                f"pick one of {', '.join(dict.fromkeys(known)) or '(none)'} with --partition",
-            )
-        )
-        return checks, None
-    checks.append(
-        Check(
-            "partition",
-            Level.PASS,
-            f"'{partition}' exists: nodes {record.get('Nodes', '?')}, "
-            f"{record.get('TotalNodes', '?')} in all, MaxTime {record.get('MaxTime', '?')}",
-        )
-    )
-    checks.extend(preemption_checks(config, record))
-    return checks, partition
+        return [*checks, unknown_partition_check(partition, known)], None
+    log.debug("doctor: checking partition %s", record.get("PartitionName"))
+    return [
+        *checks,
+        partition_check(record),
+        *preemption_checks(config, record),
+    ], record.get("PartitionName")
 
 
-def _partition(name: str | None, run: Run) -> tuple[dict[str, str] | None, str | None]:
-    shown = run(["scontrol", "-o", "show", "partition", *([name] if name else [])])
-    if shown.returncode != 0:
-        return None, name
-    for line in shown.stdout.splitlines():
-        record = parse_record(line)
-        if (name is None and record.get("Default") == "YES") or record.get("PartitionName") == name:
-            return record, record.get("PartitionName")
-    return None, name
+def _version_probe() -> Check:
+    try:
+        return version_check(commands.slurm_version())
+    except SlurmError as error:
+        return Check("Slurm version", Level.WARN, str(error))
 
 
 def zookeeper_check(hosts: str, samples: int = 5) -> Check:
@@ -301,9 +319,7 @@ def _round_trip(host: str, port: int) -> tuple[float, str]:
     return elapsed, f"ZooKeeper {match.group(1).decode()}" if match else "answers"
 
 
-def checkpoint_checks(
-    directory: Path, partition: str | None, slurm_ok: bool, run: Run
-) -> list[Check]:
+def checkpoint_checks(directory: Path, partition: str | None, slurm_ok: bool) -> list[Check]:
     """Writable here, and readable from a compute node (one short ``srun``)."""
     marker = directory / f".hpc-elastic-doctor-{secrets.token_hex(4)}"
     token = secrets.token_hex(8)
@@ -331,78 +347,171 @@ def checkpoint_checks(
                 )
             )
             return checks
-        argv = ["srun", "-N1", "-n1", "--immediate=20", "--time=1", "--quiet"]
-        argv += [*(["-p", partition] if partition else []), "cat", str(marker)]
-        result = run(argv)
-        if result.returncode == 0 and result.stdout.strip() == token:
-            checks.append(
-                Check("shared filesystem", Level.PASS, "a compute node reads what is written here")
-            )
-        elif "No such file" in result.stderr:
-            checks.append(
-                Check(
-                    "shared filesystem",
-                    Level.FAIL,
-                    f"compute nodes do not see '{directory}'",
-                    "put checkpoints on a filesystem every node mounts (e.g. /scratch, $HOME)",
-                )
-            )
-        else:
-            checks.append(
-                Check(
-                    "shared filesystem",
-                    Level.WARN,
-                    f"no one-node step could run to check it ({_last_line(result.stderr)})",
-                    "rerun doctor when the partition has an idle node",
-                )
-            )
+        checks.append(shared_filesystem_check(marker, token, partition))
     finally:
         marker.unlink(missing_ok=True)
     return checks
 
 
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1].rstrip(".") if lines else "no message"
+def shared_filesystem_check(marker: Path, token: str, partition: str | None) -> Check:
+    """A compute node must read back the token just written to ``marker`` on this host."""
+    try:
+        seen = commands.read_on_a_node(str(marker), partition)
+    except SlurmError as error:
+        return Check("shared filesystem", Level.WARN, str(error))
+    if seen is None:
+        return Check(
+            "shared filesystem",
+            Level.FAIL,
+            f"compute nodes do not see '{marker.parent}'",
+            "put checkpoints on a filesystem every node mounts (e.g. /scratch, $HOME)",
+        )
+    if seen.strip() != token:
+        return Check(
+            "shared filesystem",
+            Level.WARN,
+            f"a compute node read something else at '{marker}'",
+            "make sure every node mounts the checkpoint directory at the same path",
+        )
+    return Check("shared filesystem", Level.PASS, "a compute node reads what is written here")
+
+
+def is_url(text: str) -> bool:
+    """``s3://bucket/run`` and the like: checkpoints in an object store (issue 15)."""
+    return "://" in text
+
+
+def object_store_check(url: str) -> Check:
+    """An object store is not a directory: making ``s3:/bucket`` here would be wrong, so
+    doctor says what it cannot check instead of creating a local look-alike."""
+    return Check(
+        "checkpoint dir",
+        Level.WARN,
+        f"'{url}' is an object store, which doctor does not check",
+        "check the store's credentials and write access from a compute node",
+    )
+
+
+PYXIS_OPTIONS = ("--container-image", "--container-mounts")
+"""What ``--container-image`` puts on the srun line; pyxis adds both to ``srun --help``."""
+
+
+def pyxis_rule(srun_help: str | None) -> Check:
+    """Whether ``submit --container-image`` can work here. No pyxis is no fault of the
+    cluster: it passes, and says what the flag needs."""
+    if srun_help is None:
+        return Check("pyxis", Level.PASS, "not checked: srun is not usable here")
+    missing = [option for option in PYXIS_OPTIONS if option not in srun_help]
+    if not missing:
+        return Check(
+            "pyxis",
+            Level.PASS,
+            "srun has --container-image and --container-mounts: --container-image IMAGE works",
+        )
+    return Check(
+        "pyxis",
+        Level.PASS,
+        f"srun has no {' or '.join(missing)} (no pyxis plugin): --container-image cannot be "
+        "used here; use --apptainer IMAGE, or ask the admins for pyxis",
+    )
+
+
+def apptainer_rule(found: bool) -> Check:
+    """Whether ``submit --apptainer`` can work: the command must be on PATH. Only this host's
+    PATH is seen; the compute nodes need it too."""
+    if found:
+        return Check(
+            "apptainer",
+            Level.PASS,
+            "found on PATH here (the compute nodes need it too): --apptainer IMAGE works",
+        )
+    return Check(
+        "apptainer",
+        Level.PASS,
+        "not on PATH here: --apptainer cannot be used unless the compute nodes have it "
+        "(try `module load apptainer`)",
+    )
+
+
+def container_checks() -> list[Check]:
+    """The two container runtimes ``submit`` knows (``--container-image``, ``--apptainer``)."""
+    try:
+        help_text: str | None = commands.srun_help()
+    except SlurmError as error:
+        log.debug("doctor: srun --help failed: %s", error)
+        help_text = None
+    return [pyxis_rule(help_text), apptainer_rule(not commands.missing_tools(("apptainer",)))]
+
+
+def bad_nodes_rule(records: Sequence[BadNode], now: float) -> Check:
+    """The nodes the user's jobs keep away from: not a fault of the cluster, but a job that
+    waits for nodes is told why it gets fewer than the partition has."""
+    if not records:
+        return Check("bad nodes", Level.PASS, "none remembered: your jobs may run on every node")
+    shown = "; ".join(
+        f"{record.host} until {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(record.until))} "
+        f"({one_line(record.reason)})"
+        for record in records
+    )
+    return Check(
+        "bad nodes",
+        Level.WARN,
+        f"{len(records)} kept out of your jobs since their health check failed: {shown}",
+        "once a node is repaired, `hpc-elastic nodes clear NODE` lets your jobs use it again",
+    )
+
+
+def bad_nodes_check(zk: str, secret_file: Path, zk_ok: bool) -> Check:
+    """The user's remembered bad nodes (``hpc-elastic nodes``), read with the user's secret."""
+    if not zk_ok:
+        return Check(
+            "bad nodes",
+            Level.WARN,
+            "not checked: ZooKeeper did not answer",
+            "once ZooKeeper answers, `hpc-elastic nodes` lists them",
+        )
+    if not secret_file.expanduser().is_file():
+        return Check(
+            "bad nodes",
+            Level.PASS,
+            f"none remembered (no user secret at '{secret_file.expanduser()}' yet)",
+        )
+    try:
+        with badnodes.open_book(zk, secret_file) as book:
+            records = badnodes.listing(book, time.time())
+    except HpcElasticError as error:
+        log.debug("doctor: the bad-node list is unreadable: %s", error)
+        return Check(
+            "bad nodes",
+            Level.WARN,
+            f"not read: {error}",
+            "your jobs still run; a node that fails its health check is excluded anyway",
+        )
+    return bad_nodes_rule(records, time.time())
+
+
+def _user_secret_file() -> Path:
+    """Where the agents keep the user's secret: ``HPC_ELASTIC_USER_SECRET_FILE`` or the default."""
+    return Path(os.environ.get(USER_SECRET_FILE_ENV) or DEFAULT_USER_SECRET_FILE)
 
 
 def diagnose(
-    partition: str | None, zk: str, checkpoint_dir: Path, run: Run = run_tool
+    partition: str | None,
+    zk: str,
+    checkpoint_dir: Path | str,
+    user_secret_file: Path | None = None,
 ) -> list[Check]:
-    checks, chosen = slurm_checks(partition, run)
+    """Every check; ``checkpoint_dir`` is a local directory, or a URL (``is_url``) left as is."""
+    checks, chosen = slurm_checks(partition)
     checks.append(zookeeper_check(zk))
-    checks.extend(checkpoint_checks(checkpoint_dir, chosen, chosen is not None, run))
+    checks.append(
+        bad_nodes_check(
+            zk, user_secret_file or _user_secret_file(), checks[-1].level is not Level.FAIL
+        )
+    )
+    checks.extend(container_checks())
+    if isinstance(checkpoint_dir, str):
+        checks.append(object_store_check(checkpoint_dir))
+    else:
+        checks.extend(checkpoint_checks(checkpoint_dir, chosen, chosen is not None))
     return checks
-
-
-def doctor_command(
-    partition: Annotated[
-        str | None, typer.Option(metavar="NAME", help="Partition to check; default: Slurm's.")
-    ] = None,
-    zk: Annotated[
-        str | None,
-        typer.Option(
-            parser=parse_zk,
-            metavar="HOST:PORT[,...]",
-            help=f"ZooKeeper to check. Default: $HPC_ELASTIC_ZK, the config file, or {DEFAULT_ZK}.",
-        ),
-    ] = None,
-    checkpoint_dir: Annotated[
-        Path | None,
-        typer.Option(metavar="DIR", help="Where jobs will write. Default: ./hpc-elastic-runs."),
-    ] = None,
-) -> None:
-    """Check a cluster before the first submit: one line per check, pass, warn or fail."""
-    values = load_config(Path.cwd()).values
-    address = zk or str(values.get("zk", DEFAULT_ZK))
-    directory = checkpoint_dir or Path(str(values.get("log_dir", "hpc-elastic-runs")))
-    if directory.exists() and not directory.is_dir():
-        raise UsageError(f"--checkpoint-dir '{directory}' is a file; give a directory.")
-    checks = diagnose(partition, address, directory.absolute())
-    for check in checks:
-        for line in check.lines():
-            typer.echo(line)
-    failed = sum(check.level is Level.FAIL for check in checks)
-    warned = sum(check.level is Level.WARN for check in checks)
-    typer.echo(f"{len(checks)} checks: {failed} failed, {warned} warnings.")
-    raise typer.Exit(1 if failed else 0)

@@ -32,12 +32,20 @@ class TemplateError(UsageError):
     """An sbatch template is missing or fails to render."""
 
 
+class SnapshotError(UsageError):
+    """The script's project cannot be copied into the job directory (too big, unreadable)."""
+
+
 class SlurmError(HpcElasticError):
     """Slurm is missing, refused a request, or answered something we cannot read."""
 
 
 class RendezvousError(HpcElasticError):
     """The rendezvous store is unreachable, refused us, or holds state we cannot trust."""
+
+
+class RendezvousAccessError(RendezvousError):
+    """The job's rendezvous node is not guarded by the job's secret: refused, never used."""
 
 
 class RendezvousClosedError(RendezvousError):
@@ -52,3 +60,11 @@ class AgentError(HpcElasticError):
 
 class CheckpointError(HpcElasticError):
     """No checkpoint could be written or read back intact."""
+
+
+class CheckpointFencedError(CheckpointError):
+    """A writer from an older round tried to commit after a newer round began writing."""
+
+
+class WaitTimeoutError(HpcElasticError, TimeoutError):
+    """``Job.wait(timeout=...)`` ran out of time before the job ended (it keeps running)."""

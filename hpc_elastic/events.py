@@ -6,23 +6,132 @@ shared filesystem interleave whole instead of tearing.
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import socket
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-EVENTS_FILE_ENV = "HPC_ELASTIC_EVENTS_FILE"
+from hpc_elastic import contract
+
+EVENTS_FILE_ENV = contract.EVENTS_FILE_ENV
+"""Kept here too, where workers and helpers imported it before ``contract`` existed."""
+
 _MAX_LINE = 4000
+_LATEST_TIME = 2.0**34
+"""Seconds since 1970 in the year 2514: later times cannot be shown as dates, so a line
+carrying one was not written by a clock."""
+
+
+class Kind(enum.StrEnum):
+    """Every kind of event the toolkit writes. Producers must pass one of these, so a misspelt
+    kind fails type checking instead of silently dropping a line from ``status``."""
+
+    JOIN = "join"
+    """An agent entered the rendezvous (details: host, nproc)."""
+    ROUND = "round"
+    """A round formed (``RoundDetails``)."""
+    START = "start"
+    """This agent's workers started (details: ranks)."""
+    RESTART = "restart"
+    """This agent's workers stopped for a new round (details: reason)."""
+    FAILURE = "failure"
+    """A worker failed (``FailureDetails``)."""
+    FAILED = "failed"
+    """The job failed (``FailedDetails``)."""
+    DONE = "done"
+    """Every worker of the job finished."""
+    LEAVE = "leave"
+    """An agent left (details: exit_code or reason)."""
+    PREEMPT = "preempt"
+    """An agent stopped its workers for preemption and waits for the requeue."""
+    REQUEUE = "requeue"
+    """Slurm requeues a slot (written by slurm/elastic.py)."""
+    ERROR = "error"
+    """The agent cannot go on (details: reason, exit_code)."""
+    SPARE = "spare"
+    """An agent waits beside a full round as a hot spare (``submit --spares``; details:
+    standbys, whether it keeps prewarmed standby workers); its next ``round`` is the one in
+    which it replaces a lost member."""
+    NODE_LOST = "node_lost"
+    NODE_ARRIVED = "node_arrived"
+    """Membership changes between two rounds (details: nodes)."""
+    ROUND_ENDED = "round_ended"
+    """The restart timeline (``ops/phases.py``): this agent saw its round end (details: outcome)."""
+    FAILURE_REPORTED = "failure_reported"
+    """The restart timeline: the failure report is in the store (details: rank)."""
+    WORKERS_STOPPED = "workers_stopped"
+    """The restart timeline: this agent's old workers are gone."""
+    WORKERS_KEPT = "workers_kept"
+    """The restart timeline, in-place mode: this agent handed its surviving workers the new
+    round instead of stopping them (details: ranks, the survivors' new ranks)."""
+    FIRST_HEARTBEAT = "first_heartbeat"
+    """The restart timeline: every local rank of the round beat its heartbeat."""
+    WORKER_READY = "worker_ready"
+    """The restart timeline: a rank reached its first ``should_stop()`` (in the group)."""
+    FIRST_STEP = "first_step"
+    """The restart timeline: a rank's first ``should_stop()`` collective returned."""
+    CHECKPOINT = "checkpoint"
+    """A checkpoint was committed (``CheckpointDetails``)."""
+    CHECKPOINT_SKIPPED = "checkpoint_skipped"
+    """An asynchronous save was skipped: the previous commit was still in flight."""
+    CHECKPOINT_LOADED = "checkpoint_loaded"
+    """A restart resumed from a checkpoint (``LoadedDetails``)."""
+    TRAINING = "training"
+    """A round's workers began training (read by ops/goodput.py)."""
+    STRAGGLER = "straggler"
+    """A rank steps much slower than the median (details: rank, score)."""
+    USER_ERROR = "user_error"
+    BREAKER = "breaker"
+    """A failure no restart fixes (a user error; restarts without a new checkpoint): the
+    job is failed at once (details: reason)."""
+    HEALTH = "health"
+    """The node's health checks before the agent joins (details: healthy, reason, checks)."""
+    HELD = "held"
+    """Slurm holds a requeued task (REQUEUE_HOLD; details: task, slurm_job, reason)."""
+    RELEASED = "released"
+    """A running slot released a sibling that Slurm held for too many requeues
+    (``JobHoldMaxRequeue``; details: task, slurm_job, releases, progress)."""
+    FENCED = "fenced"
+    """A worker stopped itself because the agent's lease went stale."""
+    EXCLUDE = "exclude"
+    CANCEL_PENDING = "cancel_pending"
+    CANCELLED = "cancelled"
+    NODE_FAILURE = "node_failure"
+    KILLED_LEAVING = "killed_leaving"
+    WARNING = "warning"
+    """An elastic slot's decisions (slurm/elastic.py, agent/command.py): a node excluded,
+    pending slots cancelled, the job found cancelled, the last incarnation's end judged."""
+    CANCEL = "cancel"
+    """``hpc-elastic cancel`` stopped the job."""
+    CHURN = "churn"
+    """Local mode's simulated churn (``ChurnDetails``)."""
+
+
+class UnknownKind(str):
+    """A kind read from a file that this version does not know (a newer writer, a stranger),
+    kept as text so that ``events`` still shows the line. A subclass of ``str`` rather than
+    ``str`` itself, so that ``Event(kind="rond")`` fails type checking."""
+
+    __slots__ = ()
+
+
+def kind_of(text: str) -> Kind | UnknownKind:
+    """The ``Kind`` that ``text`` names, or the text kept as an ``UnknownKind``."""
+    try:
+        return Kind(text)
+    except ValueError:
+        return UnknownKind(text)
 
 
 @dataclass(frozen=True)
 class Event:
-    kind: str
-    """join, leave, round, start, restart, failure, preempt, requeue, checkpoint, done, ..."""
+    kind: Kind | UnknownKind
+    """One of ``Kind``; an ``UnknownKind`` only when read from a file."""
     job: str = ""
     slot: str = ""
     node: str = field(default_factory=socket.gethostname)
@@ -43,7 +152,7 @@ def append(path: Path | str, event: Event) -> None:
         os.close(fd)
 
 
-def emit(kind: str, **details: Any) -> None:
+def emit(kind: Kind, **details: Any) -> None:
     """Append to the events file the agent named in the environment; a no-op outside a job."""
     path = os.environ.get(EVENTS_FILE_ENV)
     if path:
@@ -52,8 +161,8 @@ def emit(kind: str, **details: Any) -> None:
             Event(
                 kind=kind,
                 job=os.environ.get("TORCHELASTIC_RUN_ID", ""),
-                slot=os.environ.get("HPC_ELASTIC_SLOT", ""),
-                round=_int_or_none(os.environ.get("HPC_ELASTIC_ROUND")),
+                slot=os.environ.get(contract.SLOT_ENV, ""),
+                round=_int_or_none(os.environ.get(contract.ROUND_ENV)),
                 details=details,
             ),
         )
@@ -86,11 +195,176 @@ def _parse(lines: list[str]) -> list[Event]:
     for line in lines:
         try:
             raw = json.loads(line)
-            events.append(Event(**raw))
-        except (ValueError, TypeError):
+            event = Event(**raw)
+        except (ValueError, TypeError, RecursionError):
             continue
+        if well_typed(event):
+            events.append(replace(event, kind=kind_of(event.kind)))
     return events
+
+
+def well_typed(event: Event) -> bool:
+    """Whether every field has its declared type: any process of the job's user may append
+    to the file, and readers sort by ``time`` and look into ``details`` without asking."""
+    texts = (event.kind, event.job, event.slot, event.node)
+    return (
+        all(isinstance(text, str) for text in texts)
+        and (
+            event.round is None
+            or (isinstance(event.round, int) and not isinstance(event.round, bool))
+        )
+        and isinstance(event.details, dict)
+        and isinstance(event.time, int | float)
+        and not isinstance(event.time, bool)
+        and 0 <= event.time < _LATEST_TIME
+    )
 
 
 def _int_or_none(text: str | None) -> int | None:
     return int(text) if text and text.isdigit() else None
+
+
+# Typed details: what the readers (ops/timeline.py, ops/status.py, ops/plot.py, metrics.py)
+# look up in ``Event.details``. Writers spread a record's ``to_details()`` into the event;
+# readers call ``from_details`` and get the default for a field that is missing or has the
+# wrong type: every process of the job's user may append to the file, so no value in it is
+# trusted (a ``restarts_used`` of "many" once made ``status`` raise).
+
+
+@dataclass(frozen=True)
+class RoundDetails:
+    """``Kind.ROUND``: the round every member agreed on."""
+
+    world_size: int = 0
+    members: tuple[str, ...] = ()
+    """Slots (or node ids) of the members, in rank order."""
+    restarts_used: int = 0
+
+    def to_details(self) -> dict[str, Any]:
+        return {
+            "world_size": self.world_size,
+            "members": list(self.members),
+            "restarts_used": self.restarts_used,
+        }
+
+    @classmethod
+    def from_details(cls, details: dict[str, Any]) -> RoundDetails:
+        return cls(
+            world_size=_int(details, "world_size") or 0,
+            members=_texts(details, "members"),
+            restarts_used=_int(details, "restarts_used") or 0,
+        )
+
+
+@dataclass(frozen=True)
+class FailureDetails:
+    """``Kind.FAILURE``: the root cause of one worker's failure."""
+
+    rank: int | None = None
+    exit_code: int | None = None
+    signal: str | None = None
+    """The signal's name when a signal killed the worker, else None."""
+    message: str = ""
+    """The tail of the worker's error file or log."""
+    hung: bool = False
+
+    def to_details(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "exit_code": self.exit_code,
+            "signal": self.signal,
+            "message": self.message,
+            "hung": self.hung,
+        }
+
+    @classmethod
+    def from_details(cls, details: dict[str, Any]) -> FailureDetails:
+        return cls(
+            rank=_int(details, "rank"),
+            exit_code=_int(details, "exit_code"),
+            signal=_text(details, "signal"),
+            message=_text(details, "message") or "",
+            hung=details.get("hung") is True,
+        )
+
+
+@dataclass(frozen=True)
+class FailedDetails:
+    """``Kind.FAILED``: why the whole job failed."""
+
+    reason: str = ""
+
+    def to_details(self) -> dict[str, Any]:
+        return {"reason": self.reason}
+
+    @classmethod
+    def from_details(cls, details: dict[str, Any]) -> FailedDetails:
+        return cls(reason=_text(details, "reason") or "")
+
+
+@dataclass(frozen=True)
+class CheckpointDetails:
+    """``Kind.CHECKPOINT``: a committed checkpoint."""
+
+    step: int | None = None
+    path: str = ""
+
+    def to_details(self) -> dict[str, Any]:
+        return {"step": self.step, "path": self.path}
+
+    @classmethod
+    def from_details(cls, details: dict[str, Any]) -> CheckpointDetails:
+        return cls(step=_int(details, "step"), path=_text(details, "path") or "")
+
+
+@dataclass(frozen=True)
+class LoadedDetails:
+    """``Kind.CHECKPOINT_LOADED``: which tier a restart read its checkpoint from."""
+
+    step: int | None = None
+    tier: str = ""
+    """local, peer (a copy kept by another node), shared or remote (object storage)."""
+    rank: int | None = None
+    """The rank that read it; None: every rank read the same tier."""
+
+    def to_details(self) -> dict[str, Any]:
+        return {"step": self.step, "tier": self.tier, "rank": self.rank}
+
+    @classmethod
+    def from_details(cls, details: dict[str, Any]) -> LoadedDetails:
+        return cls(
+            step=_int(details, "step"),
+            tier=_text(details, "tier") or "",
+            rank=_int(details, "rank"),
+        )
+
+
+@dataclass(frozen=True)
+class ChurnDetails:
+    """``Kind.CHURN``: local mode killed (``kill``) or started (``add``) a node."""
+
+    action: str = ""
+    target: str = ""
+    """The slot killed or added."""
+
+    def to_details(self) -> dict[str, Any]:
+        return {"action": self.action, "target": self.target}
+
+    @classmethod
+    def from_details(cls, details: dict[str, Any]) -> ChurnDetails:
+        return cls(action=_text(details, "action") or "", target=_text(details, "target") or "")
+
+
+def _int(details: dict[str, Any], name: str) -> int | None:
+    value = details.get(name)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _text(details: dict[str, Any], name: str) -> str | None:
+    value = details.get(name)
+    return value if isinstance(value, str) else None
+
+
+def _texts(details: dict[str, Any], name: str) -> tuple[str, ...]:
+    value = details.get(name)
+    return tuple(str(item) for item in value) if isinstance(value, list) else ()

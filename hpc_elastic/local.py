@@ -10,7 +10,6 @@ starts it again a little later, so a user can watch elasticity before going near
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -23,22 +22,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import IO, Annotated
-
-import typer
+from typing import IO
 
 from hpc_elastic import __version__, events
+from hpc_elastic.contract import RUN_ID_ENV
 from hpc_elastic.errors import UsageError
-from hpc_elastic.ops import timeline
+from hpc_elastic.events import ChurnDetails, Kind
+from hpc_elastic.invocation import AgentInvocation
+from hpc_elastic.jobdir import JobDir, JobRecord, make_private_dir
+from hpc_elastic.ops.progress import Progress
+from hpc_elastic.options import agent_options
 from hpc_elastic.rendezvous import state as st
 from hpc_elastic.rendezvous.local_store import SCHEME, LocalStoreServer
-from hpc_elastic.spec import NodeRange, count_parser, parse_job_name, seconds_parser
-from hpc_elastic.submit import JOB_FILE, new_run_id
+from hpc_elastic.spec import NodeRange
+from hpc_elastic.submit import new_run_id
 
 POLL = 0.2
 """Seconds between two looks at the agents, the churn schedule and the events file."""
-SHOWN = frozenset({"round", "failure", "failed", "checkpoint", "preempt", "done", "churn"})
-"""Events the progress view prints; ``hpc-elastic events`` shows them all."""
 
 
 @dataclass(frozen=True)
@@ -81,8 +81,13 @@ class LocalRun:
     tee: bool = False
     prewarm: bool = True
     """Standby workers with torch imported, so a round after churn skips the import."""
+    in_place: bool = False
+    """``agent --in-place``: surviving workers keep their process through churn (loops that
+    use ``hpc_elastic.train.InPlace``); off by default, as for ``submit``."""
     grace: float = 10.0
     metrics_port: int | None = None
+    environment: tuple[tuple[str, str], ...] = ()
+    """Variables for the agents and their workers, as ``submit``'s script exports them."""
     """Node ``i`` serves Prometheus metrics on this port + i; 0 lets each agent pick one."""
     python: str = sys.executable
 
@@ -93,53 +98,78 @@ class _Node:
 
     slot: str
     process: subprocess.Popen[bytes] | None = None
-    back_at: float | None = None
-    """When a churned node is started again."""
 
 
 @dataclass
-class _Progress:
-    """Prints new events once: a round is told by its first agent only."""
+class ChurnSchedule:
+    """When ``--simulate-churn`` kills a node and when it comes back: decisions only.
 
-    path: Path
-    say: Callable[[str], None]
-    offset: int = 0
-    seen: set[tuple[str, int | None, object, object]] = field(default_factory=set)
+    No processes and no clock of its own: the caller passes ``now`` (any monotonic seconds)
+    and the names of the nodes alive, so a test can drive it through hours in microseconds.
+    The same seed gives the same schedule.
+    """
 
-    def poll(self) -> list[events.Event]:
-        new, self.offset = events.read_new(self.path, self.offset)
-        for event in new:
-            key = (event.kind, event.round, event.details.get("step"), _teller(event))
-            if event.kind in SHOWN and key not in self.seen:
-                self.seen.add(key)
-                self.say(f"{timeline.clock(event.time)}  {timeline.describe(event)}")
-        return new
+    churn: Churn
+    min_nodes: int
+    random: random.Random
+    next_kill: float | None = None
+    """Set once the first round has formed: churn starts when training does."""
+    back_at: dict[str, float] = field(default_factory=dict)
+    """Killed nodes and when each is started again."""
 
+    def training_started(self, now: float) -> None:
+        if self.next_kill is None:
+            self._schedule(now)
 
-def _teller(event: events.Event) -> object:
-    """What makes an event news: every agent reports the same round, but each its own stop."""
-    if event.kind == "churn":
-        return event.time
-    return event.slot if event.kind == "preempt" else None
+    def returning(self, now: float) -> list[str]:
+        """The killed nodes due back by ``now``; each is returned once."""
+        due = [slot for slot, at in self.back_at.items() if now >= at]
+        for slot in due:
+            del self.back_at[slot]
+        return due
+
+    def kill_due(self, now: float) -> bool:
+        return self.next_kill is not None and now >= self.next_kill
+
+    def victim(self, now: float, alive: list[str]) -> str | None:
+        """The node to kill now, if more than MIN are alive; the next kill is scheduled."""
+        chosen = None
+        if len(alive) > self.min_nodes:
+            chosen = self.random.choice(alive)
+            self.back_at[chosen] = now + self.churn.downtime
+        self._schedule(now)
+        return chosen
+
+    def _schedule(self, now: float) -> None:
+        self.next_kill = now + self.random.uniform(*self.churn.every)
 
 
 class LocalJob:
     """One local run: the store, the agents, the churn schedule and the progress view."""
 
-    def __init__(self, run: LocalRun, say: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        run: LocalRun,
+        say: Callable[[str], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.run = run
         self.say = say
+        self._clock = clock
         self.run_id = new_run_id(run.job_name, datetime.now())
-        self.job_dir = run.log_dir.absolute() / self.run_id
+        self.paths = JobDir.under(run.log_dir, self.run_id)
+        self.job_dir = self.paths.path
         self._socket_dir = Path(tempfile.mkdtemp(prefix="hpc-elastic-"))
         self.address = f"{SCHEME}{self._socket_dir / 'rendezvous.sock'}"
         self._server = LocalStoreServer(self._socket_dir / "rendezvous.sock")
         self._nodes = [_Node(f"node{i}") for i in range(run.nodes.max)]
-        self._random = random.Random(run.seed)
-        self._next_kill: float | None = None
-        """Set once the first round has formed: churn starts when training does."""
+        self._schedule = (
+            None
+            if run.churn is None
+            else ChurnSchedule(run.churn, run.nodes.min, random.Random(run.seed))
+        )
         self._stop_signal: int | None = None
-        self._progress = _Progress(self.job_dir / "events.jsonl", say)
+        self._progress = Progress(self.paths.events, say)
         self._ending = False
         """Once an agent ended by itself the job is over: no more churn."""
 
@@ -167,10 +197,10 @@ class LocalJob:
     def _supervise(self) -> int:
         while True:
             for event in self._progress.poll():
-                if event.kind in ("done", "failed"):
+                if event.kind in (Kind.DONE, Kind.FAILED):
                     self._ending = True
-                elif event.kind == "round" and self._next_kill is None:
-                    self._schedule_kill(time.monotonic())
+                elif event.kind == Kind.ROUND and self._schedule is not None:
+                    self._schedule.training_started(self._clock())
             if self._stop_signal is not None:
                 self.say("Stopping: the agents get their grace period to save.")
                 self._stop_all()
@@ -182,8 +212,8 @@ class LocalJob:
             if all(code is not None for code in codes):
                 self._progress.poll()
                 return self._result([code for code in codes if code is not None])
-            if not self._ending:
-                self._churn(time.monotonic())
+            if not self._ending and self._schedule is not None:
+                self._churn(self._schedule, self._clock())
             time.sleep(POLL)
 
     def _result(self, codes: list[int]) -> int:
@@ -197,74 +227,80 @@ class LocalJob:
         )
         return code
 
-    def _churn(self, now: float) -> None:
+    def _churn(self, schedule: ChurnSchedule, now: float) -> None:
+        """Carry out the schedule: start the nodes due back, kill the one it picks."""
+        back = schedule.returning(now)
         for node in self._nodes:
-            if node.back_at is not None and now >= node.back_at:
-                node.back_at = None
-                self._event("churn", action="add", target=node.slot)
+            if node.slot in back:
+                self._event(Kind.CHURN, **ChurnDetails("add", node.slot).to_details())
                 self._start(node)
-        if self._next_kill is None or now < self._next_kill or self._finishing():
+        if not schedule.kill_due(now) or self._finishing():
             return
-        alive = [node for node in self._nodes if node.process and node.process.poll() is None]
-        if len(alive) > self.run.nodes.min:
-            victim = self._random.choice(alive)
-            assert victim.process is not None
-            self._event("churn", action="kill", target=victim.slot)
-            victim.process.kill()
-            victim.process.wait()
-            victim.process = None
-            victim.back_at = now + (self.run.churn.downtime if self.run.churn else 0.0)
-        self._schedule_kill(now)
+        alive = {n.slot: n for n in self._nodes if n.process and n.process.poll() is None}
+        victim = schedule.victim(now, list(alive))
+        if victim is not None:
+            process = alive[victim].process
+            assert process is not None
+            self._event(Kind.CHURN, **ChurnDetails("kill", victim).to_details())
+            process.kill()
+            process.wait()
+            alive[victim].process = None
 
     def _finishing(self) -> bool:
         """Whether a node already reported success: a loss now would fail the exit barrier."""
         data = self._server.snapshot()
         return data is not None and bool(st.decode(data).succeeded)
 
-    def _schedule_kill(self, now: float) -> None:
-        if self.run.churn is not None:
-            self._next_kill = now + self._random.uniform(*self.run.churn.every)
-
     def _start(self, node: _Node) -> None:
         index = self._nodes.index(node)
         log: IO[bytes] | None = None
         if not self.run.tee:
-            log = (self.job_dir / "logs" / f"agent_{node.slot}.log").open("ab")
+            log = self.paths.agent_log(node.slot).open("ab")
         node.process = subprocess.Popen(
             self._agent_argv(node.slot, index),
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT if log else None,
             start_new_session=True,
+            # RUN_ID_ENV: cancel's proof that the process is our job's.
+            env={**os.environ, **dict(self.run.environment), RUN_ID_ENV: self.run_id},
         )
         if log is not None:
             log.close()
 
     def _agent_argv(self, slot: str, index: int) -> list[str]:
+        return self.invocation(slot, index).argv()
+
+    def invocation(self, slot: str, index: int) -> AgentInvocation:
+        """The command a Slurm step would run, with this run's store and a local slot."""
         run = self.run
-        argv = [
-            run.python,
-            "-m",
-            "hpc_elastic",
-            "agent",
-            f"--run-id={self.run_id}",
-            f"--job-dir={self.job_dir}",
-            f"--zk={self.address}",
-            f"--nodes={run.nodes.min}:{run.nodes.max}",
-            f"--nproc-per-node={run.nproc_per_node}",
-            f"--max-restarts={run.max_restarts}",
-            f"--slot={slot}",
-            "--host=127.0.0.1",
-            f"--grace={run.grace:g}",
+        options: list[tuple[str, ...]] = [
+            *agent_options(
+                {
+                    "max_restarts": run.max_restarts,
+                    "prewarm": run.prewarm,
+                    "in_place": run.in_place,
+                }
+            ),
+            ("--slot", slot),
+            ("--host", "127.0.0.1"),
+            ("--grace", f"{run.grace:g}"),
         ]
         if run.tee:
-            argv.append("--tee")
-        if run.prewarm:
-            argv.append("--prewarm=torch")
+            options.append(("--tee",))
         if run.metrics_port is not None:
             port = run.metrics_port + index if run.metrics_port else 0
-            argv.append(f"--metrics-port={port}")
-        return [*argv, "--", run.python, "-u", str(run.script), *run.script_args]
+            options.append(("--metrics-port", str(port)))
+        return AgentInvocation(
+            python=run.python,
+            run_id=self.run_id,
+            job_dir=self.job_dir,
+            nodes=f"{run.nodes.min}:{run.nodes.max}",
+            nproc_per_node=run.nproc_per_node,
+            zk=self.address,
+            worker=(run.python, "-u", str(run.script), *run.script_args),
+            options=tuple(options),
+        )
 
     def _stop_all(self) -> None:
         """SIGTERM every agent (they drain their workers), SIGKILL what outlives the grace."""
@@ -280,31 +316,35 @@ class LocalJob:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
 
-    def _event(self, kind: str, **details: object) -> None:
+    def _event(self, kind: Kind, **details: object) -> None:
         events.append(
-            self.job_dir / "events.jsonl",
+            self.paths.events,
             events.Event(kind=kind, job=self.run_id, slot="run", details=details),
         )
 
     def _write_job_dir(self) -> None:
         try:
-            (self.job_dir / "logs").mkdir(parents=True)
+            make_private_dir(self.job_dir)
+            self.paths.logs.mkdir()
         except OSError as error:
             raise UsageError(
                 f"Job directory '{self.job_dir}' cannot be created ({error.strerror}); "
                 "choose a writable --log-dir."
             ) from error
         run = self.run
-        record = {
-            "run_id": self.run_id,
-            "job_id": None,
-            "job_dir": str(self.job_dir),
-            "mode": "local",
-            "zk": self.address,
-            "pid": os.getpid(),
-            "version": __version__,
-            "command_line": ["hpc-elastic", *sys.argv[1:]],
-            "spec": {
+        JobRecord(
+            run_id=self.run_id,
+            job_dir=self.job_dir,
+            job_id=None,
+            local=True,
+            zk=self.address,
+            nodes=str(run.nodes),
+            nproc_per_node=run.nproc_per_node,
+            max_restarts=run.max_restarts,
+            runner_pid=os.getpid(),
+            version=__version__,
+            command_line=("hpc-elastic", *sys.argv[1:]),
+            spec={
                 "script": str(run.script),
                 "script_args": list(run.script_args),
                 "nodes": str(run.nodes),
@@ -313,8 +353,7 @@ class LocalJob:
                 "max_restarts": run.max_restarts,
                 "churn": None if run.churn is None else list(run.churn.every),
             },
-        }
-        (self.job_dir / JOB_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        ).write()
 
 
 def run_local(run: LocalRun, say: Callable[[str], None]) -> int:
@@ -329,94 +368,3 @@ def run_local(run: LocalRun, say: Callable[[str], None]) -> int:
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
-
-
-RUN_HELP = """Run SCRIPT elastically on this machine: MAX local agents, no Slurm, no ZooKeeper.
-
-\b
-Examples:
-  hpc-elastic run --nodes 1:3 --simulate-churn examples/train.py -- --sleep-per-step 0.1
-  hpc-elastic run --nodes 2 --nproc-per-node 2 --tee train.py -- --lr 3e-4
-"""
-
-
-def run_command(  # noqa: PLR0917 (Typer reads the options from the signature)
-    script: Annotated[
-        Path,
-        typer.Argument(metavar="SCRIPT", help="The training script, run with python -u."),
-    ],
-    script_args: Annotated[
-        list[str] | None,
-        typer.Argument(metavar="SCRIPT_ARGS", help="Arguments for SCRIPT, after '--'."),
-    ] = None,
-    nodes: Annotated[
-        NodeRange | None,
-        typer.Option(
-            parser=NodeRange.parse, metavar="N|MIN:MAX", help="Local nodes (agents). Default 1."
-        ),
-    ] = None,
-    nproc_per_node: Annotated[
-        int,
-        typer.Option(
-            parser=count_parser("--nproc-per-node"), metavar="P", help="Workers per node."
-        ),
-    ] = 1,
-    simulate_churn: Annotated[
-        bool,
-        typer.Option(help="Kill a random node now and then and start it again later."),
-    ] = False,
-    churn_every: Annotated[
-        str, typer.Option(metavar="MIN:MAX", help="Seconds between two simulated node losses.")
-    ] = "20:40",
-    churn_downtime: Annotated[
-        float,
-        typer.Option(
-            parser=seconds_parser("--churn-downtime"),
-            metavar="S",
-            help="Seconds a killed node stays away.",
-        ),
-    ] = 10.0,
-    seed: Annotated[int, typer.Option(help="Seed of the churn schedule.")] = 0,
-    max_restarts: Annotated[
-        int,
-        typer.Option(
-            parser=count_parser("--max-restarts", zero_ok=True),
-            metavar="R",
-            help="Worker-failure restarts for the whole job.",
-        ),
-    ] = 3,
-    job_name: Annotated[
-        str | None,
-        typer.Option(parser=parse_job_name, metavar="NAME", help="Default: the script's name."),
-    ] = None,
-    log_dir: Annotated[
-        Path, typer.Option(metavar="DIR", help="Where the run's directory is made.")
-    ] = Path("hpc-elastic-runs"),
-    metrics_port: Annotated[
-        int | None,
-        typer.Option(metavar="PORT", help="Serve metrics: node i on PORT+i (0: any free port)."),
-    ] = None,
-    tee: Annotated[bool, typer.Option(help="Show the agents' and workers' output.")] = False,
-    prewarm: Annotated[
-        bool,
-        typer.Option(help="Keep standby workers with torch imported: faster rounds after churn."),
-    ] = True,
-) -> None:
-    from hpc_elastic.cli import default_job_name, parse_script  # noqa: PLC0415 (no cycle)
-
-    path = parse_script(str(script))
-    run = LocalRun(
-        script=path,
-        script_args=tuple(script_args or ()),
-        nodes=nodes or NodeRange(1, 1),
-        nproc_per_node=nproc_per_node,
-        log_dir=log_dir,
-        job_name=job_name or default_job_name(path),
-        max_restarts=max_restarts,
-        churn=Churn(Churn.parse(churn_every), churn_downtime) if simulate_churn else None,
-        seed=seed,
-        tee=tee,
-        prewarm=prewarm,
-        metrics_port=metrics_port,
-    )
-    raise typer.Exit(run_local(run, lambda text: typer.echo(text, err=True)))

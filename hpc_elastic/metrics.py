@@ -15,16 +15,24 @@ from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, start_http_server
 from prometheus_client import write_to_textfile as _write_textfile
 
 from hpc_elastic import events
+from hpc_elastic.agent.api import Phase
 from hpc_elastic.errors import UsageError
-from hpc_elastic.events import Event
+from hpc_elastic.events import Event, Kind, RoundDetails
 
+DEFAULT_BIND = "127.0.0.1"
+"""Metrics are served to this node only unless ``--metrics-bind`` widens it: job and slot names
+and the training step are nobody else's business, and a scraper on the node (node_exporter's
+neighbour, an SSH tunnel) reaches loopback."""
 INTERVAL = 1.0
 """Seconds between two refreshes (step rate, checkpoint age, the textfile)."""
-_STOPPED_KINDS = frozenset({"restart", "failure", "preempt", "leave", "done", "failed"})
+_PHASES = frozenset(phase.value for phase in Phase)
+_STOPPED_KINDS = frozenset(
+    {Kind.RESTART, Kind.FAILURE, Kind.PREEMPT, Kind.LEAVE, Kind.DONE, Kind.FAILED}
+)
 
 
 class AgentMetrics:
@@ -63,6 +71,24 @@ class AgentMetrics:
         self.goodput = gauge(
             "hpc_elastic_goodput_ratio", "Share of this agent's wall time its workers trained."
         )
+        self.stragglers = counter(
+            "hpc_elastic_stragglers", "Ranks of this node reported as stragglers (issue 16)."
+        )
+        self._straggler_score = Gauge(
+            "hpc_elastic_straggler_score",
+            "A straggling rank's step time over the median of its peers; cleared each round.",
+            [*labels, "rank"],
+            registry=self.registry,
+        )
+        self._labels = values
+        self.phase = Enum(
+            "hpc_elastic_agent_phase",
+            "The agent's phase (agent.Phase): 1 for the current one, 0 for the others.",
+            labels,
+            states=[phase.value for phase in Phase],
+            registry=self.registry,
+        ).labels(**values)
+        self.phase.state(Phase.JOINING.value)
         self._events_file = events_file
         self._events_offset = 0
         self._started = time.time() if now is None else now
@@ -76,27 +102,54 @@ class AgentMetrics:
     def observe(self, event: Event) -> None:
         """Update from one of the agent's own events."""
         with self._lock:
-            if event.kind == "round":
+            self._observe_stragglers(event)
+            self._observe_phase(event)
+            if event.kind == Kind.ROUND:
                 self.round.set(event.round or 0)
-                self.world_size.set(float(event.details.get("world_size", 0)))
-                self.restarts_used.set(float(event.details.get("restarts_used", 0)))
-            elif event.kind == "start":
+                details = RoundDetails.from_details(event.details)
+                self.world_size.set(details.world_size)
+                self.restarts_used.set(details.restarts_used)
+            elif event.kind == Kind.START:
                 self._training_since = event.time
             elif event.kind in _STOPPED_KINDS:
                 if self._training_since is not None:
                     self._trained += max(0.0, event.time - self._training_since)
                     self._training_since = None
-                if event.kind == "restart":
+                if event.kind == Kind.RESTART:
                     self.restarts.inc()
-                elif event.kind == "preempt":
+                elif event.kind == Kind.PREEMPT:
                     self.preemptions.inc()
                 self.steps_per_second.set(0.0)
                 self._last_step = None
 
-    def refresh(self, step: int | None, now: float | None = None) -> None:
-        """Fold in the workers' step and the job's checkpoints; called every ``INTERVAL``."""
+    def _observe_stragglers(self, event: Event) -> None:
+        """A ``straggler`` event counts and sets its rank's score; a new round clears the
+        scores, since the ranks are renumbered and the slow one may be gone."""
+        if event.kind == Kind.STRAGGLER:
+            self.stragglers.inc()
+            rank = str(event.details.get("rank", "?"))
+            score = float(event.details.get("score", 0.0))
+            self._straggler_score.labels(**self._labels, rank=rank).set(score)
+        elif event.kind == Kind.ROUND:
+            self._straggler_score.clear()
+
+    def _observe_phase(self, event: Event) -> None:
+        """Every agent event carries the phase it was written in; other values are ignored,
+        since an events file is writable by any process of the job's user."""
+        phase = event.details.get("phase")
+        if phase in _PHASES:
+            self.phase.state(phase)
+
+    def refresh(
+        self, step: int | None, now: float | None = None, phase: Phase | None = None
+    ) -> None:
+        """Fold in the workers' step, the agent's phase (when given: it changes between
+        events too, e.g. to ``done`` after the last one) and the job's checkpoints; called
+        every ``INTERVAL``."""
         now = time.time() if now is None else now
         with self._lock:
+            if phase is not None:
+                self.phase.state(phase.value)
             if step is not None:
                 if self._last_step is not None and now > self._last_step[0]:
                     then, previous = self._last_step
@@ -116,7 +169,7 @@ class AgentMetrics:
         """Follow the events file for ``checkpoint`` events: any rank's commit counts."""
         new, self._events_offset = events.read_new(self._events_file, self._events_offset)
         for event in new:
-            if event.kind == "checkpoint":
+            if event.kind == Kind.CHECKPOINT:
                 self._checkpoint_time = event.time
 
 
@@ -129,25 +182,31 @@ class MetricsExporter:
         progress: Callable[[], int | None],
         *,
         port: int | None = None,
+        bind: str = DEFAULT_BIND,
         textfile: Path | None = None,
         interval: float = INTERVAL,
+        phase: Callable[[], Phase] | None = None,
     ) -> None:
         self.metrics = metrics
         self._progress = progress
+        self._phase = phase
         self._textfile = textfile
         self._interval = interval
         self._stopped = threading.Event()
         self._server = None
         self.port: int | None = None
+        self.bind: str | None = None
         if port is not None:
             try:
-                self._server, _ = start_http_server(port, addr="0.0.0.0", registry=metrics.registry)
-            except OSError as error:
+                self._server, _ = start_http_server(port, addr=bind, registry=metrics.registry)
+            except (OSError, ValueError) as error:
+                reason = error.strerror if isinstance(error, OSError) else str(error)
                 raise UsageError(
-                    f"--metrics-port '{port}' cannot be served ({error.strerror}); pick a free "
-                    "port, or 0 for any."
+                    f"--metrics-port '{port}' cannot be served on '{bind}' ({reason}); pick a "
+                    "free port (0 for any) and an address of this node for --metrics-bind."
                 ) from error
             self.port = int(self._server.server_port)
+            self.bind = str(self._server.server_address[0])
         if textfile is not None:
             try:
                 _write_textfile(str(textfile), metrics.registry)
@@ -173,7 +232,8 @@ class MetricsExporter:
             self._refresh()
 
     def _refresh(self) -> None:
-        self.metrics.refresh(self._progress())
+        phase = self._phase() if self._phase is not None else None
+        self.metrics.refresh(self._progress(), phase=phase)
         if self._textfile is not None:
             with suppress(OSError):
                 _write_textfile(str(self._textfile), self.metrics.registry)

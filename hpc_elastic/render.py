@@ -2,9 +2,17 @@
 
 User values reach the template as data only. Everything that lands on a shell line is quoted
 with ``shlex.quote`` here, before the template sees it; ``#SBATCH`` values were already checked
-for spaces and newlines by the spec; the header's command line is escaped so no newline can
-end the comment. Templates are never built from user values, so ``{{ ... }}`` inside a value
-stays text, and StrictUndefined turns a misspelt variable into an error instead of a blank.
+for spaces and newlines by the spec, and here get a backslash before each ``\\``, quote and
+``#``, which sbatch's own reader would otherwise take as an escape, a quote or a comment; the
+header's command line is escaped so no newline can end the comment. Each ``--setup`` line runs
+through ``eval`` of its quoted text, so an unclosed quote, a trailing backslash or a
+``cat <<EOF`` cannot reach past its own line into the launch. Templates are never built from
+user values, so ``{{ ... }}`` inside a value stays text, and StrictUndefined turns a misspelt
+variable into an error instead of a blank.
+Templates render in Jinja's ``SandboxedEnvironment``: a template reached through a config file
+may not be the user's own, and the sandbox keeps it from reaching Python (``__class__``,
+``__subclasses__``, ``os``); the worst it can do is write a bad script, which is printed by
+``render`` before anything runs.
 """
 
 from __future__ import annotations
@@ -17,7 +25,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpc_elastic.errors import TemplateError, UsageError, one_line
-from hpc_elastic.spec import JobSpec, NodeRange
+from hpc_elastic.invocation import AgentInvocation
+from hpc_elastic.jobdir import JobDir
+from hpc_elastic.options import agent_options, job_environment, sbatch_options
+from hpc_elastic.spec import JobSpec, mounts_of
 
 if TYPE_CHECKING:
     import jinja2
@@ -42,10 +53,12 @@ class RenderContext:
             raise UsageError(
                 f"Run id '{self.run_id}' is not usable; use letters, digits, '.', '_' and '-'."
             )
-        if any(char.isspace() or not char.isprintable() for char in str(self.job_dir)):
+        if any(
+            char.isspace() or not char.isprintable() or char == "\\" for char in str(self.job_dir)
+        ):
             raise UsageError(
-                f"Job directory {str(self.job_dir)!r} contains spaces or control characters, "
-                "which sbatch cannot take in --output; choose a --log-dir without them."
+                f"Job directory {str(self.job_dir)!r} contains spaces, backslashes or control "
+                "characters, which sbatch cannot take in --output; choose a --log-dir without them."
             )
 
 
@@ -60,7 +73,7 @@ class SbatchScript:
 def render(spec: JobSpec, context: RenderContext) -> SbatchScript:
     """Render the job's sbatch script; no clock, no randomness, no Slurm, same input same text."""
     if spec.template is None:
-        name = ELASTIC_TEMPLATE if spec.nodes.is_elastic else FIXED_TEMPLATE
+        name = ELASTIC_TEMPLATE if spec.is_array else FIXED_TEMPLATE
         return SbatchScript(_render_builtin(name, template_variables(spec, context)), name)
     return SbatchScript(
         _render_user(spec.template, template_variables(spec, context)), str(spec.template)
@@ -70,24 +83,33 @@ def render(spec: JobSpec, context: RenderContext) -> SbatchScript:
 def template_variables(spec: JobSpec, context: RenderContext) -> dict[str, object]:
     """The variables every template gets; docs/submit.md lists them for template authors."""
     quote = shlex.quote
-    python = quote(context.python)
+    python = quote(agent_python(spec, context))
+    pyxis = spec.container == "pyxis"
     return {
         "version": context.version,
         "command_line": one_line(shlex.join(context.command_line)),
         "run_id": context.run_id,
         "job_name": spec.job_name,
         "job_dir": quote(str(context.job_dir)),
-        "output_dir": str(context.job_dir),
-        "elastic": spec.nodes.is_elastic,
+        "output_dir": sbatch_escape(str(context.job_dir).replace("%", "%%")),
+        "elastic": spec.is_array,
         "nodes_min": spec.nodes.min,
         "nodes_max": spec.nodes.max,
+        "spares": spec.spares,
+        "array_size": spec.array_size,
         "nproc_per_node": spec.nproc_per_node,
         "sbatch": _sbatch_options(spec),
-        "setup": list(spec.setup),
-        "env": [f"{key}={quote(value)}" for key, value in spec.env],
+        "setup": [f"eval {quote(line)}" for line in spec.setup],
+        "env": [
+            f"{key}={quote(value)}" for key, value in (*job_environment(spec.values()), *spec.env)
+        ],
         "python": python,
-        "agent_flags": _agent_flags(spec, context),
-        "worker": shlex.join([context.python, "-u", str(spec.script), *spec.script_args]),
+        "agent_flags": agent_invocation(spec, context).shell(),
+        "worker": agent_invocation(spec, context).shell_worker(),
+        "container_image": quote(spec.container_image or "") if pyxis else "",
+        "container_mounts": quote(",".join(container_mounts(spec, context.job_dir)))
+        if pyxis
+        else "",
     }
 
 
@@ -99,42 +121,95 @@ def builtin_template_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "templates"
 
 
+def sbatch_escape(text: str) -> str:
+    """``text`` escaped so that sbatch's ``#SBATCH`` reader gives it back verbatim: that reader
+    drops a backslash and keeps the next character, drops quotes, and ends the line at an
+    unquoted ``#`` (``_get_argument`` in Slurm's ``src/sbatch/opt.c``)."""
+    return re.sub(r"""([\\"'#])""", r"\\\1", text)
+
+
 def _sbatch_options(spec: JobSpec) -> list[str]:
-    options = [f"{option}={value}" for option, value in spec.sbatch_values()]
-    options.append("--requeue" if spec.requeue else "--no-requeue")
-    options.append(f"--signal={spec.signal}")
-    options.extend(spec.sbatch_args)
-    return options
+    return [sbatch_escape(option) for option in sbatch_options(spec.values())]
 
 
-def _agent_flags(spec: JobSpec, context: RenderContext) -> list[str]:
-    job_dir = str(context.job_dir)
-    flags = [
-        ("--run-id", context.run_id),
-        ("--job-dir", job_dir),
-        ("--nodes", _agent_range(spec.nodes)),
-        ("--nproc-per-node", str(spec.nproc_per_node)),
-        ("--zk", spec.zk),
-        ("--zk-auth-file", f"{job_dir}/secret"),
-        ("--max-restarts", str(spec.max_restarts)),
-        ("--preempt-signal", spec.signal.name),
-        ("--grace", str(spec.signal.seconds)),
-        *((option, format(seconds, "g")) for option, seconds in spec.agent_timeouts()),
-        *((option, str(count)) for option, count in spec.agent_counts()),
-        *([("--prewarm", "torch")] if spec.prewarm else []),
-    ]
-    return [f"{flag} {shlex.quote(value)}" for flag, value in flags]
+def agent_invocation(spec: JobSpec, context: RenderContext) -> AgentInvocation:
+    """The agent each Slurm step runs; the template adds ``--slot``, which only the shell knows."""
+    values = spec.values()
+    if spec.container == "apptainer":
+        # Standby workers would be host Pythons with torch imported, outside the image; the
+        # agent would refuse the 'apptainer exec' command anyway and say so in every log.
+        values["prewarm"] = False
+    return AgentInvocation(
+        python=agent_python(spec, context),
+        run_id=context.run_id,
+        job_dir=context.job_dir,
+        nodes=_agent_range(spec),
+        nproc_per_node=spec.nproc_per_node,
+        zk=spec.zk,
+        worker=worker_command(spec, context),
+        auth_file=JobDir(context.job_dir).secret,
+        options=agent_options(values),
+    )
 
 
-def _agent_range(nodes: NodeRange) -> str:
-    """A fixed job of N nodes trains on with fewer when one is lost, so its agents take 1:N."""
-    return f"{nodes.min}:{nodes.max}" if nodes.is_elastic else f"1:{nodes.max}"
+# --- containers (issue 14): where the agent runs, and what the workers run in --------------
+
+
+def agent_python(spec: JobSpec, context: RenderContext) -> str:
+    """The agent runs where the user's Python is. With pyxis the whole srun step is inside the
+    image, so that is the image's Python; otherwise (Apptainer too) it is ``--python``'s."""
+    return spec.container_python if spec.container == "pyxis" else context.python
+
+
+def worker_command(spec: JobSpec, context: RenderContext) -> tuple[str, ...]:
+    """What the agent starts for each local rank: the script under the image's Python inside
+    a container, else under the agent's own Python. Apptainer wraps each worker in
+    ``apptainer exec --nv`` (GPUs visible) with the job's directories bound; the environment
+    the agent sets for the worker (rank, master address) passes through, as Apptainer keeps
+    the caller's environment by default."""
+    script = ("-u", str(spec.script), *spec.script_args)
+    if spec.container == "apptainer":
+        assert spec.apptainer is not None
+        binds = ",".join(container_mounts(spec, context.job_dir))
+        return ("apptainer", "exec", "--nv", "--bind", binds, spec.apptainer,
+                spec.container_python, *script)  # fmt: skip
+    if spec.container == "pyxis":
+        return (spec.container_python, *script)
+    return (context.python, *script)
+
+
+def container_mounts(spec: JobSpec, job_dir: Path) -> tuple[str, ...]:
+    """``SRC:DST[:FLAGS]`` for every mount, in the one form pyxis and Apptainer both read: the
+    job directory (logs, checkpoints, events) and the script's directory at the same paths,
+    then the user's ``--container-mounts``. A default directory inside another is not
+    mounted twice (the script inside the job directory's copy of the code, say)."""
+    defaults = outermost([job_dir, spec.script.parent])
+    return (*(f"{path}:{path}" for path in defaults), *mounts_of(spec.container_mounts))
+
+
+def outermost(paths: list[Path]) -> list[Path]:
+    """``paths`` without repeats and without any that lies inside another, in order."""
+    kept: list[Path] = []
+    for path in paths:
+        if not any(path == other or path.is_relative_to(other) for other in kept):
+            kept = [other for other in kept if not other.is_relative_to(path)]
+            kept.append(path)
+    return kept
+
+
+def _agent_range(spec: JobSpec) -> str:
+    """A fixed job of N nodes trains on with fewer when one is lost, so its agents take 1:N.
+    With hot spares it is an array, whose tasks Slurm starts one by one: N:N, so that it
+    starts at N nodes, and a lost node is replaced by a spare (or the slot's requeue)."""
+    nodes = spec.nodes
+    return f"{nodes.min}:{nodes.max}" if spec.is_array else f"1:{nodes.max}"
 
 
 def _environment(search_path: list[Path]) -> jinja2.Environment:
     import jinja2  # noqa: PLC0415 (here, so `hpc-elastic --help` does not pay for it)
+    import jinja2.sandbox  # noqa: PLC0415
 
-    return jinja2.Environment(
+    return jinja2.sandbox.SandboxedEnvironment(
         loader=jinja2.FileSystemLoader([str(path) for path in search_path]),
         undefined=jinja2.StrictUndefined,
         autoescape=False,
@@ -151,6 +226,7 @@ def _render_builtin(name: str, variables: dict[str, object]) -> str:
 def _render_user(path: Path, variables: dict[str, object]) -> str:
     """A user's template may ``{% extends "elastic.sh.j2" %}`` and override its blocks."""
     import jinja2  # noqa: PLC0415 (see _environment)
+    import jinja2.sandbox  # noqa: PLC0415
 
     try:
         source = path.read_text(encoding="utf-8")
@@ -167,6 +243,11 @@ def _render_user(path: Path, variables: dict[str, object]) -> str:
         raise TemplateError(
             f"--template '{path}' has a syntax error at line {err.lineno}: {err.message}; "
             "fix the template."
+        ) from err
+    except jinja2.exceptions.SecurityError as err:
+        raise TemplateError(
+            f"--template '{path}' tried something the template sandbox forbids ({err}); "
+            "use only the documented variables and filters."
         ) from err
     except jinja2.TemplateError as err:
         raise TemplateError(

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
+from hpc_elastic import contract
 from hpc_elastic.errors import UsageError
 
 _NODES = re.compile(r"^\s*(\d+)\s*(?::\s*(\d+)\s*)?$")
@@ -27,6 +28,9 @@ _ZK_CHROOT = re.compile(r"^(?:/[A-Za-z0-9._-]+)+$")
 
 SIGNALS = ("USR1", "USR2", "TERM", "INT", "HUP", "QUIT", "ALRM")
 """Signals an agent can take as its preemption warning; KILL and STOP cannot be caught."""
+
+MASTER_PORTS_ENV = contract.MASTER_PORTS_ENV
+"""Also here, where the rendezvous handler imports it."""
 
 SBATCH_DEFAULT_SIGNAL_SECONDS = 60
 """What sbatch uses when ``--signal`` has no ``@SECONDS``."""
@@ -187,6 +191,19 @@ def parse_job_name(text: str) -> str:
     )
 
 
+_AFTER_JOB = re.compile(r"^[1-9]\d{0,17}$")
+
+
+def parse_after(text: str) -> str:
+    """``--after JOB``: the Slurm job id of the job this one waits for (``hpc-elastic list``)."""
+    if _AFTER_JOB.match(text.strip()):
+        return text.strip()
+    raise UsageError(
+        f"--after '{text}' is not a Slurm job id; give the number `hpc-elastic submit` printed "
+        "(or that `hpc-elastic list` shows), e.g. --after 1234."
+    )
+
+
 def parse_zk(text: str) -> str:
     """``HOST:PORT[,HOST:PORT...][/chroot]``, the ensemble the agents rendezvous through."""
     hosts, slash, chroot = text.strip().partition("/")
@@ -210,41 +227,174 @@ def parse_sbatch_value(option: str, text: str) -> str:
     return text
 
 
-_OWNED_SBATCH_OPTIONS = {
-    "--array": "--nodes MIN:MAX",
-    "--nodes": "--nodes",
-    "-N": "--nodes",
-    "--ntasks": "--nproc-per-node",
-    "-n": "--nproc-per-node",
-    "--ntasks-per-node": "--nproc-per-node",
-    "--no-kill": "--nodes",
-    "--output": "--log-dir",
-    "-o": "--log-dir",
-    "--signal": "--signal",
-    "--requeue": "--requeue",
-    "--no-requeue": "--no-requeue",
-    "--job-name": "--job-name",
-    "-J": "--job-name",
-    "--wrap": "SCRIPT",
+_OWNED_LONG_OPTIONS = {
+    "array": "--nodes MIN:MAX",
+    "nodes": "--nodes",
+    "ntasks": "--nproc-per-node",
+    "ntasks-per-node": "--nproc-per-node",
+    "no-kill": "--nodes",
+    "output": "--log-dir",
+    "signal": "--signal",
+    "requeue": "--requeue",
+    "no-requeue": "--no-requeue",
+    "job-name": "--job-name",
+    "wrap": "SCRIPT",
+    "partition": "--partition",
+    "account": "--account",
+    "qos": "--qos",
+    "time": "--time",
+    "mem": "--mem",
+    "constraint": "--constraint",
+    "exclude": "--exclude",
+    "gpus-per-node": "--gpus-per-node",
+    "cpus-per-task": "--cpus-per-task",
 }
-"""sbatch options that shape the job; passing them through would break what the agents expect."""
+"""sbatch options the script sets itself, or that have a flag of their own: passing them
+through would break what the agents expect, or silently fight the flag."""
+
+_OWNED_SHORT_OPTIONS = {
+    "a": "array",
+    "N": "nodes",
+    "n": "ntasks",
+    "k": "no-kill",
+    "o": "output",
+    "J": "job-name",
+    "p": "partition",
+    "A": "account",
+    "q": "qos",
+    "t": "time",
+    "C": "constraint",
+    "x": "exclude",
+    "c": "cpus-per-task",
+}
+_SHORT_FLAGS_WITHOUT_VALUE = frozenset("bhHkOQsuvVW")
+"""sbatch's short options that take no value: ``-Hk`` is two options, ``-pgpu`` is one."""
+
+_EXACT_SBATCH_OPTIONS = frozenset({"gpus"})
+"""Real sbatch options that are also prefixes of an owned one; getopt takes an exact match."""
+
+
+def owned_sbatch_option(text: str) -> str | None:
+    """The owned long option that ``text`` would set as sbatch parses it, or None.
+
+    sbatch reads options with getopt_long, which accepts any unambiguous abbreviation
+    (``--outp`` is ``--output``, ``--arr`` is ``--array``) and groups short flags (``-kN4``).
+    An abbreviation of an owned option is refused even where it would be ambiguous to sbatch.
+    """
+    if text.startswith("--"):
+        name = text[2:].split("=", 1)[0]
+        if not name or name in _EXACT_SBATCH_OPTIONS:
+            return None
+        return next((owned for owned in _OWNED_LONG_OPTIONS if owned.startswith(name)), None)
+    for letter in text[1:]:
+        if letter in _OWNED_SHORT_OPTIONS:
+            return _OWNED_SHORT_OPTIONS[letter]
+        if letter not in _SHORT_FLAGS_WITHOUT_VALUE:
+            return None  # the rest of the word is this option's value
+    return None
 
 
 def parse_sbatch_arg(text: str) -> str:
     """A pass-through sbatch option such as ``--reservation=big``, one per ``--sbatch-arg``."""
     parse_sbatch_value("--sbatch-arg", text)
-    if not text.startswith("-"):
+    if not text.startswith("-") or text in ("-", "--"):
         raise UsageError(
             f"--sbatch-arg '{text}' is not an sbatch option; give one option with its value, "
             "e.g. '--reservation=big'."
         )
-    name = text.split("=", 1)[0] if text.startswith("--") else text[:2]
-    if name in _OWNED_SBATCH_OPTIONS:
+    owned = owned_sbatch_option(text)
+    if owned is not None:
         raise UsageError(
-            f"--sbatch-arg '{text}' sets what hpc-elastic decides itself; "
-            f"use {_OWNED_SBATCH_OPTIONS[name]} instead."
+            f"--sbatch-arg '{text}' sets sbatch's --{owned}, which hpc-elastic decides itself; "
+            f"use {_OWNED_LONG_OPTIONS[owned]} instead."
         )
     return text
+
+
+_IFACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,14}$")
+_PORT_RANGE = re.compile(r"^\s*(\d{1,5})\s*:\s*(\d{1,5})\s*$")
+
+
+def parse_iface(text: str) -> str:
+    """A network interface name as Linux allows it (at most 15 characters, no slash or space)."""
+    if _IFACE.match(text):
+        return text
+    raise UsageError(
+        f"--iface '{text}' is not a network interface name; give one as `ip link` lists it, "
+        "e.g. 'ib0' or 'eth0'."
+    )
+
+
+def _one_word(option: str, text: str, example: str) -> str:
+    """A value that lands on a shell line as one argument: quoting keeps it one word, but a
+    space or newline in an image or a path is far likelier a mistake than a name."""
+    if not text or any(char.isspace() or not char.isprintable() for char in text):
+        raise UsageError(
+            f"{option} {text!r:.200} is empty or contains spaces or control characters; "
+            f"give one word, e.g. '{example}'."
+        )
+    return text
+
+
+def parse_container_image(text: str) -> str:
+    """A pyxis/enroot image, e.g. ``nvcr.io#nvidia/pytorch:24.05-py3`` or a ``.sqsh`` path."""
+    return _one_word("--container-image", text, "nvcr.io#nvidia/pytorch:24.05-py3")
+
+
+def parse_apptainer_image(text: str) -> str:
+    """An Apptainer image: a ``.sif`` path or a URI such as ``docker://pytorch/pytorch``."""
+    return _one_word("--apptainer", text, "/images/pytorch.sif")
+
+
+def parse_container_python(text: str) -> str:
+    return _one_word("--container-python", text, "python3")
+
+
+def parse_container_mount(text: str) -> str:
+    """``SRC[:DST[:FLAGS]][,...]``, absolute paths: pyxis (``--container-mounts``) and Apptainer
+    (``--bind``) both read this form, so one option serves both runtimes."""
+    for mount in text.split(","):
+        parts = mount.split(":")
+        if (
+            len(parts) > 3
+            or not all(part.startswith("/") for part in parts[:2])
+            or any(char.isspace() or not char.isprintable() for char in mount)
+        ):
+            raise UsageError(
+                f"--container-mounts {text!r:.200} is not SRC[:DST[:FLAGS]][,...] with "
+                "absolute paths; give e.g. '/datasets' or '/datasets:/data:ro,/models'."
+            )
+    return text
+
+
+def mounts_of(values: tuple[str, ...]) -> list[str]:
+    """Each ``--container-mounts`` value split into single mounts, ``SRC`` made ``SRC:SRC``:
+    pyxis wants a destination, and the same path is what Apptainer gives one without."""
+    return [
+        mount if ":" in mount else f"{mount}:{mount}"
+        for value in values
+        for mount in value.split(",")
+    ]
+
+
+def _mounted(path: Path, mounts: tuple[str, ...]) -> bool:
+    """Whether ``path``, as the container sees it, lies in one of ``mounts``' destinations."""
+    destinations = [Path(mount.split(":")[1]) for mount in mounts_of(mounts)]
+    return any(path == where or path.is_relative_to(where) for where in destinations)
+
+
+def parse_port_range(text: str) -> str:
+    """``LOW:HIGH``, both unprivileged ports, LOW <= HIGH: where a site's firewall lets the
+    job's nodes reach each other."""
+    match = _PORT_RANGE.match(text)
+    if match is not None:
+        low, high = int(match.group(1)), int(match.group(2))
+        if 1024 <= low <= high <= 65535:
+            return f"{low}:{high}"
+    raise UsageError(
+        f"--master-port-range '{text}' is not LOW:HIGH with 1024 <= LOW <= HIGH <= 65535; "
+        "give e.g. '29500:29599'."
+    )
 
 
 def parse_setup_line(text: str) -> str:
@@ -264,6 +414,8 @@ class JobSpec:
     script: Path
     script_args: tuple[str, ...] = ()
     nodes: NodeRange = NodeRange(1, 1)
+    spares: int = 0
+    """Hot spares: array slots beyond MAX whose agents wait, warm, to replace a lost member."""
     nproc_per_node: int = 1
     job_name: str = "job"
     partition: str | None = None
@@ -291,10 +443,31 @@ class JobSpec:
     max_preemptions: int | None = None
     max_time_limits: int | None = None
     exclude_after: int | None = None
+    expected_gpus: int | None = None
+    bad_node_ttl: float | None = None
+    exclude_stragglers: bool = False
     prewarm: bool = True
+    in_place: bool = False
+    checkpoint_async: bool = False
+    checkpoint_when_busy: str = contract.DEFAULT_CHECKPOINT_WHEN_BUSY
+    keep: int = contract.DEFAULT_CHECKPOINT_KEEP
+    keep_every: int = contract.DEFAULT_CHECKPOINT_KEEP_EVERY
+    local_checkpoint_dir: Path | None = None
+    persist_every: int = contract.DEFAULT_PERSIST_EVERY
+    iface: str | None = None
+    master_port_range: str | None = None
+    notify: str | None = None
+    after: str | None = None
+    container_image: str | None = None
+    apptainer: str | None = None
+    container_mounts: tuple[str, ...] = ()
+    container_python: str = contract.DEFAULT_CONTAINER_PYTHON
+    snapshot: bool = True
+    snapshot_max_mb: int = contract.DEFAULT_SNAPSHOT_MAX_MB
 
     def __post_init__(self) -> None:
         parse_positive("--nproc-per-node", self.nproc_per_node)
+        parse_positive("--spares", self.spares, zero_ok=True)
         parse_positive("--max-restarts", self.max_restarts, zero_ok=True)
         parse_job_name(self.job_name)
         parse_zk(self.zk)
@@ -308,11 +481,26 @@ class JobSpec:
             parse_time(self.time)
         if self.mem is not None:
             parse_mem(self.mem)
+        self._check_log_dir()
+        self._check_passthrough()
+        self._check_agent_knobs()
+        self._check_containers()
+
+    def _check_log_dir(self) -> None:
+        """sbatch's ``--output`` takes the log directory: no spaces, no ``%A``-breaking ``\\``."""
         if any(char.isspace() or not char.isprintable() for char in str(self.log_dir)):
             raise UsageError(
                 f"--log-dir {str(self.log_dir)!r} contains spaces or control characters, which "
                 "sbatch cannot take in --output; choose a directory path without them."
             )
+        if "\\" in str(self.log_dir):
+            raise UsageError(
+                f"--log-dir {str(self.log_dir)!r} contains a backslash, which turns off the "
+                "%A/%a patterns of sbatch's --output; choose a directory path without one."
+            )
+
+    def _check_passthrough(self) -> None:
+        """What goes verbatim into the script: ``#SBATCH`` values, setup lines, exports."""
         for option, value in self.sbatch_values():
             parse_sbatch_value(option, value)
         for arg in self.sbatch_args:
@@ -321,11 +509,81 @@ class JobSpec:
             parse_setup_line(line)
         for key, value in self.env:
             parse_env(f"{key}={value}")
+
+    def _check_agent_knobs(self) -> None:
+        """The values that become ``hpc-elastic agent`` flags."""
+        if self.iface is not None:
+            parse_iface(self.iface)
+        if self.master_port_range is not None:
+            parse_port_range(self.master_port_range)
+        if self.after is not None:
+            parse_after(self.after)
         for option, count in self.agent_counts():
             parse_positive(option, count, zero_ok=option != "--exclude-after")
         for option, seconds in self.agent_timeouts():
             if seconds < 0:
                 raise UsageError(f"{option} '{seconds}' is negative; give 0 or more seconds.")
+
+    def _check_containers(self) -> None:
+        """One runtime at most; mounts and an interpreter only with an image to use them in."""
+        if self.container_image is not None and self.apptainer is not None:
+            raise UsageError(
+                f"--container-image '{self.container_image}' and --apptainer "
+                f"'{self.apptainer}' are two container runtimes for one job; give only one."
+            )
+        if self.container_image is not None:
+            parse_container_image(self.container_image)
+        if self.apptainer is not None:
+            parse_apptainer_image(self.apptainer)
+        for mount in self.container_mounts:
+            parse_container_mount(mount)
+        parse_container_python(self.container_python)
+        if self.container is None and (
+            self.container_mounts or self.container_python != contract.DEFAULT_CONTAINER_PYTHON
+        ):
+            given = (
+                f"--container-mounts '{self.container_mounts[0]}'"
+                if self.container_mounts
+                else f"--container-python '{self.container_python}'"
+            )
+            raise UsageError(
+                f"{given} applies inside a container, but the job has none; add "
+                "--container-image IMAGE (pyxis) or --apptainer IMAGE."
+            )
+
+        local = self.local_checkpoint_dir
+        if (
+            self.container is not None
+            and local is not None
+            and not _mounted(local, self.container_mounts)
+        ):
+            raise UsageError(
+                f"--local-checkpoint-dir '{local}' is not mounted in the container, so "
+                "checkpoints written there would vanish with it; add "
+                f"--container-mounts {local}."
+            )
+
+    @property
+    def container(self) -> str | None:
+        """The job's container runtime: ``pyxis``, ``apptainer``, or None."""
+        if self.container_image is not None:
+            return "pyxis"
+        return "apptainer" if self.apptainer is not None else None
+
+    @property
+    def is_array(self) -> bool:
+        """One array of one-node tasks (elastic, or any job with hot spares), rather than
+        one allocation: a spare must start, wait and replace a node on its own."""
+        return self.nodes.is_elastic or self.spares > 0
+
+    @property
+    def array_size(self) -> int:
+        """The array's tasks: MAX slots that train and the hot spares beside them."""
+        return self.nodes.max + self.spares
+
+    def values(self) -> dict[str, object]:
+        """Field name -> value, as the option table's ``sbatch`` and ``agent`` columns read them."""
+        return {field.name: getattr(self, field.name) for field in fields(self)}
 
     def sbatch_values(self) -> tuple[tuple[str, str], ...]:
         """The optional ``#SBATCH`` settings the user gave, as (option, value)."""
@@ -360,3 +618,20 @@ class JobSpec:
             ("--min-wait", self.min_wait),
         )
         return tuple((option, value) for option, value in values if value is not None)
+
+
+def parse_script(text: str) -> Path:
+    """The training script must exist here and now: the job would only fail later on a node."""
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise UsageError(
+            f"Script '{text}' does not exist or is not a file; give the path of your "
+            "training script, e.g. 'train.py'."
+        )
+    return path.absolute()
+
+
+def default_job_name(script: Path) -> str:
+    """The script's name made safe for a run id: ``my train.py`` -> ``my-train``."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", script.stem).strip("-._")[:64]
+    return name or "job"

@@ -1,34 +1,62 @@
 """The submit use-case: plan a job, then write its directory and sbatch it.
 
-A job directory holds everything one run needs and leaves behind::
+What a job directory holds is told in ``hpc_elastic.jobdir``; ``job.json`` is written twice,
+before sbatch (so a crash leaves a readable record) and once sbatch has answered with the job id.
 
-    <log-dir>/<run-id>/
-        secret        per-job ZooKeeper secret, mode 0600; never on a command line or in the script
-        sbatch.sh     the script exactly as submitted
-        job.json      the spec, the run id and, once sbatch answered, the Slurm job id
-        slurm-*.out   Slurm's output, one file per array task (elastic) or per job (fixed)
+Unless ``--no-snapshot``, the plan also decides the job's code snapshot (``hpc_elastic.snapshot``)
+and points the script into it: the worker runs the copy of the script, and when ``submit`` was
+run from inside the project, sbatch's ``--chdir`` is the same place in the copy (from outside,
+the working directory stays where ``submit`` ran, as sbatch's default). Slurm keeps the script
+as submitted, so every array task and every requeue runs the copy.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 import secrets
 import shutil
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+import sys
+import types
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Protocol
 
-from hpc_elastic import __version__
-from hpc_elastic.errors import HpcElasticError, UsageError
+from hpc_elastic import __version__, snapshot
+from hpc_elastic.errors import HpcElasticError, SnapshotError, UsageError
+from hpc_elastic.jobdir import (
+    JOB_FILE,
+    PRIVATE_DIR_MODE,
+    PRIVATE_FILE_MODE,
+    SCRIPT_FILE,
+    SECRET_FILE,
+    JobDir,
+    JobRecord,
+    make_private_dir,
+    write_private,
+    write_private_bytes,
+)
 from hpc_elastic.render import RenderContext, SbatchScript, render
 from hpc_elastic.spec import JobSpec
 
-SECRET_FILE = "secret"
-SCRIPT_FILE = "sbatch.sh"
-JOB_FILE = "job.json"
+_log = logging.getLogger(__name__)
+
+__all__ = [
+    "JOB_FILE",
+    "PRIVATE_DIR_MODE",
+    "PRIVATE_FILE_MODE",
+    "SCRIPT_FILE",
+    "SECRET_FILE",
+    "Plan",
+    "SubmittedJob",
+    "make_private_dir",
+    "new_run_id",
+    "plan",
+    "submit",
+    "write_private",
+]
 
 
 class SlurmCommands(Protocol):
@@ -46,10 +74,16 @@ class Plan:
     spec: JobSpec
     context: RenderContext
     script: SbatchScript
+    code: snapshot.Manifest | None = None
+    """What the code snapshot will hold; None with ``--no-snapshot``."""
 
     @property
     def job_dir(self) -> Path:
         return self.context.job_dir
+
+    @property
+    def paths(self) -> JobDir:
+        return JobDir(self.context.job_dir)
 
 
 @dataclass(frozen=True)
@@ -60,15 +94,17 @@ class SubmittedJob:
     @property
     def log_pattern(self) -> Path:
         """Where Slurm writes the job's output (the built-in templates' --output)."""
-        elastic = self.plan.spec.nodes.is_elastic
-        return self.plan.job_dir / (
-            f"slurm-{self.job_id}_*.out" if elastic else f"slurm-{self.job_id}.out"
-        )
+        return self.plan.paths.slurm_output(self.job_id, elastic=self.plan.spec.is_array)
+
+
+RUN_ID_RANDOM_BYTES = 16
+"""128 random bits: the name and the time are public (``squeue`` shows both), so the suffix
+alone keeps another user from guessing the run id and squatting its znode before the job runs."""
 
 
 def new_run_id(job_name: str, now: datetime, suffix: str | None = None) -> str:
-    """``<job-name>-<yyyymmdd-hhmmss>-<4 hex>``: sortable by time, unique across quick resubmits."""
-    return f"{job_name}-{now:%Y%m%d-%H%M%S}-{suffix or secrets.token_hex(2)}"
+    """``<job-name>-<yyyymmdd-hhmmss>-<32 hex>``: sortable by time, unguessable by others."""
+    return f"{job_name}-{now:%Y%m%d-%H%M%S}-{suffix or secrets.token_hex(RUN_ID_RANDOM_BYTES)}"
 
 
 def plan(
@@ -77,23 +113,59 @@ def plan(
     python: str,
     now: datetime,
     suffix: str | None = None,
+    *,
+    cwd: Path | None = None,
 ) -> Plan:
-    """Decide the run id and job directory, and render the script; touches nothing."""
+    """Decide the run id, job directory and code snapshot, and render the script; reads the
+    project (``snapshot.survey``) but writes nothing. ``cwd``: where ``submit`` runs."""
     run_id = new_run_id(spec.job_name, now, suffix)
+    paths = JobDir.under(spec.log_dir, run_id)
+    code = None
+    if spec.snapshot:
+        code = snapshot.survey(spec.script, spec.log_dir, spec.snapshot_max_mb)
+        spec = run_from_copy(spec, code, paths.code, Path.cwd() if cwd is None else cwd)
     context = RenderContext(
         version=__version__,
         command_line=tuple(command_line),
         python=python,
         run_id=run_id,
-        job_dir=spec.log_dir.absolute() / run_id,
+        job_dir=paths.path,
     )
-    return Plan(spec, context, render(spec, context))
+    return Plan(spec, context, render(spec, context), code)
 
 
-def submit(job: Plan, slurm: SlurmCommands) -> SubmittedJob:
-    """Write the job directory, then sbatch the script; on failure nothing is left behind."""
+def run_from_copy(spec: JobSpec, code: snapshot.Manifest, copy: Path, cwd: Path) -> JobSpec:
+    """``spec`` with its script in the copy, and sbatch's ``--chdir`` the copy of ``cwd`` when
+    ``cwd`` is in the project (a user's own ``--chdir`` wins)."""
+    script = code.inside(spec.script, copy)
+    assert script is not None, "survey puts the script's directory in the project"
+    real_cwd = Path(os.path.realpath(cwd))
+    if not real_cwd.is_relative_to(code.source) or _sets_chdir(spec.sbatch_args):
+        return replace(spec, script=script)
+    workdir = copy / real_cwd.relative_to(code.source)
+    if any(char.isspace() or not char.isprintable() for char in str(workdir)):
+        raise SnapshotError(
+            f"The working directory {str(real_cwd)!r} holds spaces or control characters, which "
+            "sbatch's --chdir cannot take; submit from a directory without them, or with "
+            "--no-snapshot."
+        )
+    _log.debug("the job runs %s from %s", script, workdir)
+    return replace(spec, script=script, sbatch_args=(*spec.sbatch_args, f"--chdir={workdir}"))
+
+
+def _sets_chdir(sbatch_args: Sequence[str]) -> bool:
+    return any(arg.split("=", 1)[0] == "--chdir" or arg.startswith("-D") for arg in sbatch_args)
+
+
+def submit(
+    job: Plan, slurm: SlurmCommands, files: Mapping[str, bytes] | None = None
+) -> SubmittedJob:
+    """Write the job directory, then sbatch the script; on failure nothing is left behind.
+
+    ``files`` (name -> bytes) are written into the job directory, mode 0600, before sbatch, so
+    the job never starts without them (the submitit plugin's pickled callable)."""
     _check_partition(job.spec, slurm)
-    _write_job_dir(job)
+    _write_job_dir(job, files or {})
     try:
         job_id = str(slurm.sbatch(job.script.text))
     except HpcElasticError:
@@ -114,34 +186,64 @@ def _check_partition(spec: JobSpec, slurm: SlurmCommands) -> None:
         )
 
 
-def _write_job_dir(job: Plan) -> None:
+def _write_job_dir(job: Plan, files: Mapping[str, bytes]) -> None:
+    """The job directory, complete before sbatch; a failure part way removes it again."""
     try:
-        job.job_dir.mkdir(parents=True)
-        descriptor = os.open(job.job_dir / SECRET_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(descriptor, "w") as secret:
-            secret.write(secrets.token_hex(32))
-        (job.job_dir / SCRIPT_FILE).write_text(job.script.text)
+        make_private_dir(job.job_dir)
     except OSError as err:
-        raise UsageError(
-            f"Job directory '{job.job_dir}' cannot be created ({err.strerror}); "
-            "choose a writable --log-dir."
-        ) from err
-    _write_job_json(job, None)
+        raise _unwritable(job, err) from err
+    try:
+        write_private(job.paths.secret, secrets.token_hex(32), exclusive=True)
+        write_private(job.paths.sbatch_script, job.script.text)
+        for name, data in files.items():
+            write_private_bytes(job.job_dir / name, data)
+        if job.code is not None:
+            snapshot.take(job.code, job.paths.code)
+        _write_job_json(job, None)
+    except OSError as err:
+        shutil.rmtree(job.job_dir, ignore_errors=True)
+        raise _unwritable(job, err) from err
+    except HpcElasticError:
+        shutil.rmtree(job.job_dir, ignore_errors=True)
+        raise
+
+
+def _unwritable(job: Plan, err: OSError) -> UsageError:
+    return UsageError(
+        f"Job directory '{job.job_dir}' cannot be created ({err.strerror}); "
+        "choose a writable --log-dir."
+    )
 
 
 def _write_job_json(job: Plan, job_id: str | None) -> None:
     """Written once before sbatch (so a crash leaves a readable record) and once after."""
     spec = asdict(job.spec)
     spec.update(nodes=str(job.spec.nodes), signal=str(job.spec.signal), env=dict(job.spec.env))
-    record = {
-        "run_id": job.context.run_id,
-        "job_id": job_id,
-        "job_dir": str(job.job_dir),
-        "version": job.context.version,
-        "command_line": list(job.context.command_line),
-        "template": job.script.template,
-        "spec": spec,
-    }
-    temporary = job.job_dir / f".{JOB_FILE}.tmp"
-    temporary.write_text(json.dumps(record, indent=2, default=str) + "\n")
-    temporary.replace(job.job_dir / JOB_FILE)
+    JobRecord(
+        run_id=job.context.run_id,
+        job_dir=job.job_dir,
+        job_id=job_id,
+        local=False,
+        zk=job.spec.zk,
+        nodes=str(job.spec.nodes),
+        nproc_per_node=job.spec.nproc_per_node,
+        max_restarts=job.spec.max_restarts,
+        version=job.context.version,
+        command_line=job.context.command_line,
+        template=job.script.template,
+        spec=spec,
+        snapshot=None if job.code is None else job.code.record(job.paths.code),
+    ).write()
+
+
+class _CallableModule(types.ModuleType):
+    """``hpc_elastic.submit`` names both this module and the Python API's ``submit``: once
+    this module is imported, the package attribute is the module, so calling it must submit."""
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        from hpc_elastic.api import submit as submit_job  # noqa: PLC0415 (api imports us)
+
+        return submit_job(*args, **kwargs)  # type: ignore[arg-type]
+
+
+sys.modules[__name__].__class__ = _CallableModule

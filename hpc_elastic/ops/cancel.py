@@ -11,14 +11,10 @@ import contextlib
 import os
 import signal
 from collections.abc import Callable
-from typing import Annotated
-
-import typer
 
 from hpc_elastic import events
-from hpc_elastic.errors import SlurmError
+from hpc_elastic.errors import SlurmError, UsageError
 from hpc_elastic.ops import jobs
-from hpc_elastic.ops.commands import JobArg, LogDir, _log_dir
 
 
 def cancel(
@@ -29,20 +25,32 @@ def cancel(
     """Cancel ``record``'s job; returns what was done, one phrase each, for the user."""
     done = []
     if record.local:
-        if record.runner_alive() and record.runner_pid is not None:
+        # runner_alive checks the pid still carries this job's marker: a recycled or forged
+        # pid in job.json must never be signalled.
+        if jobs.runner_alive(record) and record.runner_pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(record.runner_pid, signal.SIGTERM)
             done.append(f"stopped the local run (pid {record.runner_pid})")
     elif record.job_id is not None:
+        if not record.job_id.isdigit():  # parse_record already refuses it; never reach scancel
+            raise UsageError(f"Slurm job id '{record.job_id}' is not a number; not cancelling.")
         scancel(record.job_id)
         done.append(f"cancelled Slurm job {record.job_id} (every slot)")
     if record.zk is not None and not record.local:
         close(record)
         done.append("closed the rendezvous")
     events.append(
-        record.events_file, events.Event(kind="cancel", job=record.run_id, details={"by": "user"})
+        record.events_file,
+        events.Event(kind=events.Kind.CANCEL, job=record.run_id, details={"by": "user"}),
     )
     return done
+
+
+def cancel_job(record: jobs.JobRecord) -> list[str]:
+    """``cancel`` with the real Slurm and ZooKeeper. ``_scancel`` and ``_close`` are looked up
+    here when it runs, not bound where it is imported, so a test that replaces them in this
+    module replaces them for every caller (the CLI's ``cancel`` and the Python API alike)."""
+    return cancel(record, _scancel, _close)
 
 
 def _scancel(job_id: str) -> None:
@@ -63,16 +71,3 @@ def _close(record: jobs.JobRecord) -> None:
     assert record.zk is not None
     secret = read_secret_file(record.secret_file) if record.secret_file.exists() else None
     zookeeper.close_job(record.zk, record.run_id, secret)
-
-
-def cancel_command(
-    job: JobArg,
-    log_dir: LogDir = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing.")] = False,
-) -> None:
-    """End every slot of a job (running and pending), close its rendezvous; checkpoints stay."""
-    record = jobs.resolve(job, _log_dir(log_dir))
-    done = cancel(record, _scancel, _close)
-    if not quiet:
-        summary = "; ".join(done) if done else "nothing was running"
-        typer.echo(f"Job '{record.run_id}': {summary}.")

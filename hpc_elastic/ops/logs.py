@@ -33,7 +33,7 @@ class RankLog:
 
 def find(record: JobRecord) -> list[RankLog]:
     found = []
-    for path in record.log_dir.glob("attempt_*/rank_*.log"):
+    for path in record.log_dir.glob(record.paths.rank_logs):
         match = _LOG.search(path.as_posix())
         if match is not None:
             found.append(RankLog(int(match.group(1)), int(match.group(2)), path))

@@ -8,11 +8,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from hpc_elastic.errors import HpcElasticError
-from hpc_elastic.events import Event
+from hpc_elastic.errors import HpcElasticError, one_line
+from hpc_elastic.events import ChurnDetails, Event, Kind, LoadedDetails, UnknownKind
+from hpc_elastic.jobdir import CodeSnapshot
+from hpc_elastic.ops import goodput as lost_time
 from hpc_elastic.ops import timeline
-from hpc_elastic.ops.jobs import JobRecord
+from hpc_elastic.ops.jobs import JobRecord, runner_alive
 from hpc_elastic.slurm.commands import JobStatus
+from hpc_elastic.slurm.elastic import every_task_held
 
 SlurmQuery = Callable[[Sequence[str]], list[JobStatus]]
 
@@ -37,7 +40,7 @@ class JobView:
     nodes: str
     nproc_per_node: int
     state: str
-    """pending, running, succeeded, failed, stopped or unknown."""
+    """pending, running, held, succeeded, failed, stopped or unknown."""
     round: int | None
     world_size: int | None
     members: list[str]
@@ -51,9 +54,18 @@ class JobView:
     last_failure: str | None
     slots: list[Slot] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    restores: list[str] = field(default_factory=list)
+    """Which checkpoint tier each restart loaded from (``restore_tiers``), oldest first."""
+    code: CodeSnapshot | None = None
+    """The code snapshot the job runs (commit, dirty); None without one."""
+    goodput: lost_time.Goodput = field(default_factory=lost_time.Goodput)
+    """Productive time over wall time and the time lost by cause, from the events."""
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        data["code"] = None if self.code is None else self.code.to_json()
+        data["goodput"] = self.goodput.as_dict()
+        return data
 
 
 def gather(record: JobRecord, squeue: SlurmQuery) -> JobView:
@@ -67,7 +79,8 @@ def gather(record: JobRecord, squeue: SlurmQuery) -> JobView:
             slurm = squeue([record.job_id])
         except HpcElasticError as error:
             warnings.append(str(error))
-    live = summary.outcome == "running" and (bool(slurm) or record.runner_alive())
+    live = _live(record, summary, slurm)
+    overall = job_state(record, summary, slurm)
     round_number, world, members = summary.round, summary.world_size, list(summary.members)
     restarts_used, failure = summary.restarts_used, summary.last_failure
     if live and record.zk:
@@ -89,7 +102,7 @@ def gather(record: JobRecord, squeue: SlurmQuery) -> JobView:
         mode="local" if record.local else "slurm",
         nodes=record.nodes,
         nproc_per_node=record.nproc_per_node,
-        state=_state(summary.outcome, live, slurm, history),
+        state=overall,
         round=round_number,
         world_size=world,
         members=members,
@@ -103,7 +116,36 @@ def gather(record: JobRecord, squeue: SlurmQuery) -> JobView:
         last_failure=failure,
         slots=_slots(history, slurm, finished=summary.outcome != "running"),
         warnings=warnings,
+        restores=restore_tiers(history),
+        code=record.snapshot,
+        # Only a job still at work counts its wall time up to now; a stopped one ended at its
+        # last event, however long ago that was.
+        goodput=lost_time.goodput(history, now=time.time() if overall == "running" else None),
     )
+
+
+def restore_tiers(history: list[Event]) -> list[str]:
+    """Where each restart read its checkpoint, oldest first, from the ``checkpoint_loaded``
+    events (owned by train: one from rank 0 when every rank read one tier, else one per rank):
+    ``round 3: step 30 from local``, or ``round 4: step 40 from local (3 ranks), peer (1 rank)``.
+    """
+    restores: dict[tuple[str, int | None, int | None], dict[str, int]] = {}
+    for event in history:
+        if event.kind != Kind.CHECKPOINT_LOADED:
+            continue
+        loaded = LoadedDetails.from_details(event.details)
+        tiers = restores.setdefault((event.job, event.round, loaded.step), {})
+        tiers[loaded.tier or "unknown"] = tiers.get(loaded.tier or "unknown", 0) + 1
+    lines = []
+    for (_, round_number, step), tiers in restores.items():
+        where = f"round {round_number}" if round_number is not None else "a restart"
+        if len(tiers) == 1:
+            source = next(iter(tiers))
+        else:
+            ranked = sorted(tiers.items(), key=lambda item: (-item[1], item[0]))
+            source = ", ".join(f"{tier} ({_count(count, 'rank')})" for tier, count in ranked)
+        lines.append(f"{where}: step {step} from {source}")
+    return lines
 
 
 def _rendezvous(record: JobRecord) -> Any:
@@ -122,30 +164,65 @@ def _rendezvous(record: JobRecord) -> Any:
     return zookeeper.describe_job(record.zk, record.run_id, secret)
 
 
-def _state(outcome: str, live: bool, slurm: list[JobStatus], history: list[Event]) -> str:
-    if outcome != "running":
-        return outcome
+def job_state(record: JobRecord, summary: timeline.Summary, slurm: list[JobStatus]) -> str:
+    """pending, running, held, succeeded, failed, stopped or unknown: the one rule that
+    ``list``, ``status`` and the Python API share, so they never disagree about a job.
+    ``slurm`` is Slurm's queue lines of this job (``of_job``); a job the agents say is running
+    but that Slurm no longer lists (cancelled, killed) and whose local runner is gone is
+    stopped; one whose every task Slurm holds (``REQUEUE_HOLD``) is held: it waits for an
+    ``scontrol release``."""
+    if summary.outcome != "running":
+        return summary.outcome
+    if every_task_held(slurm):
+        return "held"
     if slurm and all(status.state == "PENDING" for status in slurm):
         return "pending"
-    if live:
+    if _live(record, summary, slurm):
         return "running"
-    return "stopped" if history else "unknown"
+    return "stopped" if summary.first_time is not None else "unknown"
 
 
-_AGENT_WORDS = {
-    "join": "joining",
-    "round": "starting",
-    "start": "training",
-    "restart": "rejoining",
-    "failure": "reporting a failure",
-    "leave": "left",
-    "preempt": "preempted",
-    "done": "done",
-    "failed": "failed",
+def _live(record: JobRecord, summary: timeline.Summary, slurm: list[JobStatus]) -> bool:
+    return summary.outcome == "running" and (bool(slurm) or runner_alive(record))
+
+
+def of_job(record: JobRecord, queue: Sequence[JobStatus]) -> list[JobStatus]:
+    """The lines of one ``squeue`` answer that belong to ``record``'s Slurm job."""
+    return [status for status in queue if str(status.job_id) == record.job_id]
+
+
+def job_states(
+    jobs: Sequence[tuple[JobRecord, timeline.Summary]], squeue: SlurmQuery
+) -> tuple[list[str], list[str]]:
+    """Each job's ``job_state``, asking Slurm once for all of them, and the warnings."""
+    records = [record for record, _ in jobs]
+    ids = [record.job_id for record in records if record.job_id is not None]
+    queue: list[JobStatus] = []
+    warnings: list[str] = []
+    if ids:
+        try:
+            queue = squeue(ids)
+        except HpcElasticError as error:
+            warnings.append(str(error))
+    states = [job_state(record, summary, of_job(record, queue)) for record, summary in jobs]
+    return states, warnings
+
+
+_AGENT_WORDS: dict[str, str] = {
+    Kind.JOIN: "joining",
+    Kind.ROUND: "starting",
+    Kind.START: "training",
+    Kind.RESTART: "rejoining",
+    Kind.FAILURE: "reporting a failure",
+    Kind.LEAVE: "left",
+    Kind.PREEMPT: "preempted",
+    Kind.SPARE: "hot spare",
+    Kind.DONE: "done",
+    Kind.FAILED: "failed",
 }
 
 
-WAITING = frozenset({"join", "restart"})
+WAITING = frozenset({Kind.JOIN, Kind.RESTART, Kind.SPARE})
 """Last events of an agent waiting for a round; once the job has finished, it has exited."""
 
 
@@ -154,10 +231,11 @@ def _slots(history: list[Event], slurm: list[JobStatus], *, finished: bool) -> l
     for event in history:
         if event.slot and "node_id" in event.details:
             last[event.slot] = event
-        elif event.kind == "churn" and event.details.get("action") == "kill":
-            killed = str(event.details.get("target", ""))
-            if killed in last:
-                last[killed] = Event(kind="killed (churn)", node=last[killed].node)
+        elif event.kind == Kind.CHURN:
+            churn = ChurnDetails.from_details(event.details)
+            if churn.action == "kill" and churn.target in last:
+                shown = UnknownKind("killed (churn)")  # a word for the table, not a kind written
+                last[churn.target] = Event(kind=shown, node=last[churn.target].node)
     slots: dict[str, Slot] = {}
     for status in slurm:
         name = status.array_task or status.job_id
@@ -173,29 +251,36 @@ def _slots(history: list[Event], slurm: list[JobStatus], *, finished: bool) -> l
 
 
 def render(view: JobView) -> None:
-    """A rich summary and slot table on stdout."""
+    """A rich summary and slot table on stdout.
+
+    Every value from the job's files goes through ``_shown``: a slot name or failure message
+    holding ``[/bold]`` would otherwise be read as rich markup, and escape codes would reach
+    the terminal.
+    """
     from rich import box  # noqa: PLC0415 (rich: only for the human view)
     from rich.console import Console  # noqa: PLC0415
     from rich.table import Table  # noqa: PLC0415
 
     console = Console(highlight=False)
-    where = "local run" if view.mode == "local" else f"Slurm job {view.job_id or '?'}"
+    where = "local run" if view.mode == "local" else f"Slurm job {_shown(view.job_id or '?')}"
     console.print(
-        f"[bold]{view.run_id}[/bold] ({where}, nodes {view.nodes}, "
-        f"{view.nproc_per_node} per node): [bold]{view.state.upper()}[/bold]"
+        f"[bold]{_shown(view.run_id)}[/bold] ({where}, nodes {_shown(view.nodes)}, "
+        f"{view.nproc_per_node} per node): [bold]{_shown(view.state.upper())}[/bold]"
     )
     facts = Table.grid(padding=(0, 2))
     facts.add_column(style="dim")
     facts.add_column()
     members = ", ".join(view.members)
     if view.round is not None:
-        facts.add_row("Round", f"{view.round}, world size {view.world_size} ({members})")
+        facts.add_row("Round", _shown(f"{view.round}, world size {view.world_size} ({members})"))
     else:
         facts.add_row("Round", "none yet")
     facts.add_row(
         "Restarts",
-        f"{view.restarts_used}/{view.max_restarts} of the failure budget used; "
-        f"{_count(view.restarts, 'group restart')} in all, node changes included",
+        _shown(
+            f"{view.restarts_used}/{view.max_restarts} of the failure budget used; "
+            f"{_count(view.restarts, 'group restart')} in all, node changes included"
+        ),
     )
     facts.add_row(
         "Preemptions",
@@ -205,21 +290,48 @@ def render(view: JobView) -> None:
         age = time.time() - view.last_checkpoint_time
         facts.add_row(
             "Checkpoint",
-            f"step {view.last_checkpoint_step}, written {timeline.clock(view.last_checkpoint_time)}"
-            f" ({_ago(age)} ago)",
+            _shown(
+                f"step {view.last_checkpoint_step}, written "
+                f"{timeline.clock(view.last_checkpoint_time)} ({_ago(age)} ago)"
+            ),
         )
     else:
         facts.add_row("Checkpoint", "none yet")
-    facts.add_row("Last failure", view.last_failure or "none")
-    facts.add_row("Directory", view.job_dir)
+    shown = "; ".join(view.restores[-3:]) or "no restore yet"
+    if len(view.restores) > 3:
+        shown += f" (the last 3 of {len(view.restores)})"
+    facts.add_row("Restored", _shown(shown))
+    facts.add_row("Last failure", _shown(view.last_failure or "none"))
+    facts.add_row("Goodput", _shown(lost_time.breakdown(view.goodput)))
+    facts.add_row("Code", _shown(describe_code(view.code)))
+    facts.add_row("Directory", _shown(view.job_dir))
     console.print(facts)
     if view.slots:
         table = Table(box=box.SIMPLE_HEAD)
         for column in ("Slot", "Slurm state", "Node", "Agent"):
             table.add_column(column)
         for slot in view.slots:
-            table.add_row(slot.slot, slot.slurm_state, slot.node, slot.agent)
+            table.add_row(
+                *(_shown(cell) for cell in (slot.slot, slot.slurm_state, slot.node, slot.agent))
+            )
         console.print(table)
+
+
+def describe_code(code: CodeSnapshot | None) -> str:
+    """One line on the code snapshot: which commit, whether it held uncommitted changes."""
+    if code is None:
+        return "not snapshotted: each slot runs the script as it is on disk when it starts"
+    where = f"copied from {code.source}"
+    if not code.git:
+        return f"{where} (not a git work tree), {_count(code.files, 'file')}"
+    return f"{code.version()}, {where}"
+
+
+def _shown(value: object) -> str:
+    """``value`` as plain text for rich: unprintables escaped, markup brackets escaped."""
+    from rich.markup import escape  # noqa: PLC0415
+
+    return escape(one_line(str(value)))
 
 
 def _ago(seconds: float) -> str:

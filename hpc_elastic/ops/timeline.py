@@ -6,9 +6,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 
-from hpc_elastic.events import Event
+from hpc_elastic.events import (
+    CheckpointDetails,
+    ChurnDetails,
+    Event,
+    FailedDetails,
+    FailureDetails,
+    Kind,
+    RoundDetails,
+)
 
-FAILURE_KINDS = frozenset({"failure", "failed"})
+FAILURE_KINDS = frozenset({Kind.FAILURE, Kind.FAILED})
 
 
 @dataclass(frozen=True)
@@ -22,8 +30,10 @@ class Summary:
     restarts: int = 0
     """Restarts of any cause (membership change, worker failure), counted once per round."""
     preemptions: int = 0
+    """Rounds ended by a preemption: Slurm preempting three slots of one round is one."""
     requeues: int = 0
-    """A slot's agent joining again after it stopped for preemption (or a ``requeue`` event)."""
+    """Slots sent back to the queue: a ``requeue`` event, or a slot's agent joining again after
+    it stopped for preemption when no ``requeue`` event said so (one requeue, never two)."""
     last_checkpoint_step: int | None = None
     last_checkpoint_time: float | None = None
     last_failure: str | None = None
@@ -33,44 +43,54 @@ class Summary:
     last_time: float | None = None
 
 
+def _requeued(event: Event, awaiting: set[str]) -> bool:
+    """Whether ``event`` is a new requeue of its slot: every ``requeue`` event is one, and so
+    is an agent joining after its slot's preemption unless a ``requeue`` event already told."""
+    was_awaiting = event.slot in awaiting
+    awaiting.discard(event.slot)
+    return event.kind == "requeue" or was_awaiting
+
+
 def summarize(events: Iterable[Event]) -> Summary:
-    round_number = world = None
+    round_number: int | None = None
+    world: int | None = None
     members: tuple[str, ...] = ()
-    restarts_used = preemptions = requeues = 0
+    restarts_used = requeues = 0
     restarted: set[int | None] = set()
+    preempted: set[object] = set()
+    awaiting_requeue: set[str] = set()
+    """Slots that stopped for preemption and were not yet counted as requeued."""
     checkpoint_step: int | None = None
     checkpoint_time = failure = first = last = None
     outcome = "running"
-    last_by_slot: dict[str, str] = {}
     for event in events:
         first = event.time if first is None else first
         last = event.time
         details = event.details
-        if event.kind == "join" and last_by_slot.get(event.slot) == "preempt":
+        if event.kind in (Kind.REQUEUE, Kind.JOIN) and _requeued(event, awaiting_requeue):
             requeues += 1
-        if "node_id" in details:
-            last_by_slot[event.slot] = event.kind
-        if event.kind == "round":
+        if event.kind == Kind.ROUND:
+            formed = RoundDetails.from_details(details)
             round_number = event.round
-            world = details.get("world_size")
-            members = tuple(details.get("members", ()))
-            restarts_used = int(details.get("restarts_used", restarts_used))
+            world = formed.world_size
+            members = formed.members
+            restarts_used = formed.restarts_used
             outcome = "running"
-        elif event.kind == "restart":
+        elif event.kind == Kind.RESTART:
             restarted.add(event.round)
-        elif event.kind == "preempt":
-            preemptions += 1
-        elif event.kind == "requeue":
-            requeues += 1
-        elif event.kind == "checkpoint":
-            checkpoint_step = details.get("step")
+        elif event.kind == Kind.PREEMPT:
+            awaiting_requeue.add(event.slot)
+            # Without a round (a hand-written or old event) each preempt event stands alone.
+            preempted.add(event.round if event.round is not None else ("event", len(preempted)))
+        elif event.kind == Kind.CHECKPOINT:
+            checkpoint_step = CheckpointDetails.from_details(details).step
             checkpoint_time = event.time
-        elif event.kind == "failure":
+        elif event.kind == Kind.FAILURE:
             failure = _failure_line(event)
-        elif event.kind == "failed":
-            failure = failure or str(details.get("reason", ""))
+        elif event.kind == Kind.FAILED:
+            failure = failure or FailedDetails.from_details(details).reason
             outcome = "failed"
-        elif event.kind == "done":
+        elif event.kind == Kind.DONE:
             outcome = "succeeded"
     return Summary(
         round=round_number,
@@ -78,7 +98,7 @@ def summarize(events: Iterable[Event]) -> Summary:
         members=members,
         restarts_used=restarts_used,
         restarts=len(restarted),
-        preemptions=preemptions,
+        preemptions=len(preempted),
         requeues=requeues,
         last_checkpoint_step=checkpoint_step,
         last_checkpoint_time=checkpoint_time,
@@ -90,15 +110,11 @@ def summarize(events: Iterable[Event]) -> Summary:
 
 
 def _failure_line(event: Event) -> str:
-    details = event.details
-    cause = (
-        f"signal {details['signal']}"
-        if details.get("signal")
-        else (f"exit code {details.get('exit_code')}")
-    )
-    message = str(details.get("message", "")).strip().splitlines()
+    failure = FailureDetails.from_details(event.details)
+    cause = f"signal {failure.signal}" if failure.signal else f"exit code {failure.exit_code}"
+    message = failure.message.strip().splitlines()
     where = event.slot or event.node
-    text = f"rank {details.get('rank')} on {where} ({cause}) in round {event.round}"
+    text = f"rank {failure.rank} on {where} ({cause}) in round {event.round}"
     return f"{text}: {message[-1]}" if message else text
 
 
@@ -110,35 +126,36 @@ def describe(event: Event) -> str:
     """One human sentence for an event, without time or place."""
     d = event.details
     kind = event.kind
-    if kind == "round":
-        members = ", ".join(d.get("members", ()))
+    if kind == Kind.ROUND:
+        formed = RoundDetails.from_details(d)
         return (
-            f"round {event.round}: world size {d.get('world_size')} ({members}), "
-            f"restarts used {d.get('restarts_used', 0)}"
+            f"round {event.round}: world size {formed.world_size} "
+            f"({', '.join(formed.members)}), restarts used {formed.restarts_used}"
         )
-    if kind == "join":
+    if kind == Kind.JOIN:
         return f"agent joined ({d.get('nproc')} workers on {d.get('host')})"
-    if kind == "start":
+    if kind == Kind.START:
         return f"workers started, ranks {d.get('ranks')}"
-    if kind == "restart":
+    if kind == Kind.RESTART:
         return f"workers stopped: {d.get('reason')}"
-    if kind == "failure":
+    if kind == Kind.FAILURE:
         return f"worker failure: {_failure_line(event)}"
-    if kind == "failed":
-        return f"job failed: {d.get('reason')}"
-    if kind == "checkpoint":
-        return f"checkpoint step {d.get('step')} committed"
-    if kind == "preempt":
+    if kind == Kind.FAILED:
+        return f"job failed: {FailedDetails.from_details(d).reason}"
+    if kind == Kind.CHECKPOINT:
+        return f"checkpoint step {CheckpointDetails.from_details(d).step} committed"
+    if kind == Kind.PREEMPT:
         return "preempted: workers saved and stopped, waiting for requeue"
-    if kind == "leave":
+    if kind == Kind.LEAVE:
         return f"agent left (exit code {d.get('exit_code')})"
-    if kind == "done":
+    if kind == Kind.DONE:
         return "all workers finished"
-    if kind in ("node_lost", "node_arrived"):
+    if kind in (Kind.NODE_LOST, Kind.NODE_ARRIVED):
         nodes = ", ".join(str(node) for node in d.get("nodes", ()))
-        return f"{'lost' if kind == 'node_lost' else 'new'} nodes: {nodes}"
-    if kind == "churn":
-        return f"simulated churn: {d.get('action')} {d.get('target', '')}".rstrip()
+        return f"{'lost' if kind == Kind.NODE_LOST else 'new'} nodes: {nodes}"
+    if kind == Kind.CHURN:
+        churn = ChurnDetails.from_details(d)
+        return f"simulated churn: {churn.action} {churn.target}".rstrip()
     extra = " ".join(f"{key}={value}" for key, value in d.items() if key != "node_id")
     return f"{kind} {extra}".rstrip()
 

@@ -1,0 +1,262 @@
+"""The Python API: submit a job and follow it from Python, as the CLI does from a shell.
+
+``submit`` takes the option table's options (``hpc_elastic.options``) as keyword arguments,
+by their Python names (``nodes="1:4"``, ``nproc_per_node=8``, ``partition="low"``), so a new
+option is one row in the table and reaches the API, the CLI and the config file at once. A
+value may be given as the flag's text (``nodes="2:8"``, ``time="1-00"``) or as a Python value
+(``nodes=4``, ``env={"LR": "3e-4"}``); either is checked by the same parser as the flag.
+Values the caller gives beat the config file (hpc-elastic.toml), which beats the defaults,
+exactly as flags do.
+
+``Job`` is a handle on one job directory; its methods return the typed objects the ops
+commands print (``JobView``, ``Event``, ``RankOutput``), never text to parse. The CLI's
+``submit`` is a client of ``plan_job`` and ``send``; ``status``, ``cancel``, ``logs`` and
+``events`` call the same ``ops`` functions that ``Job`` calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, cast
+
+from hpc_elastic.errors import UsageError, WaitTimeoutError
+from hpc_elastic.events import Event
+from hpc_elastic.jobdir import JobRecord
+from hpc_elastic.options import SUBMIT_OPTIONS, Option, resolve
+from hpc_elastic.spec import JobSpec, default_job_name, parse_script
+from hpc_elastic.submit import Plan, SlurmCommands, plan
+from hpc_elastic.submit import submit as submit_plan
+
+__all__ = ["FINAL_STATES", "Job", "RankOutput", "is_over", "jobs", "plan_job", "send", "submit"]
+
+_log = logging.getLogger(__name__)
+
+FINAL_STATES = frozenset({"succeeded", "failed", "stopped"})
+"""The states ``ops.status`` gives a job that will do nothing more; ``Job.wait`` ends there."""
+
+
+def is_over(view: Any) -> bool:
+    """Whether a job (its ``JobView``) will do nothing more: a final state, or a Slurm job
+    that Slurm no longer lists and whose agents never wrote an event (they died before the
+    rendezvous: ``status`` calls that "unknown"; sbatch answers only once squeue lists it)."""
+    return view.state in FINAL_STATES or (view.state == "unknown" and view.mode == "slurm")
+
+
+WAIT_POLL_SECONDS = 2.0
+"""How often ``wait`` looks: the events file and one ``squeue`` call, cheap at this rate."""
+
+_OPTIONS = {option.name: option for option in SUBMIT_OPTIONS}
+
+
+@dataclass(frozen=True)
+class RankOutput:
+    """One rank's log of one attempt (rendezvous round), read when ``Job.logs`` was called."""
+
+    attempt: int
+    rank: int
+    path: Path
+    text: str
+
+
+@dataclass(frozen=True)
+class Job:
+    """One hpc-elastic job, found by its job directory's ``job.json``."""
+
+    record: JobRecord
+
+    @property
+    def run_id(self) -> str:
+        return self.record.run_id
+
+    @property
+    def job_id(self) -> str | None:
+        """The Slurm job id; None for a local run."""
+        return self.record.job_id
+
+    @property
+    def job_dir(self) -> Path:
+        return self.record.job_dir
+
+    @classmethod
+    def find(cls, job: str, log_dir: Path | str | None = None) -> Job:
+        """A job by run id, job directory or Slurm job id, as the CLI's JOB argument."""
+        from hpc_elastic.ops import jobs as found  # noqa: PLC0415 (keep import cheap)
+
+        return cls(found.resolve(job, _log_dir(log_dir)))
+
+    def status(self) -> Any:
+        """A ``hpc_elastic.ops.status.JobView``: state, round, world size, slots, failures."""
+        from hpc_elastic.ops import status  # noqa: PLC0415
+
+        return status.gather(self.record, _squeue)
+
+    def state(self) -> str:
+        """pending, running, held, succeeded, failed, stopped or unknown (``status().state``)."""
+        return str(self.status().state)
+
+    def events(self) -> list[Event]:
+        """The job's single timeline across requeues, oldest first."""
+        return self.record.events()
+
+    def logs(self, rank: int | None = None, attempt: int | None = None) -> list[RankOutput]:
+        """Every rank's output (or one rank's, or one attempt's), in attempt order."""
+        from hpc_elastic.ops import logs  # noqa: PLC0415
+
+        chosen = logs.select(self.record, logs.find(self.record), rank, attempt)
+        return [
+            RankOutput(log.attempt, log.rank, log.path, log.path.read_text(errors="replace"))
+            for log in chosen
+        ]
+
+    def cancel(self) -> list[str]:
+        """End every slot and close the rendezvous; returns what was done, one phrase each."""
+        from hpc_elastic.ops.cancel import _close, _scancel, cancel  # noqa: PLC0415
+
+        return cancel(self.record, _scancel, _close)
+
+    def wait(self, timeout: float | None = None, poll: float = WAIT_POLL_SECONDS) -> Any:
+        """Block until the job ends; returns its final ``JobView``.
+
+        Raises ``WaitTimeoutError`` (also a ``TimeoutError``) after ``timeout`` seconds; the
+        job keeps running, so call ``wait`` again or ``cancel``.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            view = self.status()
+            if is_over(view):
+                return view
+            if deadline is not None and time.monotonic() >= deadline:
+                raise WaitTimeoutError(
+                    f"Job '{self.run_id}' is still {view.state} after {timeout:g} s; wait "
+                    "longer, or call cancel() to end it."
+                )
+            _log.debug("job %s is %s; looking again in %g s", self.run_id, view.state, poll)
+            left = poll if deadline is None else deadline - time.monotonic()
+            time.sleep(max(0.0, min(poll, left)))
+
+
+def submit(script: str | Path, *script_args: str, **options: object) -> Job:
+    """Submit ``script`` (run with ``python -u`` on every rank) as an elastic job.
+
+    ``options`` are the CLI's submit options by Python name, e.g.
+    ``submit("train.py", "--lr", "3e-4", nodes="1:4", nproc_per_node=8, partition="low")``.
+    """
+    job = plan_job(script, script_args, options)
+    return send(job)
+
+
+def plan_job(
+    script: str | Path,
+    script_args: Sequence[str] = (),
+    options: Mapping[str, object] | None = None,
+    *,
+    config: Mapping[str, object] | None = None,
+    command_line: Sequence[str] | None = None,
+) -> Plan:
+    """The job ``submit`` would send, script rendered; submits nothing (a dry run).
+
+    ``config`` defaults to the config file found from the current directory.
+    """
+    given = {name: _as_flag_value(_option(name), value) for name, value in (options or {}).items()}
+    if config is None:
+        from hpc_elastic.config import load_config  # noqa: PLC0415
+
+        config = load_config(Path.cwd()).values
+    settings = resolve(SUBMIT_OPTIONS, given, given.__contains__, config)
+    return plan_settings(parse_script(str(script)), script_args, settings, command_line)
+
+
+def plan_settings(
+    script: Path,
+    script_args: Sequence[str],
+    settings: dict[str, object],
+    command_line: Sequence[str] | None = None,
+) -> Plan:
+    """A plan from resolved option values (``options.resolve``); the CLI's way in."""
+    interpreter = str(settings.pop("python") or sys.executable)
+    settings["job_name"] = settings["job_name"] or default_job_name(script)
+    spec = JobSpec(script=script, script_args=tuple(script_args), **cast("Any", settings))
+    line = tuple(command_line) if command_line is not None else _python_call(spec)
+    return plan(spec, line, interpreter, datetime.now())
+
+
+def send(
+    job: Plan, slurm: SlurmCommands | None = None, files: Mapping[str, bytes] | None = None
+) -> Job:
+    """Write the job directory (and ``files`` in it, 0600) and sbatch the planned script."""
+    if slurm is None:
+        from hpc_elastic.slurm import commands  # noqa: PLC0415
+
+        slurm = commands
+    submitted = submit_plan(job, slurm, files)
+    _log.debug("submitted %s as Slurm job %s", job.context.run_id, submitted.job_id)
+    return Job(JobRecord.load(job.job_dir))
+
+
+def jobs(log_dir: Path | str | None = None) -> list[Job]:
+    """Your jobs, oldest first, as ``hpc-elastic list`` shows them: every job in your index
+    (whatever its log directory) and under the default log directory; only those under
+    ``log_dir`` when it is given."""
+    from hpc_elastic.ops import jobs as found  # noqa: PLC0415
+
+    if log_dir is not None:
+        return [Job(record) for record in found.scan(Path(log_dir))]
+    return [Job(record) for record in found.everywhere(_log_dir(None))]
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def _option(name: str) -> Option:
+    option = _OPTIONS.get(name)
+    if option is None:
+        known = ", ".join(sorted(_OPTIONS))
+        raise UsageError(f"submit() has no option '{name}'; use one of {known}.")
+    return option
+
+
+def _as_flag_value(option: Option, value: object) -> object:
+    """``value`` as Typer would hand the flag's value to ``resolve``: parsed by the same
+    parser, and a list of texts for a repeatable option (``resolve`` parses each item)."""
+    if option.repeatable:
+        if isinstance(value, Mapping):  # env={"KEY": "value"}
+            return [f"{key}={item}" for key, item in value.items()]
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, Iterable):
+            return [item if isinstance(item, str) else "=".join(item) for item in value]
+        raise UsageError(f"submit({option.name}={value!r}) must be a list of strings.")
+    if value is None or isinstance(value, bool):
+        return value
+    if option.parse is not None and isinstance(value, str | int | float):
+        return option.parse(str(value))
+    if option.type in (Path, Path | None) and isinstance(value, str | Path):
+        return Path(value)
+    return value
+
+
+def _python_call(spec: JobSpec) -> tuple[str, ...]:
+    """What the sbatch script records as the command that made it, for an API submit."""
+    return ("hpc_elastic.submit", str(spec.script), *spec.script_args)
+
+
+def _log_dir(log_dir: Path | str | None) -> Path:
+    if log_dir is not None:
+        return Path(log_dir)
+    from hpc_elastic.config import load_config  # noqa: PLC0415
+    from hpc_elastic.ops.jobs import DEFAULT_LOG_DIR  # noqa: PLC0415
+
+    configured = load_config(Path.cwd()).values.get("log_dir")
+    return Path(str(configured)) if configured else DEFAULT_LOG_DIR
+
+
+def _squeue(job_ids: Sequence[str]) -> Any:
+    from hpc_elastic.slurm import commands  # noqa: PLC0415 (tests swap the module's functions)
+
+    return commands.squeue(job_ids)

@@ -1,0 +1,58 @@
+"""``hpc-elastic events JOB``: the Typer signature; ``hpc_elastic.ops.timeline`` tells it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from hpc_elastic.commands._job import JobArg, LogDir, log_dir_of
+from hpc_elastic.errors import one_line
+from hpc_elastic.ops import jobs, timeline
+from hpc_elastic.ops import phases as restart_phases
+
+
+def events_command(
+    job: JobArg,
+    *,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the raw JSON lines.")] = False,
+    every: Annotated[
+        bool, typer.Option("--all", help="One line per agent report, not one per happening.")
+    ] = False,
+    plot: Annotated[
+        Path | None,
+        typer.Option(metavar="PNG", help="Draw world size and step over time to this file."),
+    ] = None,
+    phases: Annotated[
+        bool, typer.Option("--phases", help="Where each restart's seconds went, phase by phase.")
+    ] = False,
+    log_dir: LogDir = None,
+) -> None:
+    """Print the job's single timeline across requeues; --plot draws it."""
+    record = jobs.resolve(job, log_dir_of(log_dir))
+    history = record.events()
+    if phases:
+        for row in restart_phases.table(restart_phases.restarts(history)):
+            typer.echo(row)
+        return
+    if plot is not None:
+        from hpc_elastic.ops.plot import plot as draw  # noqa: PLC0415 (matplotlib: lazily)
+
+        draw(history, plot, record.run_id)
+        typer.echo(f"Wrote {plot}.", err=True)
+        return
+    if not history:
+        typer.echo(f"Job '{record.run_id}' has no events yet.", err=True)
+    if as_json:
+        for event in history:
+            typer.echo(json.dumps(asdict(event), sort_keys=True))
+    elif every:
+        for event in history:
+            typer.echo(one_line(timeline.line(event)))
+    else:
+        story = [event for event in history if event.kind not in restart_phases.MARKERS]
+        for event, places in timeline.compact(story):
+            typer.echo(one_line(timeline.compact_line(event, places)))

@@ -1,0 +1,123 @@
+"""``hpc-elastic submit`` and ``hpc-elastic render``: the Typer signature, then the domain.
+
+The options come from the option table (``hpc_elastic.options``); the domain is
+``hpc_elastic.submit`` (plan, then write the job directory and sbatch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, cast
+
+import typer
+
+from hpc_elastic import api
+from hpc_elastic._click_compat import ParameterSource
+from hpc_elastic.config import load_config
+from hpc_elastic.jobdir import CodeSnapshot
+from hpc_elastic.options import SUBMIT_OPTIONS, resolve, with_options
+from hpc_elastic.slurm import commands
+from hpc_elastic.snapshot import MB
+from hpc_elastic.spec import parse_script
+from hpc_elastic.submit import Plan, SlurmCommands
+
+slurm: SlurmCommands = commands
+"""The Slurm layer submit talks to; tests swap in a fake."""
+
+
+@dataclass(frozen=True)
+class Invocation:
+    """The raw arguments, kept so the sbatch script can record the command that made it."""
+
+    argv: tuple[str, ...]
+
+
+SUBMIT_HELP = """Render the sbatch script for SCRIPT and submit it with sbatch.
+
+Prints the Slurm job id, the job directory and where the logs go. Defaults come from
+hpc-elastic.toml or [tool.hpc-elastic] in pyproject.toml (searched upwards from the
+current directory); flags beat the file.
+
+\b
+Examples:
+  hpc-elastic submit --nodes 4 --nproc-per-node 8 train.py
+  hpc-elastic submit --nodes 2:8 --partition gpu --time 1-00 --gpus-per-node 8 \\
+      --setup 'module load cuda' --setup 'source .venv/bin/activate' \\
+      train.py -- --lr 3e-4 --epochs 10
+  hpc-elastic submit --nodes 1:4 --dry-run train.py     # print the script only
+"""
+
+RENDER_HELP = """Print the sbatch script that submit would send; calls nothing on Slurm.
+
+Same options as submit. Example: hpc-elastic render --nodes 1:4 train.py > job.sh
+"""
+
+
+TYPED = frozenset({ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT})
+"""Where a value counts as the user's own: it beats the config file."""
+
+
+def typed_in(ctx: typer.Context) -> Callable[[str], bool]:
+    """Whether the user gave option ``name`` on this command line (not Typer's default)."""
+    return lambda name: ctx.get_parameter_source(name) in TYPED
+
+
+@with_options(SUBMIT_OPTIONS)
+def submit_command(
+    ctx: typer.Context,
+    script: Annotated[
+        Path,
+        typer.Argument(
+            parser=parse_script, metavar="SCRIPT", help="The training script, run with python -u."
+        ),
+    ],
+    script_args: Annotated[
+        list[str] | None,
+        typer.Argument(metavar="SCRIPT_ARGS", help="Arguments for SCRIPT, after '--'."),
+    ] = None,
+    *,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the script; submit nothing.")
+    ] = False,
+    **values: Any,
+) -> None:
+    """The options are the table's (``hpc_elastic.options``); ``values`` holds them by name."""
+    settings = resolve(SUBMIT_OPTIONS, values, typed_in(ctx), load_config(Path.cwd()).values)
+    argv = cast(Invocation, ctx.find_root().obj).argv
+    job = api.plan_settings(script, script_args or (), settings, ("hpc-elastic", *argv))
+    if dry_run or ctx.info_name == "render":
+        typer.echo(job.script.text, nl=False, color=True)  # the exact script, escapes and all
+        return
+    _submit(job)
+
+
+def _submit(job: Plan) -> None:
+    """The Python API submits (``hpc_elastic.api.send``); this prints what it did."""
+    submitted = api.send(job, slurm)
+    nodes = job.spec.nodes
+    shape = f"elastic {nodes} nodes" if nodes.is_elastic else f"{nodes} nodes"
+    if job.spec.spares:
+        shape += f" and {job.spec.spares} hot spare{'s' if job.spec.spares > 1 else ''}"
+    typer.echo(f"Submitted batch job {submitted.job_id} (run {job.context.run_id}, {shape}).")
+    typer.echo(f"Job directory: {job.job_dir}")
+    logs = job.paths.slurm_output(str(submitted.job_id), elastic=job.spec.is_array)
+    typer.echo(f"Logs: {logs}")
+    typer.echo(f"Code: {describe_snapshot(submitted.record.snapshot)}")
+
+
+def describe_snapshot(code: CodeSnapshot | None) -> str:
+    """One line on what the job will run, from ``job.json``: the commit (short, as ``status``
+    shows it), whether uncommitted changes came along, and the copy's size. Said at submit,
+    because a dirty tree is worth knowing about before the job runs for days, not after."""
+    if code is None:
+        return "not snapshotted (--no-snapshot): each slot runs the script as it is on disk"
+    size = f"{_count(code.files, 'file')}, {code.bytes / MB:.1f} MB"
+    if not code.git:
+        return f"snapshot of {code.source} ({code.version()}), {size}"
+    return f"snapshot of {code.version()}, {size}"
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"

@@ -1,0 +1,129 @@
+"""What the CLI, the agent, the workers and the training helpers agree on, in one torch-free place.
+
+The environment variables the agent sets for its workers (and the helpers in
+``hpc_elastic.train`` read), the exit codes a worker answers with, the files of a job
+directory, and the defaults of the agent's knobs. Each side imports the name from here, so a
+rename is one edit and neither side can drift; the old homes (``train.exitcodes``,
+``events.EVENTS_FILE_ENV``, ...) re-export these names for code that already uses them.
+Nothing here imports anything: the agent, which must start fast and never import torch, can
+read it, and so can the training helpers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# --- environment variables -----------------------------------------------------------------
+
+RUN_ID_ENV = "HPC_ELASTIC_RUN_ID"
+"""Set on every local-mode agent (``cancel`` checks it before signalling a process) and on every
+worker (``hpc_elastic.tracking``: one tracker run per job across requeues)."""
+JOB_DIR_ENV = "HPC_ELASTIC_JOB_DIR"
+CHECKPOINT_DIR_ENV = "HPC_ELASTIC_CHECKPOINT_DIR"
+EVENTS_FILE_ENV = "HPC_ELASTIC_EVENTS_FILE"
+HEARTBEAT_FILE_ENV = "HPC_ELASTIC_HEARTBEAT_FILE"
+LEASE_FILE_ENV = "HPC_ELASTIC_LEASE_FILE"
+"""Workers' env: a file the agent touches every poll while this node holds a live round and
+is connected to the rendezvous. The training helpers stop once its mtime is older than
+``LEASE_TIMEOUT_ENV`` seconds: a frozen or cut-off agent cannot stop them, so they fence
+themselves before the others re-form without this node (docs/agent.md, "Fencing")."""
+LEASE_TIMEOUT_ENV = "HPC_ELASTIC_LEASE_TIMEOUT"
+"""Workers' env: seconds after which a lease not renewed is stale: a third of the session
+timeout (``agent.fence_after``), since the agent stops renewing only once ZooKeeper reports
+SUSPENDED, which may come two thirds of a session after the server last heard from it."""
+ASSIGNMENT_FILE_ENV = "HPC_ELASTIC_ASSIGNMENT_FILE"
+"""Workers' env, in-place mode only (``agent --in-place``): a file the agent replaces with a
+surviving worker's next round (rank, world size, master) instead of killing the worker;
+``hpc_elastic.train.InPlace`` reads it at step boundaries (docs/agent.md, "In-place")."""
+SECRET_FILE_ENV = "HPC_ELASTIC_SECRET_FILE"
+SLOT_ENV = "HPC_ELASTIC_SLOT"
+ROUND_ENV = "HPC_ELASTIC_ROUND"
+MASTER_PORTS_ENV = "HPC_ELASTIC_MASTER_PORTS"
+"""``LOW:HIGH``: rank 0's agent picks the workers' MASTER_PORT in this range (default: any)."""
+HOST_ENV = "HPC_ELASTIC_HOST"
+NOTIFY_URL_ENV = "HPC_ELASTIC_NOTIFY_URL"
+"""``submit --notify``'s web hook, for the agent (never on a command line: see ``notify``)."""
+ZK_ENV = "HPC_ELASTIC_ZK"
+CHECKPOINT_ASYNC_ENV = "HPC_ELASTIC_CHECKPOINT_ASYNC"
+"""``1``: ``save`` copies the state and writes it in the background; ``0`` or unset: inline."""
+CHECKPOINT_WHEN_BUSY_ENV = "HPC_ELASTIC_CHECKPOINT_WHEN_BUSY"
+"""``wait`` or ``skip``: what an async save does while the previous one is still writing."""
+CHECKPOINT_KEEP_ENV = "HPC_ELASTIC_CHECKPOINT_KEEP"
+"""How many of the newest committed checkpoints to keep (1 or more)."""
+CHECKPOINT_KEEP_EVERY_ENV = "HPC_ELASTIC_CHECKPOINT_KEEP_EVERY"
+"""Also keep every checkpoint whose step is a multiple of this (0: none)."""
+LOCAL_CHECKPOINT_DIR_ENV = "HPC_ELASTIC_LOCAL_CHECKPOINT_DIR"
+"""A node-local directory for the fast tier of checkpoints (unset: no local tier)."""
+PERSIST_EVERY_ENV = "HPC_ELASTIC_PERSIST_EVERY"
+"""With a local tier: copy every Nth checkpoint to ``HPC_ELASTIC_CHECKPOINT_DIR``."""
+DEBUG_ENV = "HPC_ELASTIC_DEBUG"
+LOG_ENV = "HPC_ELASTIC_LOG"
+"""``debug``, ``info`` or ``warning``: the level of the package's logs on stderr (``logs``)."""
+PREFLIGHT_ENV = "HPC_ELASTIC_PREFLIGHT"
+"""``0``/``false`` turns off the agent's health checks before it joins (``--no-preflight``)."""
+USER_SECRET_FILE_ENV = "HPC_ELASTIC_USER_SECRET_FILE"
+"""The user's own secret guarding the bad nodes remembered across jobs (``--user-secret-file``)."""
+INDEX_ENV = "HPC_ELASTIC_INDEX"
+"""The per-user index of job directories (``jobdir.index_file``); default
+``$XDG_STATE_HOME/hpc-elastic/jobs``, i.e. ``~/.local/state/hpc-elastic/jobs``."""
+
+# --- the files of a job directory (``jobdir.JobDir`` names the full paths) ----------------
+
+JOB_FILE = "job.json"
+SECRET_FILE = "secret"
+SCRIPT_FILE = "sbatch.sh"
+EVENTS_FILE = "events.jsonl"
+LOGS_DIR = "logs"
+CHECKPOINTS_DIR = "checkpoints"
+SLOTS_DIR = "slots"
+CODE_DIR = "code"
+"""The job's code snapshot: the script's project as it was at submit time (``snapshot``)."""
+
+# --- exit codes ----------------------------------------------------------------------------
+
+PREEMPTED_EXIT_CODE = 75
+"""Saved a checkpoint and stopped on request (EX_TEMPFAIL): requeue it, not a failure."""
+
+FENCED_EXIT_CODE = 77
+"""Stopped at once, without saving, because the agent's lease went stale (EX_NOPERM): this
+worker's round may already have been replaced by one formed without it, so it no longer has the
+right to train or to write checkpoints. Not a failure of the worker: its node lost the job."""
+
+# --- defaults ------------------------------------------------------------------------------
+
+DEFAULT_RUNS_DIR = Path("hpc-elastic-runs")
+"""Where each run gets its own job directory, relative to the working directory."""
+DEFAULT_ZK = "127.0.0.1:2181"
+DEFAULT_CONTAINER_PYTHON = "python3"
+"""The Python inside a container image (``--container-python``): the name every image with
+Python answers to, found on the image's own PATH."""
+DEFAULT_USER_SECRET_FILE = Path("~/.hpc-elastic/user-secret")
+"""The user's own secret (``USER_SECRET_FILE_ENV``), created 0600 by the first preflight that
+remembers a bad node; ``hpc-elastic nodes`` and ``doctor`` read it, never create it."""
+DEFAULT_NODES = "1"
+DEFAULT_NPROC_PER_NODE = 1
+DEFAULT_MAX_RESTARTS = 3
+DEFAULT_PREEMPT_SIGNAL = "USR2@90"
+"""What ``submit`` asks Slurm for: USR2, 90 seconds before the time limit or a preemption."""
+DEFAULT_GRACE = 30.0
+"""Seconds the agent gives its workers to save after a stop signal, when no ``--grace`` came."""
+DEFAULT_LAST_CALL = 2.0
+DEFAULT_SESSION_TIMEOUT = 6.0
+DEFAULT_MIN_WAIT = 600.0
+DEFAULT_MAX_PREEMPTIONS = 100
+DEFAULT_MAX_TIME_LIMITS = 10
+DEFAULT_EXCLUDE_AFTER = 2
+DEFAULT_BAD_NODE_TTL = 24 * 3600.0
+"""``agent/badnodes.DEFAULT_TTL``, here too so the agent's options need not import the health
+code; tests/test_options.py checks that the two agree."""
+DEFAULT_USER_SECRET_FILE = Path("~/.hpc-elastic/user-secret")
+"""The user's own secret (created 0600 on first use): it guards the bad nodes remembered
+across the user's jobs in ZooKeeper, which no job's secret may guard since they outlive it."""
+CHECKPOINT_WHEN_BUSY_CHOICES = ("wait", "skip")
+DEFAULT_CHECKPOINT_WHEN_BUSY = "wait"
+DEFAULT_CHECKPOINT_KEEP = 3
+DEFAULT_CHECKPOINT_KEEP_EVERY = 0
+DEFAULT_PERSIST_EVERY = 1
+DEFAULT_SNAPSHOT_MAX_MB = 100
+"""The largest code snapshot ``submit`` copies without being told: a project past it holds
+data or checkpoints, which belong in .gitignore, not in every job directory."""
