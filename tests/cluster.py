@@ -3,6 +3,9 @@
 Everything a test starts on the cluster carries ``HPC_ELASTIC_TEST_CLUSTER=<state dir>`` in its
 environment (``Cluster.env`` sets it and sbatch passes it on), which is how ``strays`` tells
 this cluster's leftovers from everything else on the machine.
+
+A cluster started with ``netns=True`` runs each node in a network namespace of its own (see
+docs/dev-cluster.md), and ``link_cut``/``link_slow``/``link_heal`` act on that node's link.
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from hpc_elastic.contract import USER_SECRET_FILE_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 DEV_CLUSTER = REPO / "scripts" / "dev-cluster"
@@ -41,10 +46,13 @@ class Cluster:
     zk_port: int
     env: dict[str, str] = field(repr=False)
     nodes: list[str] = field(default_factory=lambda: ["n1", "n2", "n3", "n4"])
+    zk_host: str = "127.0.0.1"
+    """Where ZooKeeper listens: 127.0.0.1, or the namespaces' bridge address with ``netns``."""
+    netns: bool = False
 
     @property
     def zk_hosts(self) -> str:
-        return f"127.0.0.1:{self.zk_port}"
+        return f"{self.zk_host}:{self.zk_port}"
 
     @classmethod
     def from_state_dir(cls, state_dir: Path) -> Cluster:
@@ -69,17 +77,26 @@ class Cluster:
             "PATH": _with_sbin(os.environ.get("PATH", "")),
             "SLURM_CONF": exported["SLURM_CONF"],
             MARKER: str(state_dir),
+            # The agents' user secret (bad-node memory) lives with the cluster, not in $HOME,
+            # so tests leave nothing in the real home and zk_root can clean up after them.
+            USER_SECRET_FILE_ENV: str(state_dir / "user-secret"),
         }
+        zk_host, zk_port = exported["HPC_ELASTIC_ZK"].rsplit(":", 1)
         return cls(
             state_dir=state_dir,
             slurm_conf=Path(exported["SLURM_CONF"]),
-            zk_port=int(exported["HPC_ELASTIC_ZK"].rsplit(":", 1)[1]),
+            zk_port=int(zk_port),
             env=env,
+            zk_host=zk_host,
+            netns=_saved(state_dir, "NETNS_SAVED") == "1",
         )
 
     @classmethod
-    def start(cls, state_dir: Path) -> Cluster:
-        """Bring up a private cluster on free ports; raise ClusterError with why not."""
+    def start(cls, state_dir: Path, netns: bool = False) -> Cluster:
+        """Bring up a private cluster on free ports; raise ClusterError with why not.
+
+        ``netns``: each node in a network namespace of its own, so its links can be cut.
+        """
         missing = [tool for tool in REQUIRED_TOOLS if shutil.which(tool) is None]
         if missing:
             raise ClusterError(
@@ -91,7 +108,7 @@ class Cluster:
             *("--slurmctld-port", str(free_port())),
             *("--slurmd-port-base", str(free_port_block(4))),
         ]
-        result = _dev_cluster(state_dir, *ports, "up")
+        result = _dev_cluster(state_dir, *ports, *(["--netns"] if netns else []), "up")
         if result.returncode != 0:
             _dev_cluster(state_dir, "down")
             raise ClusterError(f"scripts/dev-cluster up failed: {result.stderr.strip()}")
@@ -121,6 +138,42 @@ class Cluster:
     def node_start(self, node: str) -> None:
         self.dev_cluster("node-start", node)
 
+    def node_address(self, node: str) -> str:
+        """``node``'s own address on the namespaces' bridge (``netns`` clusters only)."""
+        return f"10.231.{_saved(self.state_dir, 'NET_ID_SAVED')}.{10 + int(node[1:])}"
+
+    def in_node_net(self, node: str, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside ``node``'s network namespace (``netns`` clusters only)."""
+        netns = f"/run/netns/hpe{_saved(self.state_dir, 'NET_ID_SAVED')}-{node}"
+        return ["nsenter", f"--net={netns}", *argv]
+
+    def link_cut(self, node: str, what: str) -> None:
+        """Drop ``node``'s traffic to and from ``zk``, its ``peers``, ``both`` or ``all``."""
+        self.dev_cluster("link-cut", node, what)
+
+    def link_slow(self, node: str, rate: str = "1mbit", loss_percent: int = 10) -> None:
+        """Throttle ``node``'s link to ``rate`` each way; lose ``loss_percent`` of its packets."""
+        self.dev_cluster("link-slow", node, rate, str(loss_percent))
+
+    def link_heal(self, node: str) -> None:
+        """Undo every link-cut and link-slow on ``node``."""
+        self.dev_cluster("link-heal", node)
+
+    @contextlib.contextmanager
+    def slurm_conf_lines(self, *lines: str) -> Iterator[None]:
+        """Slurm runs with ``lines`` added to slurm.conf (a later line wins) for the block,
+        then with the file as it was: ``scontrol reconfigure`` makes slurmctld and every
+        slurmd read it again each way, without stopping a job. For one test's setting (a
+        lower ``BatchStartTimeout``) on the cluster every test shares."""
+        before = self.slurm_conf.read_text()
+        self.slurm_conf.write_text(before + "".join(f"{line}\n" for line in lines))
+        try:
+            self.run(["scontrol", "reconfigure"])
+            yield
+        finally:
+            self.slurm_conf.write_text(before)
+            self.run(["scontrol", "reconfigure"])
+
     def run(
         self, cmd: str | Sequence[str], check: bool = True, timeout: float = 60
     ) -> subprocess.CompletedProcess[str]:
@@ -143,7 +196,7 @@ class Cluster:
 
     def strays(self) -> list[str]:
         """``pid name args`` of every live process this cluster's tests or jobs left behind."""
-        spared = _ancestors(os.getpid())
+        spared = _ancestors(os.getpid()) | _own_resource_tracker()
         return [
             f"{pid} {name} {args}"
             for pid, name, args, environ in _processes()
@@ -165,6 +218,13 @@ class Cluster:
             pid = int(entry.split()[0])
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _saved(state_dir: Path, key: str) -> str:
+    """A value that ``scripts/dev-cluster`` saved in the state dir's ``ports`` file, or ""."""
+    ports = state_dir / "ports"
+    lines = ports.read_text().splitlines() if ports.is_file() else []
+    return next((line.split("=", 1)[1] for line in lines if line.startswith(f"{key}=")), "")
 
 
 def _dev_cluster(state_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -235,14 +295,31 @@ def _processes() -> list[tuple[int, str, str, set[str]]]:
     return found
 
 
+def _parent(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+
+def _own_resource_tracker() -> set[int]:
+    """multiprocessing's resource tracker of the test process itself: a test that starts a
+    process with shared memory (the checkpoint writer process) starts it once, and it lives
+    as long as pytest does. It is pytest's helper, not something a test left behind."""
+    me = os.getpid()
+    return {
+        pid
+        for pid, _, args, _ in _processes()
+        if "multiprocessing.resource_tracker import main" in args and _parent(pid) == me
+    }
+
+
 def _ancestors(pid: int) -> set[int]:
     """This process and its parents: they carry the marker too, but they are not leftovers."""
     chain = set()
-    while pid > 1 and pid not in chain:
-        chain.add(pid)
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            break
-        pid = int(stat[stat.rindex(")") + 2 :].split()[1])
+    current: int | None = pid
+    while current is not None and current > 1 and current not in chain:
+        chain.add(current)
+        current = _parent(current)
     return chain

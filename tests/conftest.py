@@ -19,6 +19,19 @@ import pytest
 from cluster import MARKER, Cluster, ClusterError
 from kazoo.client import KazooClient
 
+from hpc_elastic.agent import badnodes
+from hpc_elastic.contract import USER_SECRET_FILE_ENV
+from hpc_elastic.errors import HpcElasticError
+from hpc_elastic.rendezvous import testing
+from hpc_elastic.rendezvous.secret import read_secret_file
+from hpc_elastic.rendezvous.zookeeper import DIGEST_USER, USERS
+
+
+def _cluster_fixture(fixturenames: list[str]) -> str:
+    """The fixture of the cluster a test runs on: its module's own, or the shared one."""
+    own = [name for name in ("netns_cluster", "private_cluster") if name in fixturenames]
+    return own[0] if own else "cluster"
+
 
 def _in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -46,14 +59,70 @@ def cluster() -> Iterator[Cluster]:
         shutil.rmtree(private_dir, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def private_cluster() -> Iterator[Cluster]:
+    """A cluster of one test module's own (about 20 s to start), for a long test marked
+    ``own_cluster``: scripts/test-all runs it beside the shared cluster's tests, and it
+    neither waits for the shared queue nor leaves anything in it."""
+    state_dir = Path(tempfile.mkdtemp(prefix="hpc-elastic-private-"))
+    try:
+        running = Cluster.start(state_dir)
+    except ClusterError as error:
+        shutil.rmtree(state_dir, ignore_errors=True)
+        if _in_ci():
+            pytest.fail(f"a private test cluster is required in CI: {error}", pytrace=False)
+        pytest.skip(f"no private test cluster: {error}")
+    try:
+        yield running
+    finally:
+        running.stop()
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def private_zookeeper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A standalone ZooKeeper server of one test module's own (no Slurm needed): its hosts.
+    Each test works under a chroot of its own. Without ZooKeeper installed the module's tests
+    skip, except under CI=true, where they fail: CI must test against a real server."""
+    if not testing.ZOOKEEPER_JAR.exists():
+        message = f"ZooKeeper is not installed ({testing.ZOOKEEPER_JAR} is missing)"
+        if _in_ci():
+            pytest.fail(f"{message}; CI must test against a real ZooKeeper", pytrace=False)
+        pytest.skip(message)
+    server = testing.ZooKeeperServer(tmp_path_factory.mktemp("zookeeper"))
+    server.start()
+    yield server.hosts
+    server.stop()
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A project directory with a training script, as the current directory (the CLI tests
+    render and submit ``train.py`` from it, with no ``$HPC_ELASTIC_ZK`` of the caller's)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HPC_ELASTIC_ZK", raising=False)
+    (tmp_path / "train.py").write_text("print('training')\n")
+    return tmp_path
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_job_index(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The tests (and what they start) note their jobs in an index of their own, never the
+    user's. Session-wide, since hypothesis refuses function-scoped fixtures."""
+    os.environ["HPC_ELASTIC_INDEX"] = str(tmp_path_factory.mktemp("index") / "jobs")
+    yield
+    del os.environ["HPC_ELASTIC_INDEX"]
+
+
 @pytest.fixture(autouse=True)
 def _nothing_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
-    """After each integration test: an empty queue, no stray stepd, agent or worker, and a
-    whole cluster again (ZooKeeper and all four nodes up) for the next test."""
+    """After each integration test: on the cluster it ran on, an empty queue, no stray stepd,
+    agent or worker, and a whole cluster again (ZooKeeper and all four nodes up) for the next
+    test."""
     if request.node.get_closest_marker("integration") is None:
         yield
         return
-    running: Cluster = request.getfixturevalue("cluster")
+    running: Cluster = request.getfixturevalue(_cluster_fixture(request.fixturenames))
     yield
     problems = []
     queue_empty = running.wait_queue_empty(30)
@@ -65,18 +134,45 @@ def _nothing_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
         running.dev_cluster("up")
     except ClusterError as error:
         problems.append(f"left the cluster broken: {error}")
+    forget_bad_nodes(running)
     if problems:
         pytest.fail(f"test {' and '.join(problems)}", pytrace=False)
 
 
+def forget_bad_nodes(running: Cluster) -> None:
+    """The next test starts with no node remembered as bad, as it starts with an empty queue.
+
+    The memory outlives a job on purpose (a day by default), and most cluster tests share the
+    ZooKeeper root: one node excluded by one test (planted, or a preflight that failed under
+    load) would leave the next tests' slots pending for a node they may not use."""
+    secret = Path(running.env[USER_SECRET_FILE_ENV])
+    if not secret.is_file():
+        return  # no agent ran with the memory yet
+    try:
+        with badnodes.open_book(running.zk_hosts, secret) as book:
+            badnodes.clear(book)
+    except HpcElasticError:
+        pass  # no book yet (no node was ever remembered), or ZooKeeper is down: nothing to forget
+
+
 @pytest.fixture
 def zk_root(cluster: Cluster) -> Iterator[str]:
-    """A fresh ZooKeeper path per test, deleted with everything under it afterwards."""
+    """A fresh ZooKeeper path per test, deleted with everything under it afterwards.
+
+    Its ``hpc-elastic`` prefix is made here with an open ACL, as a site admin may: the one the
+    agents would give it lets nobody delete a job node, so nothing could clean up.
+    """
     root = f"/test-{uuid.uuid4().hex}"
-    yield root
     client = KazooClient(hosts=cluster.zk_hosts, timeout=5)
     client.start(timeout=10)
     try:
+        client.create(f"{root}/hpc-elastic", makepath=True)
+        client.create(f"{root}/hpc-elastic/{USERS}")  # open too, for the same reason
+        yield root
+        # The agents' bad-node memory is guarded by the user's digest: log in with it to clean.
+        user_secret = Path(cluster.env[USER_SECRET_FILE_ENV])
+        if user_secret.is_file():
+            client.add_auth("digest", f"{DIGEST_USER}:{read_secret_file(user_secret)}")
         client.delete(root, recursive=True)
     finally:
         client.stop()

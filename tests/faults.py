@@ -3,13 +3,19 @@
 One run: ``hpc-elastic submit --nodes=1:2`` of examples/train.py (one worker per node, a
 short job), one fault injected once training is under way, then the checks that every fault
 must pass: the job finishes with every step or fails with a clear reason; no committed
-checkpoint is lost or replaced by a partial one; while the world stays at two ranks, every
+checkpoint is lost or replaced by a partial one; while the world stays at its full size, every
 logged loss equals the uninterrupted reference run's loss at that step (bitwise identity is
-only promised at the same world size); nothing stays queued or running; the timeline records
-the fault. tests/test_faults.py runs each fault as one test; by hand, with a running
-``scripts/dev-cluster`` (``source <state dir>/env.sh`` first)::
+only promised at the same world size); at most one writer of checkpoints at any time; nothing
+stays queued or running; the timeline records the fault.
 
-    PYTHONPATH=. .venv/bin/python tests/faults.py --fault worker-kill
+The partition rows (``Fault.netns``) run a ``2:3`` job on a cluster whose nodes each live in a
+network namespace (``scripts/dev-cluster up --netns``) and cut or slow the link of the node
+that runs rank 0, the writer of the step log and of every checkpoint.
+
+tests/test_faults.py runs each fault as one test; by hand, with a running
+``scripts/dev-cluster`` (``up --netns`` for the partition rows)::
+
+    PYTHONPATH=. .venv/bin/python tests/faults.py --state-dir DIR --fault worker-kill
 """
 
 from __future__ import annotations
@@ -40,7 +46,6 @@ STEPS = 40
 INJECT_AT = 12
 """The step after which the fault comes: two checkpoints (5, 10) are committed by then."""
 TRAIN_ARGS = (
-    f"--steps={STEPS}",
     "--checkpoint-every=5",
     "--hidden=32",
     "--lr=0.01",
@@ -49,16 +54,33 @@ TRAIN_ARGS = (
     "--dataset-size=320",
 )
 SESSION_TIMEOUT = 4
+PARTITION_NODES = "2:3"
+"""Three nodes, so that two are left, enough to go on, when one is cut off."""
+PARTITION_TRAIN_ARGS = ("--batch-size=12",)
+"""A global batch that splits evenly over one, two and three ranks."""
+PARTITION_STEPS = 20
+"""Steps of a partition row whose cut stops training at once (from the peers, or both) or only
+slows it: the cut comes at step 12, and the eight steps or more left to run (ten after a resume
+from step 10) show the job training on at its full size. A row cut from ZooKeeper alone keeps
+the matrix's 40: its ranks train on into the cut until the fence stops the cut node (about 3 s),
+and they must not reach the last step before the others form a new round (about 9 s)."""
+PARTITION_S = SESSION_TIMEOUT * 2 + 2
+"""How long a link stays cut: long enough for the server to expire the cut node's session."""
+DROP_DEADLINE = 120
+"""How long a cut from ZooKeeper may last at most while it waits for the others to drop the cut
+node: the session's expiry, the last call and the stop take about 10 s on a quiet machine."""
 STEP_LINE = re.compile(r"^step=(\d+) loss=(\S+) world=(\d+)$", re.M)
 DONE_LINE = re.compile(r"^done step=\d+ weights_sha256=(\w+)$", re.M)
 
 
 @dataclass(frozen=True)
 class Reference:
-    """The uninterrupted two-rank run: its loss at every step and its final weights."""
+    """The uninterrupted run at the job's full size: its loss at every step, its final weights."""
 
     losses: dict[int, str]
     weights: str
+    world: int = 2
+    steps: int = STEPS
 
 
 @dataclass
@@ -76,6 +98,10 @@ class Run:
     committed_before: dict[str, str] = field(default_factory=dict)
     spoiled: set[str] = field(default_factory=set)
     """Checkpoints the fault itself damaged on purpose, which the run must skip, not keep."""
+    placeholder: str = ""
+    """The job that holds ``Fault.hold_nodes`` nodes until the fault frees them."""
+    cut_at: float | None = None
+    """When a partition row cut its link (seconds since 1970, as events are stamped)."""
 
     @property
     def log(self) -> Path:
@@ -128,8 +154,28 @@ class Run:
         return [
             pid
             for pid, args in self.processes(task).items()
-            if str(TRAIN) in args and " agent " not in args
+            # The worker runs the job's code snapshot (<job dir>/code/examples/train.py), not
+            # TRAIN itself: match the path inside the project.
+            if f"/{TRAIN.relative_to(REPO)} " in args and " agent " not in args
         ]
+
+    def formed_without(self, slot: str) -> bool:
+        """Whether a round formed after the cut leaves ``slot`` out."""
+        cut_at = self.cut_at or 0.0
+        return any(
+            slot not in event.details.get("members", [slot])
+            for event in self.events()
+            if event.kind == "round" and event.time >= cut_at
+        )
+
+    def rank_zero_task(self) -> int | None:
+        """The array task whose agent last started rank 0 (from its "start" event), if any.
+
+        Not from the workers' /proc environ: prewarmed workers get theirs only later, on stdin.
+        """
+        starts = [event for event in self.events() if event.kind == "start"]
+        with_zero = [event for event in starts if 0 in event.details.get("ranks", [])]
+        return int(with_zero[-1].slot) if with_zero else None
 
 
 Inject = Callable[[Run], None]
@@ -151,6 +197,22 @@ class Fault:
     """Checkpoints on a small tmpfs of their own, for the disk-full fault."""
     root_cause: str = ""
     """What the failed event's reason must say, for a fault that must fail the job."""
+    nodes: str = "1:2"
+    hold_nodes: int = 0
+    """Nodes a placeholder job holds from before the submit until the fault frees them."""
+    steps: int = STEPS
+    """Optimizer steps the job runs; its reference run must run as many."""
+    netns: bool = False
+    """Needs a cluster whose nodes live in network namespaces (``scripts/dev-cluster --netns``)."""
+    hangs: int = 0
+    """Rounds in which a hang must be caught: one for the planted hang, none anywhere else. A
+    hang caught in a row that plants none is a false alarm (the matrix once saw them at a
+    fixed ``--hang-timeout 4`` on the loaded machine)."""
+
+    @property
+    def world(self) -> int:
+        """The job's full size: the world at which its losses must match the reference run."""
+        return int(self.nodes.split(":")[-1])
 
 
 def _signal_worker(sig: signal.Signals, task: int = 1) -> Inject:
@@ -239,6 +301,63 @@ def _corrupt_then_kill_worker(run: Run) -> None:
     _signal_worker(signal.SIGKILL)(run)
 
 
+def _rank_zero_node(run: Run) -> str:
+    """The node of rank 0: it writes the step log and the checkpoints, so cutting it off is what
+    can make two writers (the split brain of issue 11) if the product does not fence it."""
+    assert wait_until(lambda: run.rank_zero_task() is not None, 30), "no rank 0 worker"
+    task = run.rank_zero_task()
+    assert task is not None
+    return run.node(task)
+
+
+def _partition(
+    what: str, seconds: float = PARTITION_S, free_nodes: bool = False, until_dropped: bool = False
+) -> Inject:
+    """Cut rank 0's node off from ``what`` (zk, peers or both) for ``seconds``, then heal it;
+    with ``free_nodes``, free the placeholder's nodes as soon as the link is cut.
+
+    With ``until_dropped``, the cut lasts (after ``seconds``) until the others have formed a
+    round without the cut node, or DROP_DEADLINE passed. A fixed cut raced that round: on a
+    loaded machine the others formed it 11 s after a 10-s cut, the healed node was back in
+    time to join it, and the row's ``node_lost`` never came (a bug in the test, seen in CI)."""
+
+    def inject(run: Run) -> None:
+        node = _rank_zero_node(run)
+        cut_slot = str(run.rank_zero_task())
+        run.cluster.link_cut(node, what)
+        run.cut_at = time.time()
+        try:
+            if free_nodes:
+                run.cluster.run(["scancel", run.placeholder])
+            time.sleep(seconds)
+            if until_dropped:
+                wait_until(lambda: run.formed_without(cut_slot), DROP_DEADLINE)
+        finally:
+            run.cluster.link_heal(node)
+
+    return inject
+
+
+def _hold(cluster: Cluster, nodes: int) -> str:
+    """A job on ``nodes`` nodes, running before the elastic job is submitted, so that the elastic
+    job starts with the nodes left and grows when the placeholder is cancelled."""
+    job = cluster.run(
+        ["sbatch", "--parsable", f"--nodes={nodes}", "--output=/dev/null", "--wrap=srun sleep 600"]
+    ).stdout.strip()
+    assert wait_until(lambda: (job, "RUNNING") in cluster.squeue(), 60), "placeholder never ran"
+    return job
+
+
+def _slow_link(run: Run) -> None:
+    """Rank 0's link at 256 kbit/s each way, losing 20 % of its packets, for PARTITION_S."""
+    node = _rank_zero_node(run)
+    run.cluster.link_slow(node, "256kbit", 20)
+    try:
+        time.sleep(PARTITION_S)
+    finally:
+        run.cluster.link_heal(node)
+
+
 def _kill_worker_during_rerendezvous(run: Run) -> None:
     """Slot 1's agent dies; while slot 0 re-forms without it, slot 0's worker dies too."""
     _kill_agent(run)
@@ -249,13 +368,8 @@ FAULTS = {
     fault.name: fault
     for fault in (
         Fault("worker-kill", _signal_worker(signal.SIGKILL), "finished", ("restart",)),
-        Fault(
-            "worker-stop",
-            _signal_worker(signal.SIGSTOP),
-            "finished",
-            ("restart",),
-            submit_args=("--hang-timeout=8",),
-        ),
+        # No --hang-timeout: the learned step deadline (a minute at least) must catch it.
+        Fault("worker-stop", _signal_worker(signal.SIGSTOP), "finished", ("restart",), hangs=1),
         Fault("agent-kill", _kill_agent, "finished", ("node_lost",)),
         Fault("node-down", _node_down, "finished", ("node_lost",)),
         Fault("node-drain", _drain, "finished", ()),
@@ -278,6 +392,52 @@ FAULTS = {
             "finished",
             ("node_lost", "restart"),
         ),
+        *(
+            Fault(
+                f"partition-{what}",
+                _partition(what, until_dropped="node_lost" in recorded_by),
+                "finished",
+                recorded_by,
+                nodes=PARTITION_NODES,
+                train_args=PARTITION_TRAIN_ARGS,
+                steps=steps,
+                netns=True,
+            )
+            for what, recorded_by, steps in (
+                ("zk", ("node_lost",), STEPS),
+                ("peers", (), PARTITION_STEPS),
+                ("both", ("node_lost",), PARTITION_STEPS),
+            )
+        ),
+        # The split brain of issue 11, made by a real partition: the job trains on one node while
+        # the others are busy; that node loses ZooKeeper (its agent only sees SUSPENDED), the
+        # others free up and, once its session expired, form a round without it. Unless the
+        # product fences the lone node, both train and write checkpoints at once.
+        Fault(
+            "partition-zk-lone-writer",
+            # The cut outlasts what the freed nodes need to form their round (the session's
+            # expiry, the last call and the workers' start: about 11 s), or the healed agent
+            # learns it lost its session and stops its workers before the round starts.
+            _partition("zk", seconds=SESSION_TIMEOUT * 5, free_nodes=True),
+            "finished",
+            (),
+            nodes="1:3",
+            hold_nodes=3,
+            # Slow enough, and steps enough (the matrix's 40), that the lone node is still
+            # training when the new round starts.
+            train_args=(*PARTITION_TRAIN_ARGS, "--sleep-per-step=0.7"),
+            netns=True,
+        ),
+        Fault(
+            "partition-slow-link",
+            _slow_link,
+            "finished",
+            (),
+            nodes=PARTITION_NODES,
+            train_args=PARTITION_TRAIN_ARGS,
+            steps=PARTITION_STEPS,
+            netns=True,
+        ),
     )
 }
 
@@ -291,6 +451,9 @@ class Result:
     detail: str
     events: str = ""
     """How many events of each kind the timeline holds, e.g. "node_lost 1, round 3"."""
+    after_cut: str = ""
+    """For a partition row: how long after the cut the cut-off node's workers were fenced and
+    the next round started, e.g. "fenced 1.6 s, round 6.9 s after the cut"."""
 
 
 def submit(
@@ -299,6 +462,10 @@ def submit(
     checkpoint_dir: Path,
     submit_args: tuple[str, ...] = (),
     train_args: tuple[str, ...] = (),
+    *,
+    nodes: str = "1:2",
+    steps: int = STEPS,
+    nproc: int = 1,
 ) -> Run:
     """Submit the example job through the real CLI; returns it once submitted."""
     argv = [
@@ -306,8 +473,8 @@ def submit(
         "-m",
         "hpc_elastic",
         "submit",
-        "--nodes=1:2",
-        "--nproc-per-node=1",
+        f"--nodes={nodes}",
+        f"--nproc-per-node={nproc}",
         "--partition=low",
         f"--zk={cluster.zk_hosts}",
         "--last-call=5",
@@ -318,6 +485,7 @@ def submit(
         str(TRAIN),
         "--",
         *TRAIN_ARGS,
+        f"--steps={steps}",
         "--sleep-per-step=0.3",
         f"--checkpoint-dir={checkpoint_dir}",
         f"--log-file={workdir / 'steps.log'}",
@@ -356,17 +524,31 @@ def scratch_filesystem(path: Path, size: str = "1m") -> Iterator[Path]:
 
 def run_fault(cluster: Cluster, workdir: Path, fault: Fault, reference: Reference) -> Result:
     """Submit, inject at INJECT_AT, wait for the end, and check every invariant."""
+    if reference.steps != fault.steps:
+        raise ValueError(f"{fault.name} runs {fault.steps} steps, its reference {reference.steps}")
     with contextlib.ExitStack() as stack:
         checkpoint_dir = workdir / "checkpoints"
         if fault.scratch_fs:
             stack.enter_context(scratch_filesystem(checkpoint_dir))
-        run = submit(cluster, workdir, checkpoint_dir, fault.submit_args, fault.train_args)
+        placeholder = _hold(cluster, fault.hold_nodes) if fault.hold_nodes else ""
+        if placeholder:
+            stack.callback(cluster.run, ["scancel", placeholder], check=False)
+        run = submit(
+            cluster,
+            workdir,
+            checkpoint_dir,
+            fault.submit_args,
+            fault.train_args,
+            nodes=fault.nodes,
+            steps=fault.steps,
+        )
+        run.placeholder = placeholder
         stack.callback(_cancel, run)
         if not wait_until(lambda: run.last_step() >= INJECT_AT, 180, interval=0.2):
             return Result(fault.name, "never started", None, ("training never started",), "")
         run.committed_before = committed(checkpoint_dir)
         run.injected_at_step = run.last_step()
-        with longest_stall(run) as stall:
+        with longest_stall(run, fault.steps) as stall:
             fault.inject(run)
             cluster.wait_queue_empty(240)
         run.recovery_s = stall[0]
@@ -375,14 +557,14 @@ def run_fault(cluster: Cluster, workdir: Path, fault: Fault, reference: Referenc
 
 
 @contextlib.contextmanager
-def longest_stall(run: Run) -> Iterator[list[float]]:
+def longest_stall(run: Run, steps: int) -> Iterator[list[float]]:
     """The longest time without a new step from now until the last step: the fault's cost."""
     longest = [0.0]
     done = threading.Event()
 
     def watch() -> None:
         step, since = run.last_step(), time.monotonic()
-        while not done.wait(0.2) and step < STEPS:
+        while not done.wait(0.2) and step < steps:
             if run.last_step() > step:
                 step, since = run.last_step(), time.monotonic()
             longest[0] = max(longest[0], time.monotonic() - since)
@@ -402,22 +584,22 @@ def _cancel(run: Run) -> None:
     run.cluster.wait_queue_empty(60)
 
 
-def check(run: Run, fault: Fault, reference: Reference) -> Result:
-    violations = []
+def outcome_of(run: Run, fault: Fault, log: str) -> tuple[str, str]:
+    """How the run ended ("finished", "failed" or "unclear") and the evidence for it."""
     lines = run.steps()
-    log = run.log.read_text() if run.log.exists() else ""
     failed = [str(e.details.get("reason", "")) for e in run.events() if e.kind == "failed"]
-    if f"done step={STEPS} " in log and {s for s, _, _ in lines} == set(range(1, STEPS + 1)):
-        outcome, detail = "finished", f"all {STEPS} steps"
-    elif failed and all(failed):
-        outcome, detail = "failed", failed[0]
-    else:
-        outcome, detail = "unclear", f"last step {run.last_step()}, no failed event with a reason"
-    if outcome != fault.outcome:
-        violations.append(f"expected {fault.outcome}, got {outcome} ({detail})")
-    if fault.root_cause not in detail:
-        violations.append(f"the reason does not say {fault.root_cause!r}: {detail}")
+    if f"done step={fault.steps} " in log and {s for s, _, _ in lines} == set(
+        range(1, fault.steps + 1)
+    ):
+        return "finished", f"all {fault.steps} steps"
+    if failed and all(failed):
+        return "failed", failed[0]
+    return "unclear", f"last step {run.last_step()}, no failed event with a reason"
 
+
+def checkpoint_violations(run: Run) -> list[str]:
+    """Committed checkpoints are never overwritten, never go back, never left half-written."""
+    violations = []
     now = committed(run.checkpoint_dir)
     for name, digest in run.committed_before.items():
         if name in now and now[name] != digest and name not in run.spoiled:
@@ -426,15 +608,29 @@ def check(run: Run, fault: Fault, reference: Reference) -> Result:
         violations.append(f"newest checkpoint went back from {max(run.committed_before)}")
     if any(path.name.startswith(".") for path in run.checkpoint_dir.glob(".*step*")):
         violations.append("a partial checkpoint was left next to the committed ones")
+    return violations
+
+
+def check(run: Run, fault: Fault, reference: Reference) -> Result:
+    violations = []
+    lines = run.steps()
+    log = run.log.read_text() if run.log.exists() else ""
+    outcome, detail = outcome_of(run, fault, log)
+    if outcome != fault.outcome:
+        violations.append(f"expected {fault.outcome}, got {outcome} ({detail})")
+    if fault.root_cause not in detail:
+        violations.append(f"the reason does not say {fault.root_cause!r}: {detail}")
+    violations.extend(checkpoint_violations(run))
 
     for step, loss, world in lines:
-        if world != 2:
+        if world != reference.world:
             break
         if reference.losses.get(step) != loss:
             violations.append(f"step {step} loss {loss} differs from {reference.losses.get(step)}")
             break
+    violations.extend(writer_violations(lines, run.events()))
     final = DONE_LINE.search(log)
-    same_world = all(world == 2 for _, _, world in lines)
+    same_world = all(world == reference.world for _, _, world in lines)
     if outcome == "finished" and same_world and (final is None or final[1] != reference.weights):
         violations.append("the final weights differ from the uninterrupted run's")
 
@@ -442,16 +638,89 @@ def check(run: Run, fault: Fault, reference: Reference) -> Result:
         violations.append(f"jobs left in the queue: {run.cluster.squeue()}")
     if run.cluster.strays():
         violations.append(f"processes left behind: {run.cluster.strays()}")
+    caught = hang_rounds(run.events())
+    if len(caught) != fault.hangs:
+        violations.append(f"hangs caught in {len(caught)} rounds ({caught}), {fault.hangs} planted")
     if fault.recorded_by and not set(fault.recorded_by) & set(run.kinds()):
         violations.append(f"no {' or '.join(fault.recorded_by)} event in {run.kinds()}")
     recovery = run.recovery_s if outcome == "finished" else None
     counts = Counter(run.kinds())
     summary = ", ".join(f"{kind} {count}" for kind, count in sorted(counts.items()))
-    return Result(fault.name, outcome, recovery, tuple(violations), detail, summary)
+    return Result(fault.name, outcome, recovery, tuple(violations), detail, summary, after_cut(run))
 
 
-def reference_run(workdir: Path) -> Reference:
-    """The uninterrupted run at the same world size (two ranks), under plain torchrun."""
+def hang_failures(timeline: list[events.Event]) -> list[events.Event]:
+    """The failures that were caught hangs (a rank past its deadline, killed by its agent)."""
+    return [event for event in timeline if event.kind == "failure" and event.details.get("hung")]
+
+
+def hang_rounds(timeline: list[events.Event]) -> list[int | None]:
+    """The rounds in which a hang was caught, each once: every rank of a job that trains in
+    lockstep stalls behind a frozen one, so two agents may each catch theirs in that round."""
+    return sorted({event.round for event in hang_failures(timeline)}, key=lambda r: r or 0)
+
+
+def after_cut(run: Run) -> str:
+    """The fencing figures of docs/reliability.md: seconds from the cut to the first fencing
+    (a worker's stale lease, or the agent's own fence) and to the first round formed after it."""
+    if run.cut_at is None:
+        return ""
+    cut_at = run.cut_at
+    later = [event for event in run.events() if event.time >= cut_at]
+    fenced = next(
+        (
+            event.time - cut_at
+            for event in later
+            if event.kind == "fenced" or event.details.get("reason") == "connection lost"
+        ),
+        None,
+    )
+    formed = next((event.time - cut_at for event in later if event.kind == "round"), None)
+    parts = [
+        f"{name} {seconds:.1f} s"
+        for name, seconds in (("fenced", fenced), ("round", formed))
+        if seconds is not None
+    ]
+    return (
+        f"{', '.join(parts)} after the cut" if parts else "no fence and no new round after the cut"
+    )
+
+
+def writer_violations(lines: list[tuple[int, str, int]], timeline: list[events.Event]) -> list[str]:
+    """Signs of two writers at once: rank 0 of two different rounds training side by side.
+
+    The step log may go back only to resume: to one past a committed checkpoint (or to step
+    1), at or below where it was. Any other jump means a second rank 0 is logging too (the split
+    brain of issue 11 made the log go back 193 times in 25 s). And checkpoint commits, in time
+    order, never go from a newer round back to an older one.
+    """
+    found = []
+    commits = sorted(
+        (event for event in timeline if event.kind == "checkpoint" and event.round is not None),
+        key=lambda event: event.time,
+    )
+    resume_points = {1} | {int(event.details.get("step", -1)) + 1 for event in commits}
+    previous = 0
+    for step, _, _ in lines:
+        if step != previous + 1 and not (step in resume_points and step <= previous + 1):
+            found.append(f"the step log went from step {previous} to {step}: two writers")
+            break
+        previous = step
+    newest: int | None = None
+    for event in commits:
+        assert event.round is not None
+        if newest is not None and event.round < newest:
+            stale = event.details.get("step")
+            found.append(f"round {event.round} committed step {stale} after round {newest} had")
+            break
+        newest = event.round
+    return found
+
+
+def reference_run(
+    workdir: Path, world: int = 2, train_args: tuple[str, ...] = (), steps: int = STEPS
+) -> Reference:
+    """The uninterrupted run of ``steps`` steps at world size ``world``, under plain torchrun."""
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {key: value for key, value in os.environ.items() if key != MARKER}
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
@@ -460,13 +729,15 @@ def reference_run(workdir: Path) -> Reference:
         [
             str(torchrun),
             "--nnodes=1",
-            "--nproc-per-node=2",
+            f"--nproc-per-node={world}",
             "--rdzv-backend=c10d",
             "--rdzv-endpoint=127.0.0.1:0",
             str(TRAIN),
             *TRAIN_ARGS,
+            f"--steps={steps}",
             f"--checkpoint-dir={workdir / 'reference-checkpoints'}",
             f"--log-file={workdir / 'reference.log'}",
+            *train_args,
         ],
         cwd=workdir,
         env=env,
@@ -478,12 +749,13 @@ def reference_run(workdir: Path) -> Reference:
     final = DONE_LINE.search(text)
     assert final is not None, text[-2000:]
     losses = {int(step): loss for step, loss, _ in STEP_LINE.findall(text)}
-    return Reference(losses, final.group(1))
+    return Reference(losses, final.group(1), world, steps)
 
 
 def describe(result: Result) -> str:
     stall = "" if result.recovery_s is None else f"; longest stall {result.recovery_s:.1f} s"
-    return f"{result.fault}: {result.outcome} ({result.detail[:200]}){stall}; {result.events}"
+    cut = f"; {result.after_cut}" if result.after_cut else ""
+    return f"{result.fault}: {result.outcome} ({result.detail[:200]}){stall}{cut}; {result.events}"
 
 
 def main() -> int:
@@ -495,7 +767,11 @@ def main() -> int:
         parser.error(f"give --state-dir or set {MARKER} to a running scripts/dev-cluster")
     cluster = Cluster.from_state_dir(args.state_dir)
     workdir = Path(tempfile.mkdtemp(prefix=f"fault-{args.fault}-"))
-    result = run_fault(cluster, workdir, FAULTS[args.fault], reference_run(workdir))
+    fault = FAULTS[args.fault]
+    if fault.netns and not cluster.netns:
+        parser.error(f"{fault.name} needs a cluster started with `scripts/dev-cluster up --netns`")
+    reference = reference_run(workdir, fault.world, fault.train_args, fault.steps)
+    result = run_fault(cluster, workdir, fault, reference)
     print(describe(result))
     for violation in result.violations:
         print(f"  violated: {violation}")

@@ -10,13 +10,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
 import pytest
 from cluster import Cluster, wait_until
+
+from hpc_elastic import events
 
 pytestmark = pytest.mark.integration
 
@@ -57,6 +58,7 @@ class Job:
             "hpc_elastic",
             "agent",
             *(f"--{key}={value}" for key, value in options.items()),
+            "--zk-open-acl",
             "--",
             sys.executable,
             "-u",
@@ -146,7 +148,8 @@ def test_sigkilled_agent_leaves_and_the_survivors_reform(job: MakeJob) -> None:
     assert wait_until(lambda: len(run.progress()) >= 5, 60)
     workers = run.worker_pids(run.agents[2])
     run.agents[2].kill()
-    assert wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in workers), 5)
+    # PDEATHSIG acts at once; the deadline is generous for a loaded machine, not a measure.
+    assert wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in workers), 60)
     results = run.wait()
     assert [code for code, _ in results[:2]] == [0, 0], results
     worlds = [world for _, _, world, _ in run.progress()]
@@ -164,7 +167,15 @@ def test_a_stopped_worker_is_caught_by_the_heartbeat(job: MakeJob) -> None:
     os.kill(rank0, signal.SIGSTOP)
     results = run.wait()
     assert [code for code, _ in results] == [0, 0], results
+    # Rank 1 waits for the stopped rank 0 in all_reduce, so its heartbeat stops too: either
+    # agent may be the first to call its rank hung. Either way the hang is caught in the round
+    # that was stopped, and no later round fails.
+    failures = [event for event in events.read(run.dir / "events.jsonl") if event.kind == "failure"]
+    assert {event.round for event in failures} == {1}, [event.details for event in failures]
+    assert any(event.details["hung"] for event in failures), [e.details for e in failures]
     assert any("made no progress" in output for _, output in results), results
+    # Before the kill every local rank dumped its stacks; the root cause says where it was.
+    assert any("its log has every thread's stack" in output for _, output in results), results
     assert run.progress()[-1][3] == 1
 
 
@@ -176,19 +187,20 @@ def test_spent_budget_fails_the_job_and_shows_the_root_cause(job: MakeJob) -> No
     everything = "".join(output for _, output in results)
     assert "ValueError: rank" in everything
     assert "refuses to train" in everything
-    assert "budget" in everything or "restart" in everything
+    for _, output in results:
+        assert "all 1 restarts are spent" in output, output
 
 
 def test_preemption_signal_reaches_workers_and_exits_for_requeue(job: MakeJob) -> None:
     run = job("2")
     run.start(2, "--steps=1000")
     assert wait_until(lambda: len(run.progress()) >= 3, 60)
-    started = time.monotonic()
     for agent in run.agents:
         agent.send_signal(signal.SIGUSR2)
     results = run.wait()
-    assert time.monotonic() - started < 10
     assert [code for code, _ in results] == [75, 75], results
+    for _, output in results:
+        assert "Got SIGUSR2; forwarding it to the workers" in output, output
 
 
 def test_crashed_slurm_node_is_dropped_and_the_rest_go_on(

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-TORCHRUN = Path(sys.executable).with_name("torchrun")
+from ranks import torchrun_ok
 
 SCRIPT = """
 import sys, torch, torch.distributed as dist
@@ -32,26 +28,7 @@ dist.destroy_process_group()
 
 
 def torchrun(nproc: int, mode: str, cwd: Path) -> str:
-    result = subprocess.run(
-        [
-            str(TORCHRUN),
-            "--nnodes=1",
-            f"--nproc-per-node={nproc}",
-            "--rdzv-backend=c10d",
-            "--rdzv-endpoint=127.0.0.1:0",
-            "--tee=3",
-            str(cwd / "sharded.py"),
-            mode,
-        ],
-        env={**os.environ, "PYTHONPATH": str(ROOT), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    return result.stdout
+    return torchrun_ok(cwd / "sharded.py", mode, cwd=cwd, nproc=nproc, timeout=240)
 
 
 def test_two_ranks_save_one_rank_loads(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -13,7 +14,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from hpc_elastic import __version__, cli
+from hpc_elastic import __version__, api, cli
+from hpc_elastic.commands import submit as submit_command
 from hpc_elastic.errors import SlurmError
 
 runner = CliRunner()
@@ -38,18 +40,9 @@ class FakeSlurm:
 
 
 @pytest.fixture
-def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A project directory with a training script, as the current directory."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("HPC_ELASTIC_ZK", raising=False)
-    (tmp_path / "train.py").write_text("print('training')\n")
-    return tmp_path
-
-
-@pytest.fixture
 def slurm(monkeypatch: pytest.MonkeyPatch) -> FakeSlurm:
     fake = FakeSlurm()
-    monkeypatch.setattr(cli, "slurm", fake)
+    monkeypatch.setattr(submit_command, "slurm", fake)
     return fake
 
 
@@ -84,7 +77,8 @@ def test_dry_run_prints_the_script_and_submits_nothing(workdir: Path, slurm: Fak
     assert code == 0
     assert out.startswith("#!/bin/bash\n")
     assert "#SBATCH --array=0-3" in out
-    assert f"-u {workdir / 'train.py'} --lr 1\n" in out
+    runs = workdir.resolve() / "hpc-elastic-runs"
+    assert re.search(rf"-u {re.escape(str(runs))}/train-[^/]+/code/train\.py --lr 1\n", out)
     assert "hpc-elastic submit --dry-run --nodes 1:4 train.py -- --lr 1" in out
     assert slurm.submitted == []
     assert not (workdir / "hpc-elastic-runs").exists()
@@ -106,6 +100,7 @@ def test_submit_writes_the_job_directory(workdir: Path, slurm: FakeSlurm) -> Non
         f"Submitted batch job 42 (run {job_dir.name}, elastic 1:2 nodes).",
         f"Job directory: {job_dir}",
         f"Logs: {job_dir}/slurm-42_*.out",
+        f"Code: snapshot of {workdir.resolve()} (not a git work tree), 1 file, 0.0 MB",
     ]
     secret = (job_dir / "secret").read_text()
     assert len(secret) == 64
@@ -157,7 +152,7 @@ def test_flags_become_sbatch_lines(workdir: Path, slurm: FakeSlurm) -> None:
         *("--nodes", "3", "--account", "proj", "--qos", "hi", "--time", "1-00"),
         *("--gpus-per-node", "4", "--cpus-per-task", "32", "--mem", "64g"),
         *("--constraint", "a100", "--exclude", "n1", "--no-requeue", "--signal", "USR1@30"),
-        *("--sbatch-arg", "--reservation=big", "--job-name", "exp1", "train.py"),
+        *("--sbatch-arg", "--reservation=big", "--job-name", "exp1", "--no-snapshot", "train.py"),
     )
     assert code == 0
     lines = [line for line in out.splitlines() if line.startswith("#SBATCH")]
@@ -273,7 +268,7 @@ def test_unknown_partition_submits_nothing(workdir: Path, slurm: FakeSlurm) -> N
 def test_sbatch_failure_leaves_no_job_directory(
     workdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(cli, "slurm", FakeSlurm(fail="sbatch said no; ask your admin."))
+    monkeypatch.setattr(submit_command, "slurm", FakeSlurm(fail="sbatch said no; ask your admin."))
     code, _, err = invoke("submit", "train.py")
     assert (code, err) == (1, "error: sbatch said no; ask your admin.\n")
     assert list((workdir / "hpc-elastic-runs").iterdir()) == []
@@ -292,7 +287,7 @@ def test_unexpected_errors_are_one_line(workdir: Path, monkeypatch: pytest.Monke
     def broken(*_: object) -> None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(cli, "plan", broken)
+    monkeypatch.setattr(api, "plan_settings", broken)
     code, _, err = invoke("submit", "train.py")
     assert code == 1
     assert err.startswith("error: Internal error (RuntimeError: boom); rerun with")
@@ -315,6 +310,15 @@ def test_help_imports_no_heavy_library() -> None:
     imported = _imported_modules("--help").split()
     for heavy in ("torch", "kazoo", "jinja2", "numpy"):
         assert heavy not in imported
+
+
+def test_the_agent_starts_without_an_http_client() -> None:
+    """Only a job with --notify posts; every agent paid for urllib.request (and ssl, http,
+    email) at start-up before notify imported it lazily."""
+    imported = _imported_modules("agent", "--help").split()
+    assert "hpc_elastic.agent.agent" in imported  # the agent command was loaded
+    for module in ("urllib.request", "http.client", "ssl"):
+        assert module not in imported
 
 
 def test_render_imports_no_other_command(workdir: Path) -> None:

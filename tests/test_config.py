@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_elastic.config import ZK_ENV, find_config, load_config
+from hpc_elastic.config import ZK_ENV, find_config, load_config, unsafe_config_reason
 from hpc_elastic.errors import ConfigError
 from hpc_elastic.spec import NodeRange, PreemptSignal
 
@@ -27,12 +27,61 @@ def test_hpc_elastic_toml_is_found_from_a_subdirectory(tmp_path: Path) -> None:
 
 
 def test_pyproject_counts_only_with_a_tool_table(tmp_path: Path) -> None:
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n')
+    assert find_config(tmp_path) is None
     (tmp_path / "pyproject.toml").write_text("[tool.hpc-elastic]\nnodes = 2\n")
-    inner = tmp_path / "inner"
-    inner.mkdir()
-    (inner / "pyproject.toml").write_text('[project]\nname = "x"\n')
-    assert find_config(inner) == tmp_path / "pyproject.toml"
-    assert load_config(inner, environ={}).values == {"nodes": NodeRange(2, 2)}
+    assert find_config(tmp_path) == tmp_path / "pyproject.toml"
+    assert load_config(tmp_path, environ={}).values == {"nodes": NodeRange(2, 2)}
+
+
+@pytest.mark.parametrize("marker", [".git", "pyproject.toml"])
+def test_a_file_planted_above_the_project_root_is_never_read(tmp_path: Path, marker: str) -> None:
+    (tmp_path / "hpc-elastic.toml").write_text('setup = ["touch /tmp/pwned"]\n')
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    if marker == ".git":
+        (project / ".git").mkdir()
+    else:
+        (project / marker).write_text('[project]\nname = "x"\n')
+    assert find_config(project / "src") is None
+    assert load_config(project / "src", environ={}).values == {}
+
+
+def test_a_file_planted_above_home_is_never_read(tmp_path: Path) -> None:
+    (tmp_path / "hpc-elastic.toml").write_text('setup = ["touch /tmp/pwned"]\n')
+    home = tmp_path / "home" / "ada"
+    (home / "work").mkdir(parents=True)
+    assert find_config(home / "work", home=home) is None
+    (home / "hpc-elastic.toml").write_text("nodes = 2\n")
+    assert find_config(home / "work", home=home) == home / "hpc-elastic.toml"
+
+
+def test_a_config_file_of_another_user_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "hpc-elastic.toml"
+    path.write_text('setup = ["touch /tmp/pwned"]\n')
+    path.chmod(0o644)
+    someone_else = path.stat().st_uid + 1000
+    with pytest.raises(
+        ConfigError, match=f"^Config file '{path}' is not trusted because it is owned by user id"
+    ) as caught:
+        load_config(tmp_path, environ={}, uid=someone_else)
+    assert "chmod go-w" in str(caught.value)
+
+
+@pytest.mark.parametrize("mode", [0o664, 0o646, 0o666])
+def test_a_config_file_others_may_write_is_refused(tmp_path: Path, mode: int) -> None:
+    path = tmp_path / "hpc-elastic.toml"
+    path.write_text("nodes = 2\n")
+    path.chmod(mode)
+    with pytest.raises(ConfigError, match=f"group or others may write it \\(mode 0{mode:o}\\)"):
+        load_config(tmp_path, environ={})
+
+
+def test_only_a_file_of_ones_own_that_only_one_may_write_is_trusted() -> None:
+    assert unsafe_config_reason(owner=1234, mode=0o100600, uid=1234) is None
+    assert unsafe_config_reason(owner=1234, mode=0o100644, uid=1234) is None
+    assert unsafe_config_reason(owner=0, mode=0o100644, uid=1234) is not None
+    assert unsafe_config_reason(owner=1234, mode=0o100620, uid=1234) is not None
 
 
 def test_nearest_file_wins(tmp_path: Path) -> None:

@@ -76,7 +76,7 @@ def test_zookeeper_grants_two_second_sessions(
         crashed.send_signal(signal.SIGKILL)
         crashed.wait()
 
-        assert wait_until(lambda: client.exists(f"{zk_root}/owner") is None, 10)
+        assert wait_until(lambda: client.exists(f"{zk_root}/owner") is None, 60)  # 2 s session
     finally:
         client.stop()
         client.close()
@@ -89,7 +89,7 @@ client = KazooClient(hosts=sys.argv[1], timeout=2.0)
 client.start(timeout=10)
 client.create(sys.argv[2], ephemeral=True, makepath=True)
 print("ready", flush=True)
-time.sleep(600)
+time.sleep(600)  # holds its session until the test SIGKILLs it
 """
 
 
@@ -172,3 +172,60 @@ def test_down_leaves_nothing_behind_even_after_a_node_crash(tmp_path: Path) -> N
 
     assert private.strays() == []
     assert _command_lines_mentioning(str(tmp_path / "state")) == []
+
+
+_CONNECTS = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1.5).close()
+except OSError:
+    sys.exit(1)
+"""
+
+
+def _reaches(cluster: Cluster, node: str, host: str, port: int) -> bool:
+    """Whether a TCP connection from inside ``node``'s namespace to host:port succeeds."""
+    probe = cluster.in_node_net(node, [sys.executable, "-c", _CONNECTS, host, str(port)])
+    return subprocess.run(probe, check=False, timeout=30).returncode == 0
+
+
+def test_a_node_in_its_own_namespace_loses_exactly_the_links_that_are_cut(
+    tmp_path: Path,
+) -> None:
+    """A private --netns cluster: n1's links to ZooKeeper and to n2 are cut one by one."""
+    state = tmp_path / "state"
+    private = Cluster.start(state, netns=True)
+    try:
+        slurmd_n2 = int((state / "ports").read_text().split("SLURMD_BASE_SAVED=")[1].split()[0]) + 1
+        zk = (private.zk_host, private.zk_port)
+        n2 = (private.node_address("n2"), slurmd_n2)
+        out = tmp_path / "host.txt"
+        private.run(
+            ["sbatch", "-w", "n2", "-o", str(out), "--wrap", "srun printenv HPC_ELASTIC_HOST"]
+        )
+        assert wait_until(lambda: out.exists() and out.read_text().strip() != "", 30)
+        assert out.read_text().split() == [private.node_address("n2")]
+        assert _reaches(private, "n1", *zk)
+        assert _reaches(private, "n1", *n2)
+
+        private.link_cut("n1", "zk")
+        assert not _reaches(private, "n1", *zk)
+        assert _reaches(private, "n1", *n2)
+        assert _reaches(private, "n2", *zk)
+
+        private.link_cut("n1", "peers")
+        assert not _reaches(private, "n1", *n2)
+
+        private.link_heal("n1")
+        assert _reaches(private, "n1", *zk)
+        assert _reaches(private, "n1", *n2)
+        net_id = (state / "ports").read_text().split("NET_ID_SAVED=")[1].split()[0]
+    finally:
+        private.stop()
+
+    namespaces = subprocess.run(
+        ["ip", "netns", "list"], check=True, capture_output=True, text=True
+    ).stdout
+    assert f"hpe{net_id}-" not in namespaces
+    assert not Path(f"/sys/class/net/hpe{net_id}-br").exists()
+    assert private.strays() == []

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import json
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from cluster import wait_until
+from slurm_fake import array_slot as slot
+from slurm_fake import mocked_slurm
 from typer.testing import CliRunner
 
+from hpc_elastic import events
+from hpc_elastic.agent import command
+from hpc_elastic.agent.api import AgentSpec
 from hpc_elastic.cli import app
 from hpc_elastic.errors import SlurmError
 from hpc_elastic.ops import cancel
@@ -20,7 +31,6 @@ from hpc_elastic.slurm.elastic import (
     SlotLedger,
     SlotLimits,
 )
-from hpc_elastic.slurm.env import SlurmContext
 
 # A 1:4 array while another job holds 3 nodes: one task runs, three wait for resources.
 HELD_BACK = """\
@@ -95,6 +105,26 @@ def test_departure_tells_causes_apart(limit: str, preempt: str, why: Departure) 
     assert elastic.departure(record, warning_s=30) is why
 
 
+@pytest.mark.parametrize(
+    ("state", "preempt", "why"),
+    [
+        ("SIGNALING", "2026-12-01T07:31:03", Departure.PREEMPTION),
+        ("SIGNALING", "None", Departure.BY_HAND),
+        ("COMPLETING", "None", Departure.CANCELLED),
+        ("CANCELLED", "None", Departure.CANCELLED),
+    ],
+)
+def test_a_task_signalled_for_its_preemption_is_preempted_whatever_its_state_says(
+    state: str, preempt: str, why: Departure
+) -> None:
+    """The 30-min soak's task read ``JobState=SIGNALING`` with a ``PreemptTime``: taken for a
+    cancel, it was not requeued and the job lost the slot for good."""
+    record = commands.parse_scontrol_record(
+        RUNNING_JOB.format(state=state, limit="UNLIMITED", preempt=preempt)
+    )
+    assert elastic.departure(record, warning_s=30) is why
+
+
 def test_ledger_counts_each_cause_against_its_own_limit() -> None:
     limits = SlotLimits(max_preemptions=1, max_time_limits=0)
     once = SlotLedger().requeued(Departure.PREEMPTION)
@@ -105,15 +135,20 @@ def test_ledger_counts_each_cause_against_its_own_limit() -> None:
     )
 
 
+def inline(work: Callable[[], None]) -> None:
+    """Runs the background squeue at once, so that rate-limit tests need no threads."""
+    work()
+
+
 def test_coming_slots_asks_squeue_at_most_once_per_interval() -> None:
     calls: list[list[str]] = []
     now = [0.0]
 
-    def squeue(ids: object) -> list[JobStatus]:
-        calls.append(list(ids))  # type: ignore[call-overload]
+    def squeue(ids: Sequence[str]) -> list[JobStatus]:
+        calls.append(list(ids))
         return statuses(HELD_BACK)
 
-    coming = ComingSlots("9", squeue, interval=2.0, clock=lambda: now[0])
+    coming = ComingSlots("9", squeue, interval=2.0, clock=lambda: now[0], spawn=inline)
     assert [coming(), coming()] == [1, 1]
     now[0] = 2.5
     assert coming() == 1
@@ -121,10 +156,30 @@ def test_coming_slots_asks_squeue_at_most_once_per_interval() -> None:
 
 
 def test_coming_slots_falls_back_to_the_last_call_when_squeue_fails() -> None:
-    def broken(ids: object) -> list[JobStatus]:
+    def broken(ids: Sequence[str]) -> list[JobStatus]:
         raise SlurmError("squeue failed.")
 
-    assert ComingSlots("9", broken)() is None
+    assert ComingSlots("9", broken, spawn=inline)() is None
+
+
+def test_a_slow_squeue_never_blocks_the_rendezvous_thread_that_asks() -> None:
+    """kazoo's watch threads ask; they get the last answer while one squeue runs elsewhere."""
+    entered, release = threading.Event(), threading.Event()
+    calls: list[str] = []
+
+    def slow(ids: Sequence[str]) -> list[JobStatus]:
+        calls.append("squeue")
+        entered.set()
+        release.wait(60)
+        return statuses(HELD_BACK)
+
+    coming = ComingSlots("9", slow, interval=0.0)
+    assert coming() is None, "the first call must not wait for squeue's answer"
+    assert entered.wait(30)
+    assert coming() is None
+    assert calls == ["squeue"], "a second squeue started while the first still ran"
+    release.set()
+    assert wait_until(lambda: coming() == 1, 30)
 
 
 @pytest.fixture
@@ -146,21 +201,10 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     record = commands.parse_scontrol_record(
         RUNNING_JOB.format(state="RUNNING", limit="UNLIMITED", preempt="2026-11-29T10:01:10")
     )
-    monkeypatch.setattr(commands, "scontrol_show_job", lambda job_id, env=None: record)
-    return made
-
-
-def slot(job_dir: Path, node: str = "n3", limits: SlotLimits | None = None) -> ElasticSlot:
-    context = SlurmContext(
-        job_id="12",
-        node_name=node,
-        node_id=0,
-        num_nodes=1,
-        nodelist=node,
-        array_job_id="9",
-        array_task_id=2,
+    monkeypatch.setattr(
+        commands, "scontrol_show_job", lambda job_id, env=None, timeout=60.0: record
     )
-    return ElasticSlot(context, job_dir, limits or SlotLimits())
+    return made
 
 
 def test_only_array_tasks_are_elastic_slots(tmp_path: Path) -> None:
@@ -180,6 +224,7 @@ def test_a_preempted_slot_is_requeued_and_says_why(tmp_path: Path, calls: list[s
         "PreemptTime": "2026-11-29T10:01:10",
         "RunTime": "00:01:10",
         "TimeLimit": "UNLIMITED",
+        "asked": "after the drain",
     }
     assert said == [
         (
@@ -188,6 +233,35 @@ def test_a_preempted_slot_is_requeued_and_says_why(tmp_path: Path, calls: list[s
         )
     ]
     assert elastic.load_ledger(tmp_path / "slots" / "2.json").preemptions == 1
+
+
+@pytest.mark.parametrize(("restarts", "requeued"), [("1", True), ("0", False)])
+def test_a_requeue_that_kills_its_own_scontrol_counts_when_slurm_did_it(
+    tmp_path: Path,
+    calls: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    restarts: str,
+    requeued: bool,
+) -> None:
+    """The requeue signals every process of the step, the scontrol that asked for it too."""
+
+    def killed(job_id: str, env: object = None) -> None:
+        calls.append(f"requeue {job_id}")
+        raise SlurmError(f"`scontrol requeue {job_id}` failed: no error message.")
+
+    record = commands.parse_scontrol_record(
+        RUNNING_JOB.format(state="RUNNING", limit="UNLIMITED", preempt="2026-11-29T10:01:10")
+        .strip()
+        .replace("NodeList=n3", f"Restarts={restarts} NodeList=n3")
+    )
+    monkeypatch.setattr(commands, "requeue", killed)
+    monkeypatch.setattr(
+        commands, "scontrol_show_job", lambda job_id, env=None, timeout=60.0: record
+    )
+    said: list[str] = []
+    code = slot(tmp_path).settle(75, 30.0, lambda kind, **details: said.append(kind))
+    assert calls == ["requeue 9_2"]
+    assert (code, said) == ((75, ["requeue"]) if requeued else (1, ["leave"]))
 
 
 def test_a_slot_over_its_preemption_limit_is_not_requeued(tmp_path: Path, calls: list[str]) -> None:
@@ -211,13 +285,154 @@ def test_a_node_that_fails_the_slot_twice_is_excluded(tmp_path: Path, calls: lis
     assert said == ["exclude", "requeue"]
 
 
+@pytest.mark.parametrize(("shown", "tries"), [("n3", 1), ("(null)", 3)])
+def test_an_exclusion_that_dies_after_the_requeue_is_tried_again_and_never_loses_the_slot(
+    tmp_path: Path, calls: list[str], monkeypatch: pytest.MonkeyPatch, shown: str, tries: int
+) -> None:
+    """The soak's requeued task came back, yet its agent said "not requeued" and exited 1:
+    the ``scontrol update`` that sets ``ExcNodeList`` died as the requeue's own may. A try
+    whose effect Slurm shows is done; else the slot is requeued all the same, with a warning."""
+
+    def killed(job_id: str, env: object = None, **fields: str) -> None:
+        calls.append(f"update {job_id} {fields}")
+        raise SlurmError(f"`scontrol update JobId={job_id}` failed: no error message.")
+
+    record = commands.parse_scontrol_record(
+        RUNNING_JOB.format(state="PENDING", limit="UNLIMITED", preempt="2026-11-29T10:01:10")
+        .strip()
+        .replace("NodeList=n3", f"ExcNodeList={shown} NodeList=n3")
+    )
+    monkeypatch.setattr(commands, "update_job", killed)
+    monkeypatch.setattr(elastic, "SCONTROL_PAUSE", 0.0)
+    monkeypatch.setattr(
+        commands, "scontrol_show_job", lambda job_id, env=None, timeout=60.0: record
+    )
+    first = slot(tmp_path)
+    first.arrive()
+    first.count_failure()
+    first.count_failure()
+    said: list[tuple[str, dict[str, object]]] = []
+    assert first.settle(75, 30.0, lambda kind, **details: said.append((kind, details))) == 75
+    assert calls == ["requeue 9_2"] + ["update 9_2 {'ExcNodeList': 'n3'}"] * tries
+    kinds = [kind for kind, _ in said]
+    if tries == 1:
+        assert kinds == ["exclude", "requeue"]
+    else:
+        assert kinds == ["exclude", "warning", "requeue"]
+        assert "requeued without keeping away from n3" in str(said[1][1]["message"])
+
+
 def test_an_incarnation_that_died_with_its_node_counts_as_a_failure(tmp_path: Path) -> None:
     slot(tmp_path, "n4").arrive()
     again = slot(tmp_path, "n1")
-    assert again.arrive() == "n4"
+    assert again.arrive().node_failure == "n4"
     again.leave()
-    assert slot(tmp_path, "n2").arrive() is None
+    assert slot(tmp_path, "n2").arrive() == elastic.Arrival()
     assert elastic.load_ledger(again.ledger_path).node_failures == {"n4": 1}
+
+
+@pytest.mark.parametrize("why", [Departure.PREEMPTION, Departure.TIME_LIMIT])
+def test_a_slot_killed_after_gracetime_while_leaving_is_no_node_failure(why: Departure) -> None:
+    """Slurm SIGKILLs a slot still saving when GraceTime ends: its node did nothing wrong."""
+    leaving = SlotLedger(running_on="n4", leaving_for=why.value)
+    ledger, arrival = leaving.arrived("n1")
+    assert arrival == elastic.Arrival(crashed_on="n4", killed_leaving=why)
+    assert arrival.node_failure is None
+    assert ledger.node_failures == {}
+    assert ledger == replace(SlotLedger().requeued(why), running_on="n1")
+
+
+@pytest.mark.parametrize("later", ["RUNNING", "PENDING"], ids=["preempt-time-gone", "requeued"])
+def test_the_cause_is_what_slurm_said_when_the_signal_arrived(
+    tmp_path: Path, calls: list[str], monkeypatch: pytest.MonkeyPatch, later: str
+) -> None:
+    """After the drain Slurm may have moved on (no PreemptTime, or requeued already): the
+    cause it gave when the signal arrived is the one that counts."""
+    answers = [
+        RUNNING_JOB.format(state="RUNNING", limit="UNLIMITED", preempt="2026-11-29T10:01:10"),
+        RUNNING_JOB.format(state=later, limit="UNLIMITED", preempt="None"),
+    ]
+    monkeypatch.setattr(
+        commands,
+        "scontrol_show_job",
+        lambda job_id, env=None, timeout=60.0: commands.parse_scontrol_record(answers.pop(0)),
+    )
+    preempted = slot(tmp_path)
+    preempted.arrive()
+    watch = preempted.watch_departure(30.0)
+    watch.signalled(12)
+    assert watch.answer(30.0) is not None
+    said: list[tuple[str, object, object]] = []
+    assert (
+        preempted.settle(
+            75, 30.0, lambda kind, **d: said.append((kind, d.get("cause"), d["slurm"]["asked"]))
+        )
+        == 75
+    )
+    assert said == [("requeue", "preemption", "at the signal")]
+    assert calls == ["requeue 9_2"]
+
+
+def test_a_slurm_too_busy_to_answer_at_the_signal_is_asked_again(
+    tmp_path: Path, calls: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """slurmctld, busy with the very preemption, may drop a request: retry, then settle asks."""
+    preempted = commands.parse_scontrol_record(
+        RUNNING_JOB.format(state="RUNNING", limit="UNLIMITED", preempt="2026-11-29T10:01:10")
+    )
+    answers: list[dict[str, str] | None] = [None, None, None, None, preempted]
+
+    def scontrol(job_id: str, env: object = None, timeout: float = 60.0) -> dict[str, str]:
+        answer = answers.pop(0)
+        if answer is None:
+            raise SlurmError("`scontrol -o show job 9_2` failed: Socket timed out.")
+        return answer
+
+    monkeypatch.setattr(commands, "scontrol_show_job", scontrol)
+    monkeypatch.setattr(elastic, "SCONTROL_PAUSE", 0.0)
+    busy = slot(tmp_path)
+    watch = busy.watch_departure(30.0)
+    watch.signalled(12)
+    assert watch.answer(30.0) is None, "three failed tries at the signal give no answer"
+    said: list[tuple[str, object, object]] = []
+    code = busy.settle(
+        75, 30.0, lambda kind, **d: said.append((kind, d.get("cause"), d["slurm"]["asked"]))
+    )
+    assert code == 75
+    assert said == [("requeue", "preemption", "after the drain")]
+
+
+def test_without_a_signal_slurm_is_asked_when_the_slot_settles(
+    tmp_path: Path, calls: list[str]
+) -> None:
+    """Workers that stopped by themselves (exit 75), or the bad-node watch, send no signal."""
+    quiet = slot(tmp_path)
+    quiet.watch_departure(30.0)
+    said: list[tuple[str, object]] = []
+    assert quiet.settle(75, 30.0, lambda kind, **d: said.append((kind, d.get("cause")))) == 75
+    assert said == [("requeue", "preemption")]
+
+
+def test_a_slot_that_died_while_running_is_a_node_failure() -> None:
+    ledger, arrival = SlotLedger(running_on="n4").arrived("n1")
+    assert arrival.node_failure == "n4"
+    assert ledger.node_failures == {"n4": 1}
+    assert ledger.running_on == "n1"
+
+
+def test_a_preemption_noted_at_the_signal_survives_slurms_sigkill(
+    tmp_path: Path, calls: list[str]
+) -> None:
+    """The watch notes the cause in the ledger as soon as Slurm answers, before any drain."""
+    first = slot(tmp_path, "n4")
+    first.arrive()
+    watch = first.watch_departure(30.0)
+    watch.signalled(12)
+    assert watch.answer(30.0) is not None
+    # SIGKILLed here, after GraceTime: neither requeue() nor leave() ran.
+    arrival = slot(tmp_path, "n1").arrive()
+    assert arrival == elastic.Arrival(crashed_on="n4", killed_leaving=Departure.PREEMPTION)
+    assert elastic.load_ledger(first.ledger_path).preemptions == 1
 
 
 def test_when_the_job_is_over_pending_slots_are_cancelled(tmp_path: Path, calls: list[str]) -> None:
@@ -235,8 +450,51 @@ def test_a_stopped_slot_cancels_nothing(tmp_path: Path, calls: list[str]) -> Non
 def test_an_unreadable_ledger_is_one_sentence(tmp_path: Path) -> None:
     path = tmp_path / "2.json"
     path.write_text("{not json")
-    with pytest.raises(SlurmError, match="delete it"):
+    with pytest.raises(SlurmError, match="start afresh") as raised:
         elastic.load_ledger(path)
+    assert f"'{path}'" in str(raised.value)
+
+
+@pytest.mark.parametrize("text", ["{not json", "[]", '{"preemptions": "x"}', "\udcff"])
+def test_an_unreadable_ledger_starts_the_slot_afresh_with_a_warning(
+    tmp_path: Path, text: str
+) -> None:
+    path = tmp_path / "slots" / "2.json"
+    path.parent.mkdir()
+    path.write_text(text, errors="surrogateescape")
+    fresh = slot(tmp_path)
+    assert fresh.ledger == SlotLedger()
+    assert fresh.problem is not None
+    assert f"'{path}' is not a readable slot record" in fresh.problem
+    assert fresh.arrive() == elastic.Arrival()
+    assert elastic.load_ledger(path) == SlotLedger(running_on="n3")
+
+
+def test_the_ledger_is_on_disk_before_and_after_its_rename(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fsync the new record, rename it over the old one, fsync the directory that holds it."""
+    steps: list[tuple[str, str]] = []
+    fsync, rename = os.fsync, os.replace
+
+    def recording_fsync(fd: int) -> None:
+        steps.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def recording_replace(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:
+        steps.append(("rename", str(target)))
+        rename(source, target)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    monkeypatch.setattr(os, "replace", recording_replace)
+    path = tmp_path / "slots" / "2.json"
+    elastic.save_ledger(path, SlotLedger(preemptions=3))
+    [(first, scratch), second, third] = steps
+    assert first == "fsync"
+    assert Path(scratch).parent == path.parent
+    assert scratch != str(path)
+    assert [second, third] == [("rename", str(path)), ("fsync", str(path.parent))]
+    assert elastic.load_ledger(path) == SlotLedger(preemptions=3)
 
 
 def test_cancel_ends_the_array_then_closes_the_rendezvous(tmp_path: Path) -> None:
@@ -283,8 +541,293 @@ def test_a_cancelled_slot_is_not_requeued(
     """scancel sends SIGTERM, which the workers also answer by saving and exiting 75."""
     cancelled = RUNNING_JOB.format(state="CANCELLED", limit="UNLIMITED", preempt="None")
     record = commands.parse_scontrol_record(cancelled)
-    monkeypatch.setattr(commands, "scontrol_show_job", lambda job_id, env=None: record)
-    said: list[str] = []
-    assert slot(tmp_path).settle(75, 30.0, lambda kind, **d: said.append(kind)) == 75
+    monkeypatch.setattr(
+        commands, "scontrol_show_job", lambda job_id, env=None, timeout=60.0: record
+    )
+    said: list[tuple[str, object]] = []
+    assert slot(tmp_path).settle(75, 30.0, lambda kind, **d: said.append((kind, d))) == 75
     assert calls == []
+    [(kind, details)] = said
+    assert kind == "cancelled"
+    assert details["slurm"]["JobState"] == "CANCELLED"  # type: ignore[index]
+
+
+def test_an_unreadable_ledger_is_a_warning_event_and_the_agent_goes_on(tmp_path: Path) -> None:
+    path = tmp_path / "slots" / "2.json"
+    path.parent.mkdir()
+    path.write_text("{not json")
+    spec = AgentSpec(job_dir=tmp_path, command=("train",))
+    command._arrive(slot(tmp_path), spec, "run-1")
+    [warning] = [event for event in events.read(spec.events_file) if event.kind == "warning"]
+    assert f"'{path}' is not a readable slot record" in str(warning.details["message"])
+    assert elastic.load_ledger(path).running_on == "n3"
+
+
+# --- hot spares (submit --spares) -------------------------------------------------------------
+
+
+def _rendered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *flags: str) -> str:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HPC_ELASTIC_ZK", raising=False)
+    (tmp_path / "train.py").write_text("print('training')\n")
+    result = CliRunner().invoke(app, ["render", *flags, "train.py"])
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+def test_spares_add_array_slots_beyond_max_and_make_a_fixed_job_an_array(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = _rendered(tmp_path, monkeypatch, "--nodes", "2", "--spares", "1")
+    assert "#SBATCH --array=0-2\n" in script
+    assert "--no-kill" not in script
+    assert "--nodes 2:2 \\\n" in script, "a fixed job with spares starts at N, not at 1"
+    elastic_job = _rendered(tmp_path, monkeypatch, "--nodes", "1:4", "--spares", "2")
+    assert "#SBATCH --array=0-5\n" in elastic_job
+    assert "--nodes 1:4 \\\n" in elastic_job
+
+
+def test_no_spares_leave_the_script_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert "--no-kill" in _rendered(tmp_path, monkeypatch, "--nodes", "2", "--spares", "0")
+    assert "#SBATCH --array=0-3\n" in _rendered(tmp_path, monkeypatch, "--nodes", "1:4")
+
+
+def test_negative_spares_are_refused_in_one_sentence(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print('training')\n")
+    result = CliRunner().invoke(app, ["render", "--spares", "-1", "train.py"])
+    assert result.exit_code != 0
+    assert "--spares '-1'" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_coming_slots_count_running_spares_but_a_round_never_exceeds_max() -> None:
+    """Spares run like any slot: squeue counts them, and ``expected`` above MAX only means
+    that a round need not wait (``next_action`` caps it at MAX)."""
+    statuses = commands.parse_squeue("9|0-2|RUNNING|None|n[1-3]\n")
+    assert elastic.coming_slots(statuses) == 3
+
+
+# --- held tasks: release a churn hold under the no-progress breaker, announce the last ---
+
+CHURN_HELD = "9|1|REQUEUE_HOLD|JobHoldMaxRequeue|\n9|0|RUNNING|None|n1\n"
+ADMIN_HELD = "9|1|REQUEUE_HOLD|JobHeldAdmin|\n9|3|PENDING|JobHeldUser|\n9|0|RUNNING|None|n1\n"
+
+
+def test_only_a_hold_for_too_many_requeues_is_the_jobs_to_release() -> None:
+    assert elastic.churn_held_tasks(statuses(CHURN_HELD)) == [1]
+    assert elastic.churn_held_tasks(statuses(ADMIN_HELD)) == []
+    assert elastic.held_tasks(statuses(ADMIN_HELD)) == [1, 3]
+
+
+@pytest.mark.parametrize(
+    ("record", "progress", "allowed"),
+    [
+        (elastic.HoldRecord(), None, True),
+        (elastic.HoldRecord(releases=1, released_at=40), 40, False),
+        (elastic.HoldRecord(releases=1, released_at=40), 50, True),
+        (elastic.HoldRecord(releases=1, released_at=None), None, False),
+        (elastic.HoldRecord(releases=1, released_at=None), 10, True),
+    ],
+)
+def test_a_hold_is_released_again_only_after_a_newer_checkpoint(
+    record: elastic.HoldRecord, progress: int | None, allowed: bool
+) -> None:
+    assert elastic.may_release(record, progress) is allowed
+
+
+@pytest.mark.parametrize(("restarts", "held"), [(4, False), (5, True), (9, True)])
+def test_a_requeue_past_max_batch_requeue_is_held(restarts: int, held: bool) -> None:
+    assert elastic.will_be_held(restarts, 5) is held
+
+
+def test_the_site_limit_is_read_from_scontrol_show_config() -> None:
+    config = commands.parse_scontrol_config("Configuration data\nMaxBatchRequeue         = 2\n")
+    assert commands.max_batch_requeue(config) == 2
+    assert commands.max_batch_requeue({}) == commands.DEFAULT_MAX_BATCH_REQUEUE
+
+
+def test_progress_is_the_newest_committed_checkpoint_step() -> None:
+    timeline = [
+        events.Event(kind=events.Kind.CHECKPOINT, details={"step": 30}),
+        events.Event(kind=events.Kind.CHECKPOINT, details={"step": 20}),
+        events.Event(kind=events.Kind.ROUND, details={"round": 4}),
+    ]
+    assert elastic.newest_checkpoint_step(timeline) == 30
+    assert elastic.newest_checkpoint_step(timeline[2:]) is None
+
+
+def lowest_slot(job_dir: Path) -> ElasticSlot:
+    """Task 0 of array 9, the lowest running slot in CHURN_HELD: the one that acts on holds."""
+    lowest = slot(job_dir)
+    lowest.context = replace(lowest.context, array_task_id=0, node_name="n1")
+    return lowest
+
+
+def checkpoint(job_dir: Path, step: int) -> None:
+    path = job_dir / "events.jsonl"
+    events.append(path, events.Event(kind=events.Kind.CHECKPOINT, details={"step": step}))
+
+
+def test_a_churn_hold_is_released_until_the_job_stops_progressing(tmp_path: Path) -> None:
+    said: list[tuple[str, dict[str, object]]] = []
+    with mocked_slurm() as fake:
+        fake.answer("scontrol", "release")
+        observe = lowest_slot(tmp_path).watch_held(lambda kind, **d: said.append((kind, d)))
+        checkpoint(tmp_path, 10)
+        observe(statuses(CHURN_HELD))
+        observe(statuses("9|0-1|RUNNING|None|n1\n"))
+        observe(statuses(CHURN_HELD))  # held again, no checkpoint since: the breaker
+        observe(statuses(CHURN_HELD))
+        checkpoint(tmp_path, 20)
+        observe(statuses(CHURN_HELD))  # progress again: released again
+    assert fake.ran("scontrol") == [["scontrol", "release", "9_1"]] * 2
+    assert [kind for kind, _ in said] == ["released", "held", "released"]
+    assert said[0][1] == {"task": 1, "slurm_job": "9_1", "releases": 1, "progress": 10}
+    assert said[1][1] == {"task": 1, "slurm_job": "9_1", "reason": "JobHoldMaxRequeue"}
+    assert elastic.load_hold_record(tmp_path / "slots" / "1.holds.json") == elastic.HoldRecord(
+        releases=2, released_at=20
+    )
+
+
+def test_an_admins_or_users_hold_is_reported_never_released(tmp_path: Path) -> None:
+    said: list[tuple[str, dict[str, object]]] = []
+    with mocked_slurm() as fake:
+        observe = lowest_slot(tmp_path).watch_held(lambda kind, **d: said.append((kind, d)))
+        observe(statuses(ADMIN_HELD))
+    assert fake.ran("scontrol") == []
+    assert [(kind, d["task"], d["reason"]) for kind, d in said] == [
+        ("held", 1, "JobHeldAdmin"),
+        ("held", 3, "JobHeldUser"),
+    ]
+
+
+def test_a_new_agent_does_not_repeat_the_alert_for_the_same_hold(tmp_path: Path) -> None:
+    said: list[str] = []
+    with mocked_slurm() as fake:
+        for _incarnation in range(3):  # each new agent process starts with empty memory
+            lowest_slot(tmp_path).watch_held(lambda kind, **d: said.append(kind))(
+                statuses(ADMIN_HELD)
+            )
+    assert fake.ran("scontrol") == []
+    assert said == ["held", "held"], "one alert per held task, not one per agent process"
+
+
+def test_a_failed_release_is_reported_instead(tmp_path: Path) -> None:
+    said: list[str] = []
+    with mocked_slurm() as fake:
+        fake.answer(
+            "scontrol", "release", stderr="scontrol: error: Access/permission denied", returncode=1
+        )
+        lowest_slot(tmp_path).watch_held(lambda kind, **d: said.append(kind))(statuses(CHURN_HELD))
+    assert said == ["held"]
+
+
+def preempted_at(job_dir: Path, restarts: int) -> ElasticSlot:
+    moving = slot(job_dir)
+    moving.context = replace(moving.context, restart_count=restarts)
+    return moving
+
+
+OWN_HELD = "JobId=9 ArrayJobId=9 ArrayTaskId=2 JobState=PENDING Reason=JobHoldMaxRequeue Restarts=6"
+OWN_PENDING = "JobId=9 ArrayJobId=9 ArrayTaskId=2 JobState=PENDING Reason=BeginTime Restarts=6"
+ALONE = "9|2|PENDING|JobHoldMaxRequeue|\n"
+
+
+@pytest.mark.parametrize(
+    ("restarts", "after", "siblings", "announced"),
+    [
+        (5, OWN_HELD, ALONE, True),
+        (5, OWN_PENDING, ALONE, False),  # Slurm 22.05: an scontrol requeue never holds
+        (5, OWN_HELD, ALONE + "9|0|RUNNING|None|n1\n", False),  # slot 0 will see it
+    ],
+)
+def test_the_last_slot_announces_its_own_hold_before_it_leaves(
+    tmp_path: Path, restarts: int, after: str, siblings: str, announced: bool
+) -> None:
+    said: list[tuple[str, dict[str, object]]] = []
+    with mocked_slurm() as fake:
+        fake.answer("scontrol", "show", "config", stdout="MaxBatchRequeue = 5\n")
+        fake.answer("scontrol", "-o", "show", "job", stdout=after)
+        fake.answer("squeue", stdout=siblings)
+        fake.answer("scontrol", "requeue")
+        moving = preempted_at(tmp_path, restarts)
+        moving.requeue(Departure.PREEMPTION, lambda kind, **d: said.append((kind, d)))
+        moving.requeue(Departure.PREEMPTION, lambda kind, **d: said.append((kind, d)))
+    held = [d for kind, d in said if kind == "held"]
+    expected = {
+        "task": 2,
+        "slurm_job": "9_2",
+        "reason": "JobHoldMaxRequeue",
+        "restarts": restarts + 1,
+        "limit": 5,
+        "last": True,
+    }
+    assert held == ([expected] if announced else [])
+    configs = [argv for argv in fake.ran("scontrol") if argv[1:3] == ["show", "config"]]
+    assert len(configs) == 1, "the site's limit is asked once per agent"
+
+
+def test_below_the_limit_slurm_is_not_even_asked(tmp_path: Path) -> None:
+    said: list[str] = []
+    with mocked_slurm() as fake:
+        fake.answer("scontrol", "show", "config", stdout="MaxBatchRequeue = 5\n")
+        fake.answer("scontrol", "requeue")
+        preempted_at(tmp_path, 4).requeue(Departure.PREEMPTION, lambda k, **d: said.append(k))
+    assert fake.ran("squeue") == []
+    assert [argv[1] for argv in fake.ran("scontrol")] == ["requeue", "show"]
     assert said == []
+
+
+def test_a_hold_the_last_slot_announced_is_not_announced_again_by_the_slot_that_sees_it(
+    tmp_path: Path,
+) -> None:
+    said: list[str] = []
+    with mocked_slurm() as fake:
+        fake.answer("scontrol", "show", "config", stdout="MaxBatchRequeue = 5\n")
+        fake.answer("scontrol", "-o", "show", "job", stdout=OWN_HELD)
+        fake.answer("squeue", stdout=ALONE)
+        fake.answer("scontrol", "requeue")
+        fake.answer("scontrol", "release", returncode=1, stderr="Access/permission denied")
+        moving = preempted_at(tmp_path, 5)
+        assert moving.requeue(Departure.PREEMPTION, lambda k, **d: said.append(k)) is None
+        # Slurm starts slot 0 later; it cannot release the hold, and must not alert again.
+        lowest_slot(tmp_path).watch_held(lambda kind, **d: said.append(kind))(
+            statuses(ALONE + "9|0|RUNNING|None|n1\n")
+        )
+    assert said == ["held"]
+
+
+def test_a_hold_the_slot_reports_is_posted_to_the_notify_url_and_its_other_events_are_not(
+    tmp_path: Path,
+) -> None:
+    # The slot's own events reach the notifier through the agent's emitter, not the Agent's
+    # observers: the held report comes from the squeue thread, or from settle after the Agent.
+    from hpc_elastic import notify  # noqa: PLC0415
+
+    posted: list[bytes] = []
+    delivered = threading.Event()
+
+    def send(url: str, body: bytes, timeout: float) -> int:
+        posted.append(body)
+        delivered.set()
+        return 200
+
+    notifier = notify.Notifier("http://127.0.0.1:9/hook", send=send)
+    emit = command._emitter(
+        AgentSpec(job_dir=tmp_path, command=("train",)), "job", slot(tmp_path), notifier
+    )
+    emit(events.Kind.REQUEUE, cause="bad_node", slurm_job="9_2", excluded=["n3"])
+    emit(events.Kind.HELD, task=1, slurm_job="9_1", reason=elastic.CHURN_HOLD)
+    assert delivered.wait(10), "the held alert was never posted"
+    notifier.close()
+    assert len(posted) == 1, posted
+    body = json.loads(posted[0])
+    assert (body["kind"], body["details"]["slurm_job"]) == ("held", "9_1")
+    # The agent has no TORCHELASTIC_RUN_ID of its own: the job and slot are the event's.
+    assert (body["job"], body["slot"]) == ("job", "2")
+    assert [e.kind for e in events.read(tmp_path / "events.jsonl")] == ["requeue", "held"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import stat
 import subprocess
 import sys
@@ -21,7 +22,6 @@ from cluster import REPO, Cluster
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from kazoo.client import KazooClient
-from test_cli import workdir  # noqa: F401 (the CLI tests' project directory, as cwd)
 from typer.testing import CliRunner
 
 from hpc_elastic import cli
@@ -36,6 +36,8 @@ FAST = settings(
 )
 
 TRICKY = (
+    "[/bold]",
+    "[red]x[/]",
     "",
     " ",
     "-1",
@@ -194,13 +196,21 @@ def test_env_values_and_script_arguments_reach_the_job_verbatim(
 ) -> None:
     assume(not any(arg.startswith("-") for arg in args))  # typer would read them as options
     setup = f"echo {jinja!r} > /dev/null" if "\n" not in jinja and "\r" not in jinja else "true"
+    # Without the code snapshot the worker's script is ./train.py itself (and no example pays
+    # for a copy); tests/test_snapshot.py covers the copy.
     code, script, err = render(
-        "--nodes=1:2", f"--env=HOSTILE={value}", f"--setup={setup}", "train.py", "--", *args
+        "--nodes=1:2",
+        "--no-snapshot",
+        f"--env=HOSTILE={value}",
+        f"--setup={setup}",
+        "train.py",
+        "--",
+        *args,
     )
     if code != 0:
         assert_usage_error_or_script(code, script, err)
         return
-    assert (setup in script) == setup.isprintable()
+    assert (f"eval {shlex.quote(setup)}" in script) == setup.isprintable()
     captured = run_script(script, fake_srun)
     argv = captured["argv"]
     assert isinstance(argv, list)
@@ -215,15 +225,52 @@ def test_env_values_and_script_arguments_reach_the_job_verbatim(
     assert not Path("/tmp/pwned").exists()
 
 
+@pytest.mark.parametrize(
+    "line", ["cat <<EOF", "cat <<'EOF' >/dev/null", "echo \\", "true && \\", "echo $((1+"]
+)
+def test_a_setup_line_cannot_swallow_the_rest_of_the_script(fake_srun: Path, line: str) -> None:
+    """A heredoc, a trailing backslash or an open expression stays inside its own line: the
+    agents still start with their flags, or the script stops at that line, never garbled."""
+    code, script, err = render("--nodes=1:2", f"--setup={line}", "train.py", "--", "--lr=1")
+    assert code == 0, err
+    capture = Path.cwd() / "capture.json"
+    capture.unlink(missing_ok=True)
+    result = subprocess.run(
+        ["bash", "-c", script],
+        env={
+            "PATH": f"{fake_srun}:{os.environ['PATH']}",
+            "CAPTURE": str(capture),
+            "HOME": "/tmp",
+            "SLURM_ARRAY_TASK_ID": "0",
+        },
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
+    if result.returncode != 0:
+        assert not capture.exists(), "srun ran after a setup line failed"
+        assert "line 1" in result.stderr or "syntax error" in result.stderr, result.stderr
+        return
+    argv = json.loads(capture.read_text())["argv"]
+    assert "hpc_elastic" in argv
+    assert argv[argv.index("--run-id") + 1].startswith("train-")
+    assert argv[-1] == "--lr=1"
+
+
 def test_jinja_in_values_stays_text() -> None:
+    # The expression evaluates to a word that appears nowhere else in a script; a number such
+    # as 7 * 7 = 49 can also turn up in the random run id and make the test flaky.
+    expression = '{{ "inj" ~ "ected" }}'
     code, script, _ = render(
-        "--env=A={{ 7 * 7 }}", "--setup=echo '{% raw %}{{ x }}'", "train.py", "--", "{{ 7 * 7 }}"
+        f"--env=A={expression}", "--setup=echo '{% raw %}{{ x }}'", "train.py", "--", expression
     )
     assert code == 0
-    assert "49" not in script
+    assert "injected" not in script
     assert "{% raw %}{{ x }}" in script
-    assert "export A='{{ 7 * 7 }}'\n" in script
-    assert "train.py '{{ 7 * 7 }}'" in script
+    assert f"export A='{expression}'\n" in script
+    assert f"train.py '{expression}'" in script
 
 
 @given(
@@ -298,6 +345,7 @@ def test_an_agent_facing_a_garbage_state_fails_with_one_line(
             f"--job-dir={tmp_path}",
             f"--zk={cluster.zk_hosts}{zk_root}",
             "--nodes=1",
+            "--zk-open-acl",
             "--slot=0",
             "--host=127.0.0.1",
             "--",
@@ -323,3 +371,284 @@ def refusal(decode: Callable[[bytes], object], data: bytes) -> str:
     except RendezvousError as error:
         return str(error)
     return ""
+
+
+# --- Every file the operating commands read, and every argument they take -------------------
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | hostile_text,
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(hostile_text, children, max_size=4)
+    ),
+    max_leaves=12,
+)
+VALID_RECORD: dict[str, object] = {
+    "run_id": "train-20261130-120000-0123456789abcdef0123456789abcdef",
+    "job_id": "4242",
+    "job_dir": "x",
+    "zk": "127.0.0.1:2181",
+    "spec": {"nodes": "1:2", "nproc_per_node": 1, "max_restarts": 3, "zk": "127.0.0.1:2181"},
+}
+RUN = "train-20261130-120000-0123456789abcdef0123456789abcdef"
+RECORD_FIELDS = ("run_id", "job_id", "zk", "mode", "pid", "spec")
+SPEC_FIELDS = ("nodes", "nproc_per_node", "max_restarts", "zk")
+
+
+def job_json_texts() -> st.SearchStrategy[bytes]:
+    """Random bytes, random JSON, or a good record with one field made hostile."""
+
+    def mutate(field: str, value: object, local: bool) -> bytes:
+        record: dict[str, object] = json.loads(json.dumps(VALID_RECORD))
+        if local:
+            record.update(mode="local", job_id=None, pid=value if field == "pid" else 2)
+        if field in SPEC_FIELDS:
+            record["spec"] = {**VALID_RECORD["spec"], field: value}  # type: ignore[dict-item]
+        else:
+            record[field] = value
+        return json.dumps(record).encode()
+
+    return st.one_of(
+        st.binary(max_size=200),
+        json_values.map(lambda value: json.dumps(value).encode()),
+        st.builds(
+            mutate,
+            st.sampled_from(RECORD_FIELDS + SPEC_FIELDS),
+            json_values
+            | st.sampled_from(["--me", "-1", "0", "1", "4242 --me", "99999999999999999999"]),
+            st.booleans(),
+        ),
+    )
+
+
+def event_lines() -> st.SearchStrategy[str]:
+    kinds = st.sampled_from(
+        [
+            "join",
+            "round",
+            "start",
+            "restart",
+            "failure",
+            "leave",
+            "preempt",
+            "requeue",
+            "checkpoint",
+            "done",
+            "failed",
+            "churn",
+            "cancel",
+            "heartbeat",
+        ]
+    )
+    fields = st.fixed_dictionaries(
+        {"kind": kinds | json_values},
+        optional={
+            "slot": hostile_text | json_values,
+            "node": hostile_text,
+            "round": st.integers(-5, 2**70) | json_values,
+            "time": st.floats() | st.integers() | json_values,
+            "details": st.dictionaries(
+                st.sampled_from(
+                    [
+                        "node_id",
+                        "world_size",
+                        "members",
+                        "restarts_used",
+                        "step",
+                        "message",
+                        "rank",
+                        "exit_code",
+                        "action",
+                        "target",
+                        "path",
+                    ]
+                ),
+                json_values,
+                max_size=5,
+            )
+            | json_values,
+        },
+    )
+    return st.one_of(fields.map(json.dumps), hostile_text, json_values.map(json.dumps))
+
+
+OPS_COMMANDS = (
+    ("list",),
+    ("status", RUN),
+    ("status", RUN, "--json"),
+    ("events", RUN),
+    ("events", RUN, "--json"),
+    ("events", RUN, "--all"),
+    ("logs", RUN),
+    ("cancel", RUN),
+)
+
+
+@pytest.fixture
+def offline(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, object]]:
+    """Slurm, ZooKeeper and kill replaced by recorders: fuzzing must never signal anything."""
+    from hpc_elastic.ops import cancel, status  # noqa: PLC0415
+    from hpc_elastic.slurm import commands  # noqa: PLC0415
+
+    calls: list[tuple[str, object]] = []
+    monkeypatch.setattr(
+        commands, "cancel", lambda job_id, *_, **__: calls.append(("scancel", job_id))
+    )
+    monkeypatch.setattr(commands, "squeue", lambda *_, **__: [])
+    monkeypatch.setattr(cancel, "_close", lambda record: calls.append(("close", record.run_id)))
+    monkeypatch.setattr(status, "_rendezvous", lambda record: None)
+    monkeypatch.setattr(os, "kill", lambda *args: calls.append(("kill", args)))
+    return calls
+
+
+def run_ops(log_dir: Path, *args: str) -> tuple[int, str, str]:
+    result = runner.invoke(cli.app, [*args, "--log-dir", str(log_dir)])
+    return result.exit_code, result.stdout, result.stderr
+
+
+def assert_answer_or_one_sentence(code: int, err: str) -> None:
+    assert code in (0, 1, 2), err
+    assert "Internal error" not in err
+    assert "Traceback" not in err
+    if code != 0:
+        assert err.startswith("error: "), err
+        assert err.count("\n") == 1, f"not one line: {err!r}"
+
+
+def fresh_log_dir() -> Path:
+    import tempfile  # noqa: PLC0415
+
+    return Path(tempfile.mkdtemp(dir=Path.cwd()))
+
+
+def write_job_json(job_dir: Path, data: bytes) -> None:
+    """As submit writes it: the user's own file, mode 0600 (others' records are refused)."""
+    job_dir.mkdir(exist_ok=True)
+    (job_dir / "job.json").write_bytes(data)
+    (job_dir / "job.json").chmod(0o600)
+
+
+@FAST
+@given(job_json=job_json_texts())
+def test_any_job_json_is_an_answer_or_one_sentence_for_every_ops_command(
+    offline: list[tuple[str, object]], job_json: bytes
+) -> None:
+    log_dir = fresh_log_dir()
+    write_job_json(log_dir / RUN, job_json)
+    for command in OPS_COMMANDS:
+        code, _, err = run_ops(log_dir, *command)
+        assert_answer_or_one_sentence(code, err)
+        if command == ("list",):
+            assert code == 0, err
+    for call, value in offline:
+        assert call != "kill", value
+        if call == "scancel":
+            assert isinstance(value, str)
+            assert value.isdigit(), value
+
+
+@FAST
+@given(bad_job_json=job_json_texts())
+def test_one_hostile_job_never_hides_the_others_from_list(
+    offline: list[tuple[str, object]], bad_job_json: bytes
+) -> None:
+    log_dir = fresh_log_dir()
+    write_job_json(log_dir / "good-1", json.dumps({**VALID_RECORD, "run_id": "good-1"}).encode())
+    write_job_json(log_dir / "bad", bad_job_json)
+    code, out, err = run_ops(log_dir, "list")
+    assert code == 0, err
+    assert "good-1 " in out
+
+
+@FAST
+@given(lines=st.lists(event_lines(), max_size=12))
+def test_any_events_file_is_an_answer_or_one_sentence(
+    offline: list[tuple[str, object]], lines: list[str]
+) -> None:
+    log_dir = fresh_log_dir()
+    write_job_json(log_dir / RUN, json.dumps(VALID_RECORD).encode())
+    # Bytes, not text: a generated line may hold a lone surrogate, which is no valid UTF-8 and
+    # which a torn or hostile file may hold just the same (write_text would refuse it).
+    (log_dir / RUN / "events.jsonl").write_bytes(
+        "".join(line.replace("\n", " ") + "\n" for line in lines).encode("utf-8", "surrogatepass")
+    )
+    for command in OPS_COMMANDS:
+        code, _, err = run_ops(log_dir, *command)
+        assert_answer_or_one_sentence(code, err)
+
+
+OPS_ARGUMENT_OPTIONS = ("JOB", "--rank", "--attempt", "--log-dir", "--plot")
+
+
+@FAST
+@given(
+    where=st.sampled_from(OPS_ARGUMENT_OPTIONS),
+    value=hostile_text | st.text(min_size=300, max_size=400),
+)
+def test_any_ops_argument_is_an_answer_or_one_sentence(
+    offline: list[tuple[str, object]], where: str, value: str
+) -> None:
+    assume("\0" not in value)
+    log_dir = fresh_log_dir()
+    write_job_json(log_dir / RUN, json.dumps(VALID_RECORD).encode())
+    for command in ("status", "events", "logs", "cancel"):
+        if where == "JOB":
+            args = [command, value, "--log-dir", str(log_dir)]
+        elif where == "--log-dir":
+            args = [command, RUN, "--log-dir", value]
+        elif (where, command) in (("--rank", "logs"), ("--attempt", "logs"), ("--plot", "events")):
+            args = [command, RUN, f"{where}={value}", "--log-dir", str(log_dir)]
+        else:
+            continue
+        result = runner.invoke(cli.app, args)
+        assert_answer_or_one_sentence(result.exit_code, result.stderr)
+    assert [call for call in offline if call[0] == "kill"] == []
+
+
+@FAST
+@given(data=st.binary(max_size=200) | json_values.map(lambda value: json.dumps(value).encode()))
+def test_any_slot_ledger_is_a_ledger_or_one_slurm_error(data: bytes) -> None:
+    from hpc_elastic.errors import SlurmError  # noqa: PLC0415
+    from hpc_elastic.slurm.elastic import load_ledger  # noqa: PLC0415
+
+    path = fresh_log_dir() / "ledger.json"
+    path.write_bytes(data)
+    try:
+        ledger = load_ledger(path)
+    except SlurmError as error:
+        message = str(error)
+    else:
+        message = ""
+    assert "\n" not in message
+    if message:
+        return
+    assert isinstance(ledger.preemptions, int)
+    assert ledger.running_on is None or isinstance(ledger.running_on, str)
+    if ledger.running_on:
+        ledger.failed_on(ledger.running_on)
+
+
+@FAST
+@given(
+    manifest=st.binary(max_size=200)
+    | json_values.map(lambda value: json.dumps(value).encode())
+    | st.builds(
+        lambda files: json.dumps(
+            {"format": 1, "step": 1, "world_size": 1, "files": files}
+        ).encode(),
+        json_values | st.dictionaries(st.sampled_from([".metadata", "state.pt", "x"]), json_values),
+    )
+)
+def test_any_checkpoint_manifest_is_trusted_or_refused_with_a_reason(manifest: bytes) -> None:
+    from hpc_elastic.errors import CheckpointError  # noqa: PLC0415
+    from hpc_elastic.train import _integrity  # noqa: PLC0415
+    from hpc_elastic.train.checkpoint import verify  # noqa: PLC0415
+
+    checkpoint = fresh_log_dir() / "step-00000001"
+    checkpoint.mkdir()
+    (checkpoint / "manifest.json").write_bytes(manifest)
+    (checkpoint / ".metadata").write_bytes(b"planted")
+    (checkpoint / "state.pt").write_bytes(b"planted")
+    problem = verify(checkpoint)  # a reason, or None: state.pt then loads weights_only
+    assert problem is None or "\n" not in problem
+    with pytest.raises(CheckpointError, match=r"^Sharded checkpoint '.*' is not trusted because"):
+        _integrity.verify_before_load(checkpoint)

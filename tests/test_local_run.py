@@ -37,7 +37,7 @@ step = int(ckpt.read_text()) if ckpt.exists() else 0
 print(f"rank {rank} of {os.environ['WORLD_SIZE']} resumes at step {step}", flush=True)
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 while step < steps:
-    time.sleep(0.05)
+    time.sleep(0.05)  # a step's work, so churn lands mid-training
     step += 1
     write(os.environ["HPC_ELASTIC_HEARTBEAT_FILE"], step)
     if rank == 0 and step % 10 == 0:
@@ -128,21 +128,8 @@ def leftover_agents(job_dir: Path) -> list[str]:
     return [line for line in ps.stdout.splitlines() if str(job_dir) in line]
 
 
-def test_churn_kills_and_adds_nodes_while_training_goes_on(tmp_path: Path, runs: list[Run]) -> None:
-    port = free_port()
-    run = Run(
-        tmp_path,
-        "--nodes=1:3",
-        "--simulate-churn",
-        "--churn-every=4:6",
-        "--churn-downtime=4",  # longer than the 2-s last call, so a smaller round forms
-        "--seed=1",
-        f"--metrics-port={port}",
-        "stepper.py",
-        "--",
-        "150",
-    )
-    runs.append(run)
+def assert_serves_the_job_gauges(run: Run, port: int) -> None:
+    """Once a round formed, the agent's metrics endpoint has every gauge the dashboards use."""
 
     def world_size_scraped() -> bool:
         try:
@@ -167,6 +154,24 @@ def test_churn_kills_and_adds_nodes_while_training_goes_on(tmp_path: Path, runs:
         "hpc_elastic_goodput_ratio",
     ):
         assert name in metrics
+
+
+def test_churn_kills_and_adds_nodes_while_training_goes_on(tmp_path: Path, runs: list[Run]) -> None:
+    port = free_port()
+    run = Run(
+        tmp_path,
+        "--nodes=1:3",
+        "--simulate-churn",
+        "--churn-every=4:6",
+        "--churn-downtime=4",  # longer than the 2-s last call, so a smaller round forms
+        "--seed=1",
+        f"--metrics-port={port}",
+        "stepper.py",
+        "--",
+        "150",
+    )
+    runs.append(run)
+    assert_serves_the_job_gauges(run, port)
 
     status = hpc_elastic("status", "--json", str(run.job_dir), cwd=tmp_path)
     assert status.returncode == 0, status.stderr
@@ -197,13 +202,20 @@ def test_churn_kills_and_adds_nodes_while_training_goes_on(tmp_path: Path, runs:
     assert "SUCCEEDED" in table.stdout
     assert "node0" in table.stdout
 
+    # Round 1 may be superseded before rank 0's agent runs it (the other nodes join at once),
+    # so the first round whose rank 0 started is the one every view must show.
+    first = min(
+        event["round"]
+        for event in run.events()
+        if event["kind"] == "start" and 0 in event["details"]["ranks"]
+    )
     timeline = hpc_elastic("events", run.job_dir.name, cwd=tmp_path).stdout
     assert "simulated churn: kill node" in timeline
-    assert "round 1: world size" in timeline
+    assert f"round {first}: world size" in timeline
     assert "checkpoint step 150 committed" in timeline
 
     logs = hpc_elastic("logs", run.job_dir.name, "--rank", "0", cwd=tmp_path).stdout
-    assert "==> attempt 1, rank 0 <==" in logs
+    assert f"==> attempt {first}, rank 0 <==" in logs
     assert "rank 0 done at step 150" in logs
     assert logs.count("==> attempt") >= 2
 
@@ -278,3 +290,39 @@ def test_examples_train_runs_on_two_local_nodes(tmp_path: Path, runs: list[Run])
     assert "step=60 " in logs
     assert "world=2" in logs
     assert "done step=60" in logs
+
+
+def test_in_place_reaches_the_agents_and_a_survivor_keeps_its_process(
+    tmp_path: Path, runs: list[Run]
+) -> None:
+    """``run --in-place`` passes ``--in-place`` to every agent: when one node's worker is
+    SIGKILLed, the other node's worker goes on in its own process (tests/test_inplace.py has
+    the same case with agents in one process)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    run = Run(
+        tmp_path,
+        "--nodes=2",
+        "--in-place",
+        "--no-prewarm",  # the kill comes mid-training either way; standbys only add load
+        str(REPO / "tests" / "workloads" / "train_inplace.py"),
+        "--",
+        f"--out={out}",
+        "--steps=40",
+    )
+    runs.append(run)
+
+    def trace() -> list[list[str]]:
+        path = out / "trace"
+        return [line.split() for line in path.read_text().splitlines()] if path.exists() else []
+
+    assert run.wait_for(lambda: any(int(line[1]) >= 10 for line in trace()), 180), run.text()
+    pids = {line[6]: line[5] for line in trace()}  # slot -> pid of its worker (one each so far)
+    os.kill(int(pids["node1"]), signal.SIGKILL)
+    assert run.finish(240) == 0, run.text()
+
+    survivors = {line[5] for line in trace() if line[6] == "node0"}
+    assert survivors == {pids["node0"]}, f"node0's worker was restarted: pids {survivors}"
+    kinds = [(event["kind"], event.get("slot")) for event in run.events()]
+    assert ("workers_kept", "node0") in kinds
+    assert ("workers_stopped", "node0") not in kinds

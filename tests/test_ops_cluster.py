@@ -53,6 +53,9 @@ def test_status_events_and_logs_of_a_running_elastic_job(cluster: Cluster, tmp_p
     assert {slot["node"] for slot in running} <= set(cluster.nodes)
     assert view["round"] >= 1
     assert view["max_restarts"] == 3
+    assert view["code"]["dir"] == f"{view['job_dir']}/code"  # the slots run the snapshot
+    assert (view["code"]["git"], view["code"]["commit"]) == (False, None)
+    assert view["goodput"]["wall_s"] > 0
 
     table = hpc_elastic("status", job, cwd=tmp_path, env=cluster.env)
     assert "RUNNING" in table.stdout

@@ -109,3 +109,61 @@ def test_resuming_with_another_seed_is_refused() -> None:
     sampler = ElasticSampler(50, 10, seed=1)
     with pytest.raises(UsageError, match="seed"):
         sampler.load_state_dict({"seed": 2, "epoch": 0, "position": 0})
+
+
+def usual_loop(
+    samplers: list[ElasticSampler], epochs: int, stop_after_steps: int | None = None
+) -> list[tuple[int, int]]:
+    """The usual training loop over every rank's sampler, ``set_epoch`` at the top of each
+    epoch (also the first one after a resume); returns ``(epoch, index)`` of every sample
+    trained, stopping (as a crash would) after ``stop_after_steps`` optimizer steps."""
+    trained: list[tuple[int, int]] = []
+    share = GLOBAL_BATCH // samplers[0].world_size
+    steps = 0
+    for epoch in range(samplers[0].epoch, epochs):
+        for sampler in samplers:
+            sampler.set_epoch(epoch)
+        streams = [iter(sampler) for sampler in samplers]
+        for _ in range(samplers[0].steps_per_epoch - samplers[0].position // GLOBAL_BATCH):
+            for stream in streams:
+                trained.extend((epoch, next(stream)) for _ in range(share))
+            for sampler in samplers:
+                sampler.advance()
+            steps += 1
+            if steps == stop_after_steps:
+                return trained
+    return trained
+
+
+def test_set_epoch_of_the_resumed_epoch_repeats_and_skips_nothing() -> None:
+    size, epochs, world = 60, 3, 2
+
+    def ranks() -> list[ElasticSampler]:
+        return [
+            ElasticSampler(size, GLOBAL_BATCH, seed=7, rank=r, world_size=world)
+            for r in range(world)
+        ]
+
+    first = ranks()
+    trained = usual_loop(first, epochs, stop_after_steps=7)  # 5 steps per epoch: stops in epoch 1
+    saved = first[0].state_dict()
+    assert saved == {"seed": 7, "epoch": 1, "position": 2 * GLOBAL_BATCH}
+    resumed = ranks()
+    for sampler in resumed:
+        sampler.load_state_dict(saved)
+    trained += usual_loop(resumed, epochs)
+
+    order = ElasticSampler(size, GLOBAL_BATCH, seed=7, rank=0, world_size=1)
+    for epoch in range(epochs):
+        expected = order.order(epoch)[: order.steps_per_epoch * GLOBAL_BATCH]
+        seen = [index for seen_epoch, index in trained if seen_epoch == epoch]
+        assert sorted(seen) == sorted(expected), f"epoch {epoch} repeated or skipped samples"
+
+
+def test_set_epoch_to_a_new_epoch_starts_it_from_the_beginning() -> None:
+    sampler = ElasticSampler(50, 10, rank=0, world_size=1)
+    sampler.advance()
+    sampler.set_epoch(0)
+    assert (sampler.epoch, sampler.position) == (0, 10)
+    sampler.set_epoch(1)
+    assert (sampler.epoch, sampler.position) == (1, 0)

@@ -13,6 +13,7 @@ from hpc_elastic.spec import (
     JobSpec,
     NodeRange,
     PreemptSignal,
+    parse_container_mount,
     parse_env,
     parse_job_name,
     parse_mem,
@@ -133,11 +134,47 @@ def test_sbatch_arg_must_be_one_option() -> None:
 
 @pytest.mark.parametrize(
     ("text", "instead"),
-    [("--array=0-7", "--nodes MIN:MAX"), ("-N2", "--nodes"), ("--output=x", "--log-dir")],
+    [
+        ("--array=0-7", "--nodes MIN:MAX"),
+        ("-N2", "--nodes"),
+        ("--output=x", "--log-dir"),
+        ("--arr=0-7", "--nodes MIN:MAX"),
+        ("--outp=x", "--log-dir"),
+        ("--no-k", "--nodes"),
+        ("-kN4", "--nodes"),
+        ("-Hk", "--nodes"),
+        ("-pgpu", "--partition"),
+        ("--part=gpu", "--partition"),
+        ("--ti=5", "--time"),
+        ("--sig=USR1", "--signal"),
+        ("--wr=id", "SCRIPT"),
+        ("-Jname", "--job-name"),
+        ("--gpus-per=2", "--gpus-per-node"),
+    ],
 )
 def test_sbatch_arg_may_not_reshape_the_job(text: str, instead: str) -> None:
-    with pytest.raises(UsageError, match=f"sets what hpc-elastic decides itself; use {instead}"):
+    """sbatch takes any unambiguous abbreviation and grouped short flags (getopt_long)."""
+    with pytest.raises(UsageError, match=f"which hpc-elastic decides itself; use {instead}"):
         parse_sbatch_arg(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "--gpus=8",
+        "--reservation=big",
+        "--res=big",
+        "--time-min=10",
+        "--mem-per-cpu=4G",
+        "--nodelist=n1",
+        "-wn1",
+        "-H",
+        "--mail-type=END",
+        "--comment=a#b'c\"d\\e",
+    ],
+)
+def test_sbatch_args_that_shape_nothing_pass_through(text: str) -> None:
+    assert parse_sbatch_arg(text) == text
 
 
 def test_setup_line_is_one_line() -> None:
@@ -160,3 +197,69 @@ def test_setup_line_is_one_line() -> None:
 def test_job_spec_validates_itself(field: str, value: object, quoted: str) -> None:
     with pytest.raises(UsageError, match=quoted):
         JobSpec(script=Path("/train.py"), **{field: value})  # type: ignore[arg-type]
+
+
+# --- containers (issue 14) -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text", ["/datasets", "/datasets:/data", "/datasets:/data:ro+rprivate", "/a,/b:/c:ro"]
+)
+def test_a_container_mount_is_src_dst_flags_with_absolute_paths(text: str) -> None:
+    assert parse_container_mount(text) == text
+
+
+@pytest.mark.parametrize(
+    "text", ["", "datasets", "/a:data", "/a,b", "/a,", "/a:/b:ro:x", "/my data", "/a\n/b"]
+)
+def test_a_container_mount_pyxis_or_apptainer_would_misread_is_refused_quoted(text: str) -> None:
+    with pytest.raises(UsageError, match=r"--container-mounts .* is not SRC\[:DST\[:FLAGS\]\]"):
+        parse_container_mount(text)
+
+
+def test_two_container_runtimes_for_one_job_are_one_sentence_naming_both() -> None:
+    with pytest.raises(UsageError) as caught:
+        JobSpec(script=Path("/train.py"), container_image="pytorch", apptainer="/i.sif")
+    assert str(caught.value) == (
+        "--container-image 'pytorch' and --apptainer '/i.sif' are two container runtimes for "
+        "one job; give only one."
+    )
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "said"),
+    [
+        ("container_mounts", ("/data",), "--container-mounts '/data' applies inside a container"),
+        ("container_python", "python3.11", "--container-python 'python3.11' applies inside"),
+    ],
+)
+def test_container_settings_without_an_image_say_which_flag_adds_one(
+    field: str, value: object, said: str
+) -> None:
+    with pytest.raises(UsageError, match=said) as caught:
+        JobSpec(script=Path("/train.py"), **{field: value})  # type: ignore[arg-type]
+    assert "add --container-image IMAGE (pyxis) or --apptainer IMAGE" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("container_image", "nvcr.io#nvidia/pytorch 24"), ("apptainer", ""), ("container_python", "")],
+)
+def test_an_image_or_interpreter_must_be_one_word(field: str, value: str) -> None:
+    image = {} if field != "container_python" else {"apptainer": "/i.sif"}
+    with pytest.raises(UsageError, match="contains spaces or control characters; give one word"):
+        JobSpec(script=Path("/train.py"), **{**image, field: value})  # type: ignore[arg-type]
+
+
+def test_a_node_local_checkpoint_dir_must_be_mounted_where_the_workers_write() -> None:
+    with pytest.raises(UsageError, match="add --container-mounts /local/ckpt"):
+        JobSpec(
+            script=Path("/train.py"), apptainer="/i.sif", local_checkpoint_dir=Path("/local/ckpt")
+        )
+    mounted = JobSpec(
+        script=Path("/train.py"),
+        container_image="pytorch",
+        container_mounts=("/datasets,/tmp/node-local:/local",),
+        local_checkpoint_dir=Path("/local/ckpt"),
+    )
+    assert mounted.container == "pyxis"

@@ -114,3 +114,68 @@ def test_two_agents_train_on_two_nodes(cluster: Cluster, project: Path) -> None:
     assert {report["WORLD_SIZE"] for report in reports} == {"2"}
     assert len({report["SLURMD_NODENAME"] for report in reports}) == 2
     assert cluster.wait_queue_empty(60)
+
+
+VERSIONED = """\
+import json, os, pathlib, time
+VERSION = {version}
+attempt = os.environ.get("SLURM_RESTART_COUNT", "0")
+facts = {{"version": VERSION, "file": __file__, "cwd": os.getcwd()}}
+(pathlib.Path(os.environ["REPORT_DIR"]) / f"attempt{{attempt}}.json").write_text(json.dumps(facts))
+if attempt == "0":
+    time.sleep(600)  # until the test requeues the job
+"""
+
+
+def _git(project: Path, *args: str) -> str:
+    identity = {"GIT_AUTHOR_NAME": "Ada", "GIT_AUTHOR_EMAIL": "ada@example.com"}
+    identity |= {"GIT_COMMITTER_NAME": "Ada", "GIT_COMMITTER_EMAIL": "ada@example.com"}
+    done = subprocess.run(
+        ["git", "-C", str(project), *args],
+        env={"PATH": "/usr/bin:/bin", "GIT_CONFIG_GLOBAL": "/dev/null", **identity},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return done.stdout.strip()
+
+
+def test_a_requeued_job_still_runs_the_code_as_submitted_not_as_edited(
+    cluster: Cluster, project: Path
+) -> None:
+    """Submit, edit the script while the job waits, requeue it while it runs: both runs are
+    the snapshot's code, from the snapshot's directory; status names the commit."""
+    script = project / "versioned.py"
+    script.write_text(VERSIONED.format(version=1))
+    (project / ".gitignore").write_text("reports/\nhpc-elastic-runs/\n")
+    _git(project, "init", "--quiet")
+    _git(project, "add", ".")
+    _git(project, "commit", "--quiet", "-m", "version 1")
+    job_dir = _job_dir(
+        submit(cluster, project, "--nodes", "1", "--zk", cluster.zk_hosts, "versioned.py")
+    )
+    script.write_text(VERSIONED.format(version=2))  # edited while the job waits in the queue
+    job_id = json.loads((job_dir / "job.json").read_text())["job_id"]
+    first = _reports(project, 1, job_dir)[0]
+    script.write_text(VERSIONED.format(version=3))  # and again while it runs
+    cluster.run(["scontrol", "requeue", job_id])
+    # A requeued job waits out a begin-time delay; let it start at once.
+    cluster.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=False)
+    first, second = _reports(project, 2, job_dir)
+    code = job_dir / "code"
+    for run in (first, second):
+        assert run == {"version": 1, "file": str(code / "versioned.py"), "cwd": str(code)}
+    assert cluster.wait_queue_empty(60)
+    shown = subprocess.run(
+        [sys.executable, "-m", "hpc_elastic", "status", "--json", job_id],
+        cwd=project,
+        env={**cluster.env, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert shown.returncode == 0, shown.stderr
+    snapshot = json.loads(shown.stdout)["code"]
+    assert snapshot["commit"] == _git(project, "rev-parse", "HEAD")
+    assert snapshot["dirty"] is False

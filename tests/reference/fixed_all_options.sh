@@ -23,8 +23,8 @@
 # No `set -u`: module systems and venv activation scripts read unset variables.
 set -eo pipefail
 
-module load cuda/12.4
-source /opt/venv/bin/activate
+eval 'module load cuda/12.4'
+eval 'source /opt/venv/bin/activate'
 
 export OMP_NUM_THREADS=8
 export NCCL_DEBUG=WARN

@@ -1,0 +1,146 @@
+"""A fake Slurm at the Slurm layer's one subprocess call, in the spirit of submitit's
+``mocked_slurm()``.
+
+``mocked_slurm()`` replaces ``hpc_elastic.slurm.commands._spawn`` and nothing else: a test says
+what each command prints (``fake.answer("scontrol", "show", "config", stdout=...)``) and reads
+back what was run (``fake.calls``). Everything above that call (argv building, parsers, the
+one-sentence ``SlurmError``s, the callers' decision rules) is the real code. The fake itself has
+no rules: an argv it was not told about fails the test, so a new Slurm call cannot slip in
+unnoticed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from hpc_elastic.slurm import commands
+from hpc_elastic.slurm.elastic import ElasticSlot, SlotLimits
+from hpc_elastic.slurm.env import SlurmContext
+
+INSTALLED = ("sbatch", "srun", "scontrol", "squeue", "sinfo", "scancel")
+VERSION = "slurm 22.05.8"
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What one Slurm command printed and how it exited."""
+
+    stdout: str = ""
+    stderr: str = ""
+    returncode: int = 0
+
+
+Responder = Callable[[list[str]], Reply]
+"""Computes the reply from the argv, e.g. a compute node that ``cat``s a real file."""
+
+
+class FakeSlurm:
+    """Canned replies by argv prefix (the longest matching prefix wins), and the calls made."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+        self._responders: dict[tuple[str, ...], Responder] = {}
+        self._hanging: set[tuple[str, ...]] = set()
+        self._installed = set(INSTALLED)
+
+    def answer(self, *prefix: str, stdout: str = "", stderr: str = "", returncode: int = 0) -> None:
+        """Commands starting with ``prefix`` print this and exit with ``returncode``."""
+        reply = Reply(stdout, stderr, returncode)
+        self._responders[prefix] = lambda argv: reply
+
+    def respond(self, *prefix: str, responder: Responder) -> None:
+        """Commands starting with ``prefix`` get ``responder(argv)``."""
+        self._responders[prefix] = responder
+
+    def hang(self, *prefix: str) -> None:
+        """Commands starting with ``prefix`` run past the layer's timeout."""
+        self._hanging.add(prefix)
+
+    def uninstall(self, *tools: str) -> None:
+        """These tools are not on PATH: running them raises FileNotFoundError, as the OS does."""
+        self._installed -= set(tools)
+
+    def install(self, *tools: str) -> None:
+        """These tools are on PATH too (``apptainer``): they answer what they are told to."""
+        self._installed |= set(tools)
+
+    def ran(self, program: str) -> list[list[str]]:
+        """The calls of one program, in order."""
+        return [argv for argv in self.calls if argv[0] == program]
+
+    def __call__(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None,
+        stdin: str | None,
+        timeout: float = 60.0,
+    ) -> subprocess.CompletedProcess[str]:
+        command = list(argv)
+        self.calls.append(command)
+        if command[0] not in self._installed:
+            raise FileNotFoundError(2, "No such file or directory", command[0])
+        if any(_starts_with(command, prefix) for prefix in self._hanging):
+            raise subprocess.TimeoutExpired(command, timeout)
+        reply = self._reply(command)
+        return subprocess.CompletedProcess(command, reply.returncode, reply.stdout, reply.stderr)
+
+    def _reply(self, command: list[str]) -> Reply:
+        matches = [prefix for prefix in self._responders if _starts_with(command, prefix)]
+        if matches:
+            try:
+                return self._responders[max(matches, key=len)](command)
+            except OSError as error:
+                # Would pass for the OS's "no such program" in the layer; it is a test's bug.
+                raise AssertionError(f"the responder for {command} failed: {error}") from error
+        if command[1:] == ["--version"]:
+            return Reply(stdout=f"{VERSION}\n")
+        raise AssertionError(f"the fake Slurm was not told what `{' '.join(command)}` prints")
+
+
+def _starts_with(command: list[str], prefix: tuple[str, ...]) -> bool:
+    return tuple(command[: len(prefix)]) == prefix
+
+
+@contextlib.contextmanager
+def mocked_slurm() -> Iterator[FakeSlurm]:
+    """Route every Slurm command of ``hpc_elastic.slurm.commands`` to a fresh ``FakeSlurm``."""
+    fake = FakeSlurm()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(commands, "_spawn", fake)
+        yield fake
+
+
+class Sbatch:
+    """Only the two calls ``submit`` makes, one level up from ``_spawn``: ``sbatch`` keeps each
+    script in ``scripts`` and answers Slurm job 77; ``partitions`` answers 'low'."""
+
+    def __init__(self) -> None:
+        self.scripts: list[str] = []
+
+    def sbatch(self, script_text: str, extra_args: Sequence[str] = ()) -> str:
+        self.scripts.append(script_text)
+        return "77"
+
+    def partitions(self) -> list[str]:
+        return ["low"]
+
+
+def array_slot(job_dir: Path, node: str = "n3", limits: SlotLimits | None = None) -> ElasticSlot:
+    """Task 2 of array job 9 (``9_2``), running as Slurm job 12 on ``node``: the slot the
+    agent and Slurm-layer tests drive through the real ``ElasticSlot`` rules."""
+    context = SlurmContext(
+        job_id="12",
+        node_name=node,
+        node_id=0,
+        num_nodes=1,
+        nodelist=node,
+        array_job_id="9",
+        array_task_id=2,
+    )
+    return ElasticSlot(context, job_dir, limits or SlotLimits())

@@ -1,0 +1,197 @@
+"""Which commands get standby workers: only scripts that may import the prewarmed module."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from cluster import wait_until
+from test_agent import Cluster
+
+from hpc_elastic.agent.api import ExitCode
+from hpc_elastic.agent.standby import (
+    hand_off,
+    may_import,
+    standby_command,
+    starts_process_group,
+    warm_modules,
+)
+from hpc_elastic.agent.workers import launch
+
+
+def script(tmp_path: Path, text: str, name: str = "train.py") -> Path:
+    path = tmp_path / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def command(path: Path) -> tuple[str, ...]:
+    return (sys.executable, "-u", str(path), "--steps", "3")
+
+
+def test_a_script_that_imports_only_the_standard_library_gets_no_standbys(tmp_path: Path) -> None:
+    path = script(tmp_path, "import os, json\nfrom pathlib import Path\nprint(os.getpid())\n")
+    assert not may_import(command(path), ("torch",))
+
+
+def test_a_script_that_imports_torch_anywhere_gets_standbys(tmp_path: Path) -> None:
+    path = script(tmp_path, "import os\n\ndef main():\n    import torch.distributed as dist\n")
+    assert may_import(command(path), ("torch",))
+    path = script(tmp_path, "from torch import nn\n", "b.py")
+    assert may_import(command(path), ("torch",))
+
+
+def test_torch_reached_through_a_local_module_or_package_counts(tmp_path: Path) -> None:
+    script(tmp_path, "import sys\nfrom . import layers\n", "model/__init__.py")
+    script(tmp_path, "import torch\n", "model/layers.py")
+    path = script(tmp_path, "from model import build\n")
+    assert may_import(command(path), ("torch",))
+    script(tmp_path, "import math\n", "helpers.py")
+    plain = script(tmp_path, "import helpers\nfrom helpers import square\n", "plain.py")
+    assert not may_import(command(plain), ("torch",))
+
+
+def test_whatever_cannot_be_seen_through_counts_as_an_import(tmp_path: Path) -> None:
+    third_party = script(tmp_path, "import numpy\n", "a.py")
+    assert may_import(command(third_party), ("torch",))
+    broken = script(tmp_path, "import (\n", "c.py")
+    assert may_import(command(broken), ("torch",))
+    assert may_import(command(tmp_path / "missing.py"), ("torch",))
+    assert may_import((sys.executable, "-m", "pkg.train"), ("torch",))
+
+
+def test_an_agent_keeps_no_standbys_for_a_script_that_never_imports_torch(tmp_path: Path) -> None:
+    cluster = Cluster(tmp_path, nodes="1", nproc_per_node=2, prewarm=("torch",))
+    cluster.start(1, FAKE_WORKER_SECONDS="0.2")
+    assert cluster.join() == {0: ExitCode.SUCCESS}
+    assert any("imports none of torch" in line for line in cluster.said)
+    assert cluster.agents[0]._standbys is None
+
+
+KNOCKS = """
+import os, socket, sys
+# A real script calls init_process_group here: its TCPStore client knocks on rank 0's store.
+try:
+    socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), 5).close()
+    result = "listening"
+except OSError:
+    result = "refused"
+open(sys.argv[1], "w").write(result)
+"""
+"""A rank's first act, as torch's TCPStore client would do it: knock on rank 0's store."""
+
+
+def warm_rank(tmp_path: Path, rank: int, port: int, text: str = KNOCKS) -> Path:
+    """Hand a standby (json prewarmed) the rank; returns the file its script writes."""
+    script_path = script(tmp_path, text, "knock.py")
+    out = tmp_path / f"knock_{rank}"
+    argv = standby_command((sys.executable, str(script_path), str(out)), ("json",))
+    assert argv is not None
+    process = launch(argv, dict(os.environ), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    env = {**os.environ, "RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    assert hand_off(process, env, None)
+    return out
+
+
+def test_a_warm_rank_runs_its_script_once_rank_0s_store_listens(tmp_path: Path) -> None:
+    with socket.socket() as master:
+        master.bind(("127.0.0.1", 0))  # Bound, not listening: connections are refused.
+        out = warm_rank(tmp_path, 1, master.getsockname()[1])
+        time.sleep(0.3)  # Rank 0 is still starting; the warm rank must not knock yet.
+        master.listen()
+        assert wait_until(out.exists, 60)
+        assert wait_until(lambda: out.read_text() != "", 60)
+        assert out.read_text() == "listening"
+
+
+def test_warm_rank_0_never_waits_for_a_store_it_opens_itself(tmp_path: Path) -> None:
+    with socket.socket() as master:
+        master.bind(("127.0.0.1", 0))
+        out = warm_rank(tmp_path, 0, master.getsockname()[1])
+        assert wait_until(out.exists, 60)
+        assert wait_until(lambda: out.read_text() != "", 60)
+        assert out.read_text() == "refused"
+
+
+def test_a_warm_rank_of_a_script_without_a_process_group_never_waits(tmp_path: Path) -> None:
+    plain = KNOCKS.replace("init_process_group", "nothing distributed")
+    with socket.socket() as master:
+        master.bind(("127.0.0.1", 0))
+        out = warm_rank(tmp_path, 1, master.getsockname()[1], plain)
+        assert wait_until(out.exists, 60)
+        assert wait_until(lambda: out.read_text() != "", 60)
+        assert out.read_text() == "refused"
+
+
+def test_only_scripts_that_start_a_process_group_themselves_wait_for_rank_0(
+    tmp_path: Path,
+) -> None:
+    helper = script(
+        tmp_path, "import torch.distributed as dist\ndist.init_process_group()\n", "lib/setup.py"
+    )
+    assert helper.is_file()
+    main = script(tmp_path, "from lib import setup\n")
+    assert starts_process_group(command(main))
+    alone = tmp_path / "alone"
+    plain = script(alone, "import lightning\n")
+    assert not starts_process_group(command(plain))
+    assert not starts_process_group((sys.executable, "-m", "pkg.train"))
+
+
+def test_a_script_that_asks_for_deterministic_algorithms_gets_standbys_that_import_inductor(
+    tmp_path: Path,
+) -> None:
+    deterministic = script(tmp_path, "import torch\ntorch.use_deterministic_algorithms(True)\n")
+    assert warm_modules(command(deterministic), ("torch",)) == ["torch", "torch._inductor.config"]
+    compiled = script(tmp_path / "c", "import torch\nmodel = torch.compile(model)\n")
+    assert warm_modules(command(compiled), ("torch",)) == ["torch", "torch._inductor.config"]
+    plain = script(tmp_path / "p", "import re, torch\nre.compile('x')\n")
+    assert warm_modules(command(plain), ("torch",)) == ["torch"]
+    # Only for a prewarmed package: a standby that skips torch does not import part of it.
+    assert warm_modules(command(deterministic), ("numpy",)) == ["numpy"]
+    argv = standby_command(command(deterministic), ("torch",))
+    assert argv is not None
+    assert "torch,torch._inductor.config" in argv
+    # A script not found here says nothing about the files beside its would-be path.
+    assert warm_modules(command(tmp_path / "missing.py"), ("torch",)) == ["torch"]
+
+
+def test_a_script_that_builds_an_optimizer_gets_standbys_that_import_dynamo(
+    tmp_path: Path,
+) -> None:
+    # The first torch.optim optimizer of a process imports torch._dynamo (2.5 s here).
+    trains = script(tmp_path, "import torch\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n")
+    assert warm_modules(command(trains), ("torch",)) == ["torch", "torch._dynamo"]
+    workload = Path(__file__).resolve().parent / "workloads" / "train_inplace.py"
+    assert "torch._dynamo" in warm_modules(command(workload), ("torch",))
+
+
+def test_the_example_training_script_gets_standbys_that_import_what_its_first_line_imports() -> (
+    None
+):
+    """examples/train.py calls torch.use_deterministic_algorithms before anything else."""
+    example = Path(__file__).resolve().parent.parent / "examples" / "train.py"
+    assert "torch._inductor.config" in warm_modules(command(example), ("torch",))
+
+
+def test_a_warm_rank_finds_the_module_its_script_calls_for_already_imported(
+    tmp_path: Path,
+) -> None:
+    text = (
+        "import sys\n"
+        "# torch.use_deterministic_algorithms(True) would import it now\n"
+        "open(sys.argv[1], 'w').write(str('torch._dynamo' in sys.modules))\n"
+    )
+    script_path = script(tmp_path, text, "check.py")
+    out = tmp_path / "imported"
+    argv = standby_command((sys.executable, str(script_path), str(out)), ("torch",))
+    assert argv is not None
+    process = launch(argv, dict(os.environ), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    assert hand_off(process, {**os.environ, "RANK": "0"}, None)
+    assert process.wait(timeout=120) == 0
+    assert out.read_text() == "True"
