@@ -68,7 +68,8 @@ def zk_driver(job: dict[str, Any]) -> None:
     settings = RendezvousSettings(
         run_id=job["run_id"], nodes=nodes, last_call=LAST_CALL, session_timeout=SESSION
     )
-    agent = connect(job["endpoint"], settings, NodeInfo(f"agent-{job['index']}", "127.0.0.1", 1))
+    node = NodeInfo(f"agent-{job['index']}", "127.0.0.1", 1)
+    agent = connect(job["endpoint"], settings, node, open_acl=True)
     until(job["t0"])
     arrived = time.time()
     agent.next_round()
@@ -108,7 +109,7 @@ def zk_many_driver(job: dict[str, Any]) -> None:
 
 def c10d_handler(job: dict[str, Any]) -> Any:
     """Imports torch here, so that our own drivers never pay for it."""
-    from torch._C._distributed_c10d import TCPStore  # noqa: PLC0415
+    from torch.distributed import TCPStore  # noqa: PLC0415
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (  # noqa: PLC0415
         C10dRendezvousBackend,
     )
@@ -391,7 +392,7 @@ def main() -> None:
     if args.ours or args.ours_scenarios:
         ours_only(args.ours, args.repeats)
         return
-    from torch._C._distributed_c10d import TCPStore  # noqa: PLC0415
+    from torch.distributed import TCPStore  # noqa: PLC0415
 
     real_sizes = [2, 4] if args.quick else [2, 4, 8, 16]
     simulated_sizes = [64] if args.quick else [64, 256, 1024]

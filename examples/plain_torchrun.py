@@ -40,6 +40,8 @@ def train() -> None:
             optimizer.step()
             state.finish_step()  # elastic
             stop = elastic.should_stop(state.step)  # elastic
+            if state.step == STEPS:  # elastic
+                elastic.finish()  # elastic: the loop is over, the agent stops timing it
             if stop or state.step % 50 == 0:  # elastic
                 elastic.save(state)  # elastic
             if stop:  # elastic

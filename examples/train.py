@@ -44,6 +44,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--log-indices", type=Path, default=None, help="append sample indices")
     parser.add_argument("--sleep-per-step", type=float, default=0.0, help="seconds, for tests")
     parser.add_argument("--stop-after-steps", type=int, default=None, help="save and stop early")
+    parser.add_argument(
+        "--slow-file",
+        type=Path,
+        default=None,
+        help="for tests: while this file holds 'RANK SECONDS', that rank sleeps longer per step",
+    )
     return parser.parse_args()
 
 
@@ -71,6 +77,20 @@ def synthetic_dataset(size: int, seed: int) -> TensorDataset:
 def build_model(hidden: int, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(32, hidden), nn.ReLU(), nn.Dropout(0.1), nn.Linear(hidden, 1))
+
+
+def replicate(model: nn.Module) -> DistributedDataParallel:
+    """DDP whose gradient buckets stay the same at every step, so a resume stays bitwise exact.
+
+    By default DDP reduces the first step after its construction with every gradient in one
+    bucket, then rebuilds its buckets in the order backward produced the gradients. An
+    all-reduce over three or more ranks sums each element in an order that depends on its place
+    in the bucket (two ranks sum the same either way), so the first step after a resume came out
+    a last bit off the uninterrupted run's. ``find_unused_parameters=True`` keeps the first
+    layout for good, at the cost of one walk of the autograd graph per step (and a warning at
+    the first step saying so).
+    """
+    return DistributedDataParallel(model, find_unused_parameters=True)
 
 
 def seed_everything(seed: int) -> None:
@@ -125,7 +145,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         num_workers=args.num_workers,
         generator=torch.Generator().manual_seed(args.seed),
     )
-    replicated = DistributedDataParallel(model) if dist.is_initialized() else model
+    replicated = replicate(model) if dist.is_initialized() else model
     state = elastic.TrainState(replicated, optimizer, scheduler, sampler)
     checkpoints = elastic.Checkpointer.at(args.checkpoint_dir)
     checkpoints.load(state)
@@ -144,8 +164,10 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
             state.finish_step()
             if rank == 0:
                 log_line(f"step={state.step} loss={loss!r} world={world}", args.log_file)
-            time.sleep(args.sleep_per_step)
+            time.sleep(args.sleep_per_step + slowdown(args.slow_file, rank))
             stop = elastic.should_stop(state.step)
+            if state.step == last_step:
+                elastic.finish()  # the loop is over: the agent stops timing this rank
             if stop or state.step % args.checkpoint_every == 0 or state.step == last_step:
                 checkpoints.save(state)
             if stop:
@@ -153,6 +175,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
             if state.step == last_step:
                 break
 
+    checkpoints.wait()  # with HPC_ELASTIC_CHECKPOINT_ASYNC=1 the last save may still commit
     if rank == 0:
         log_line(f"done step={state.step} weights_sha256={weights_hash(model)}", args.log_file)
 
@@ -164,6 +187,19 @@ def leave_process_group() -> None:
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def slowdown(slow_file: Path | None, rank: int) -> float:
+    """Extra seconds this rank sleeps per step: a straggler planted by a test (tests/test_soak.py)
+    for as long as it keeps the file. Slept before the step's collective (``should_stop``),
+    so the other ranks wait there for it, as they would for a slow GPU."""
+    if slow_file is None:
+        return 0.0
+    try:
+        slow_rank, seconds = slow_file.read_text().split()
+    except (OSError, ValueError):  # no file (yet, or any more): not slow
+        return 0.0
+    return float(seconds) if int(slow_rank) == rank else 0.0
 
 
 def train_step(
