@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cluster import Cluster, wait_until
+from cluster import DEV_CLUSTER, Cluster, free_port, free_port_block, wait_until
 from kazoo.client import KazooClient
 
 pytestmark = pytest.mark.integration
@@ -172,6 +172,35 @@ def test_down_leaves_nothing_behind_even_after_a_node_crash(tmp_path: Path) -> N
 
     assert private.strays() == []
     assert _command_lines_mentioning(str(tmp_path / "state")) == []
+
+
+def test_a_cluster_brought_up_with_no_standard_input_runs_batch_jobs(tmp_path: Path) -> None:
+    """CI runs scripts/test-all with fd 0 closed. Daemons started so used to take fd 0 for
+    a file of their own, and every batch job then failed at launch (CI failed twice so)."""
+    state = tmp_path / "state"
+    ports = [
+        *("--zk-port", str(free_port())),
+        *("--slurmctld-port", str(free_port())),
+        *("--slurmd-port-base", str(free_port_block(4))),
+    ]
+    up = [str(DEV_CLUSTER), "--state-dir", str(state), *ports, "up"]
+    started = subprocess.run(
+        ["bash", "-c", 'exec 0<&- && exec "$@"', "bash", *up],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    private = Cluster.from_state_dir(state)
+    try:
+        assert started.returncode == 0, started.stderr
+        out = tmp_path / "out.txt"
+        job = private.run(["sbatch", "--parsable", "-N2", f"--output={out}", "--wrap", "srun true"])
+        job_id = job.stdout.strip()
+        done = wait_until(lambda: _job_field(private, job_id, "JobState") == "COMPLETED", 60)
+        assert done, private.run(["scontrol", "show", "job", job_id]).stdout
+    finally:
+        private.stop()
 
 
 _CONNECTS = """
