@@ -97,9 +97,6 @@ DEFAULT_ZK = "127.0.0.1:2181"
 DEFAULT_CONTAINER_PYTHON = "python3"
 """The Python inside a container image (``--container-python``): the name every image with
 Python answers to, found on the image's own PATH."""
-DEFAULT_USER_SECRET_FILE = Path("~/.hpc-elastic/user-secret")
-"""The user's own secret (``USER_SECRET_FILE_ENV``), created 0600 by the first preflight that
-remembers a bad node; ``hpc-elastic nodes`` and ``doctor`` read it, never create it."""
 DEFAULT_NODES = "1"
 DEFAULT_NPROC_PER_NODE = 1
 DEFAULT_MAX_RESTARTS = 3
@@ -117,8 +114,10 @@ DEFAULT_BAD_NODE_TTL = 24 * 3600.0
 """``agent/badnodes.DEFAULT_TTL``, here too so the agent's options need not import the health
 code; tests/test_options.py checks that the two agree."""
 DEFAULT_USER_SECRET_FILE = Path("~/.hpc-elastic/user-secret")
-"""The user's own secret (created 0600 on first use): it guards the bad nodes remembered
-across the user's jobs in ZooKeeper, which no job's secret may guard since they outlive it."""
+"""The user's own secret (``USER_SECRET_FILE_ENV``), created 0600 by the first preflight that
+remembers a bad node; ``hpc-elastic nodes`` and ``doctor`` read it, never create it. It guards
+the bad nodes remembered across the user's jobs in ZooKeeper, which no job's secret may guard
+since they outlive it."""
 CHECKPOINT_WHEN_BUSY_CHOICES = ("wait", "skip")
 DEFAULT_CHECKPOINT_WHEN_BUSY = "wait"
 DEFAULT_CHECKPOINT_KEEP = 3
