@@ -108,6 +108,15 @@ class Run:
     def text(self) -> str:
         return (self.cwd / "run.out").read_text()
 
+    def story(self) -> str:
+        """What a failed run's assertion shows: its output, and the end of every agent's own
+        log (an agent that exits non-zero without an event says why only there)."""
+        found = list((self.cwd / "hpc-elastic-runs").glob("*/logs/agent_*.log"))
+        tails = [
+            f"--- {log.name}:\n" + "".join(log.read_text().splitlines(True)[-40:]) for log in found
+        ]
+        return "\n".join([self.text(), *tails])
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)
@@ -180,7 +189,7 @@ def test_churn_kills_and_adds_nodes_while_training_goes_on(tmp_path: Path, runs:
     assert live["mode"] == "local"
     assert live["round"] >= 1
 
-    assert run.finish(200) == 0, run.text()
+    assert run.finish(200) == 0, run.story()
     kinds = [(event["kind"], event.get("details", {})) for event in run.events()]
     kills = [d for k, d in kinds if k == "churn" and d.get("action") == "kill"]
     adds = [d for k, d in kinds if k == "churn" and d.get("action") == "add"]
@@ -283,7 +292,7 @@ def test_examples_train_runs_on_two_local_nodes(tmp_path: Path, runs: list[Run])
         "--checkpoint-every=20",
     )
     runs.append(run)
-    assert run.finish(240) == 0, run.text()
+    assert run.finish(240) == 0, run.story()
     assert "round 1: world size 2" in run.text()
     assert "checkpoint step 60 committed" in run.text()
     logs = hpc_elastic("logs", run.job_dir.name, "--rank", "0", cwd=tmp_path).stdout
@@ -319,7 +328,7 @@ def test_in_place_reaches_the_agents_and_a_survivor_keeps_its_process(
     assert run.wait_for(lambda: any(int(line[1]) >= 10 for line in trace()), 180), run.text()
     pids = {line[6]: line[5] for line in trace()}  # slot -> pid of its worker (one each so far)
     os.kill(int(pids["node1"]), signal.SIGKILL)
-    assert run.finish(240) == 0, run.text()
+    assert run.finish(240) == 0, run.story()
 
     survivors = {line[5] for line in trace() if line[6] == "node0"}
     assert survivors == {pids["node0"]}, f"node0's worker was restarted: pids {survivors}"
