@@ -86,9 +86,9 @@ class LocalRun:
     use ``hpc_elastic.train.InPlace``); off by default, as for ``submit``."""
     grace: float = 10.0
     metrics_port: int | None = None
+    """Node ``i`` serves Prometheus metrics on this port + i; 0 lets each agent pick one."""
     environment: tuple[tuple[str, str], ...] = ()
     """Variables for the agents and their workers, as ``submit``'s script exports them."""
-    """Node ``i`` serves Prometheus metrics on this port + i; 0 lets each agent pick one."""
     python: str = sys.executable
 
 
@@ -98,6 +98,22 @@ class _Node:
 
     slot: str
     process: subprocess.Popen[bytes] | None = None
+
+
+def exit_status(returncode: int) -> int:
+    """A process's return code as a shell would give it: 128 + N for a death by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def describe_exit(slot: str, returncode: int) -> str:
+    """How one agent ended, e.g. "node1's agent exited with 1" or "...was killed by SIGABRT"."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"{slot}'s agent was killed by {name}"
+    return f"{slot}'s agent exited with {returncode}"
 
 
 @dataclass
@@ -206,24 +222,27 @@ class LocalJob:
                 self._stop_all()
                 self._progress.poll()
                 return 128 + self._stop_signal
-            codes = [node.process.poll() for node in self._nodes if node.process]
-            if any(code is not None for code in codes):
-                self._ending = True
-            if all(code is not None for code in codes):
+            codes = {node.slot: node.process.poll() for node in self._nodes if node.process}
+            ended = {slot: code for slot, code in codes.items() if code is not None}
+            self._ending = self._ending or bool(ended)
+            if len(ended) == len(codes):
                 self._progress.poll()
-                return self._result([code for code in codes if code is not None])
+                return self._result(ended)
             if not self._ending and self._schedule is not None:
                 self._churn(self._schedule, self._clock())
             time.sleep(POLL)
 
-    def _result(self, codes: list[int]) -> int:
-        if codes and all(code == 0 for code in codes):
+    def _result(self, codes: dict[str, int]) -> int:
+        """The run's exit code from its agents' (slot: return code), said in one sentence."""
+        if codes and all(code == 0 for code in codes.values()):
             self.say(f"Run {self.run_id} succeeded. See `hpc-elastic status {self.run_id}`.")
             return 0
-        code = max(codes, default=1) or 1
+        failed = {slot: code for slot, code in codes.items() if code != 0}
+        code = max(map(exit_status, failed.values()), default=1)
+        said = "; ".join(describe_exit(slot, code) for slot, code in failed.items())
         self.say(
-            f"Run {self.run_id} ended with exit code {code}; see `hpc-elastic events "
-            f"{self.run_id}` and `hpc-elastic logs {self.run_id}`."
+            f"Run {self.run_id} ended with exit code {code} ({said or 'no agent ran'}); see "
+            f"`hpc-elastic events {self.run_id}` and `hpc-elastic logs {self.run_id}`."
         )
         return code
 

@@ -21,6 +21,9 @@ from typing import Any
 import pytest
 from cluster import free_port
 
+from hpc_elastic.local import LocalRun, run_local
+from hpc_elastic.spec import NodeRange
+
 REPO = Path(__file__).resolve().parent.parent
 
 STEPPER = """\
@@ -258,6 +261,29 @@ def test_a_failing_script_exits_1_with_the_root_cause(tmp_path: Path) -> None:
     view = json.loads(status.stdout)
     assert view["state"] == "failed"
     assert "the data is missing" in (view["last_failure"] or "")
+
+
+def test_an_agent_killed_by_a_signal_is_named_with_its_signal(tmp_path: Path) -> None:
+    """An agent that dies by a signal has a negative return code; the run says which agent
+    and which signal, and exits as a shell would (128 + N), not with a bare "exit code 1"."""
+    (tmp_path / "stepper.py").write_text(STEPPER)
+    python = tmp_path / "python"  # node1's agent aborts at once; node0's runs the job alone
+    python.write_text(
+        f'#!/bin/sh\ncase "$*" in *"--slot node1 "*) kill -ABRT $$;; esac\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    python.chmod(0o755)
+    said: list[str] = []
+    run = LocalRun(
+        script=tmp_path / "stepper.py",
+        nodes=NodeRange(1, 2),
+        script_args=("20",),
+        log_dir=tmp_path / "runs",
+        prewarm=False,
+        python=str(python),
+    )
+    assert run_local(run, said.append) == 128 + signal.SIGABRT, said
+    assert "(node1's agent was killed by SIGABRT)" in said[-1], said
 
 
 @pytest.mark.parametrize(
