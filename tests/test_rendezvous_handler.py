@@ -264,6 +264,40 @@ def test_a_member_lost_during_the_exit_barrier_fails_the_job() -> None:
         a.barrier_step()
 
 
+class MembershipHook(MemoryStore):
+    """A memory store that runs ``before_alive`` once, just before it next reads membership:
+    what another node does between two reads of one decision."""
+
+    before_alive: Callable[[], None] | None = None
+
+    def alive(self) -> frozenset[str]:
+        hook, self.before_alive = self.before_alive, None
+        if hook is not None:
+            hook()
+        return super().alive()
+
+
+def test_a_peer_that_succeeds_closes_and_exits_during_the_barriers_reads_is_not_lost() -> None:
+    """b's success (the last), its close and its exit land between a's two reads of the
+    exit barrier. The barrier must not take b for a node that left unfinished: a local run
+    printed "all workers finished" and then exited 1 ("closed; nothing to update")."""
+    world = Stepped(settings())
+    store = MembershipHook(world.server, "job", world.config.session_timeout)
+    node = NodeInfo(node_id="a", host="host-a", nproc=1)
+    a = StoreRendezvous(world.config, node, store, clock=world.clock, pick_port=lambda: 1)
+    b = world.handler("b")
+    world.rounds([a, b])
+    assert not a.begin_barrier()
+
+    def b_finishes() -> None:
+        assert b.report_success()
+        b.leave()
+
+    store.before_alive = b_finishes
+    assert a.barrier_step().done is True
+    assert store.before_alive is None, "the barrier never read the membership"
+
+
 def test_session_loss_rejoins_as_a_new_round(store: FakeStore, pool: ThreadPoolExecutor) -> None:
     a, b = agent(store, "a"), agent(store, "b")
     rounds(pool, [a, b])

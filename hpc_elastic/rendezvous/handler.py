@@ -367,10 +367,17 @@ class StoreRendezvous(Rendezvous):
         return False
 
     def barrier_step(self) -> Step:
-        """One decision of the exit barrier (``state.barrier_action``)."""
-        data, _ = self._store.get_state()
-        state = st.decode(data) if data is not None else None
+        """One decision of the exit barrier (``state.barrier_action``).
+
+        Membership is read before the state: a node missing from the (older) membership left
+        before the state was read, so the state holds its success if it had one. The other
+        way round, the last success, its close and that node's exit could all land between
+        the two reads, and a node that finished looked lost (seen in local mode: "all workers
+        finished", then exit 1). A failure is written on the state that was read, never on
+        a newer one (``_fail_barrier``)."""
         alive = self._store.alive()
+        data, token = self._store.get_state()
+        state = st.decode(data) if data is not None else None
         timeout = self.settings.exit_barrier_timeout
         deadline = self._barrier_since + timeout
         decision = st.barrier_action(state, alive, self._round, self._clock(), deadline)
@@ -385,17 +392,32 @@ class StoreRendezvous(Rendezvous):
         if decision is st.Barrier.MEMBER_LOST:
             lost = sorted(st.unfinished(state) - alive)[0]
             summary = f"node '{lost}' left round {state.round} before its workers finished"
-            self._update(partial(st.fail, summary=summary))
-            return Step(decision, again=True)
+            return self._fail_barrier(decision, state, token, summary)
         if decision is st.Barrier.TIMED_OUT:
             slow = sorted(st.unfinished(state))[0]
             summary = (
                 f"node '{slow}' did not finish round {state.round} within {timeout:g} s of node "
                 f"'{self.node.node_id}'; its workers may hang, see its log"
             )
-            self._update(partial(st.fail, summary=summary))
-            return Step(decision, again=True)
+            return self._fail_barrier(decision, state, token, summary)
         return Step(decision, wake_at=deadline)
+
+    def _fail_barrier(
+        self, decision: st.Barrier, state: st.JobState, token: int, summary: str
+    ) -> Step:
+        """Fail the job on the state the barrier decided from, then decide again.
+
+        A compare-and-set on that state's token, not ``_update``: if the state moved on
+        meanwhile (the last success, or its close), the decision was made on an old picture
+        and is dropped, instead of failing a job that succeeded or raising "closed"."""
+        _, _, won = self._store.set_state(st.encode(st.fail(state, summary)), token)
+        log.debug(
+            "%s: exit barrier %s: %s",
+            self.node.node_id,
+            "failed the job" if won else "state moved on, deciding again",
+            summary,
+        )
+        return Step(decision, again=True)
 
     def suspended_since(self) -> float | None:
         return self._suspended_at
