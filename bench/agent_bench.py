@@ -265,7 +265,11 @@ def node_arrival(launch: Launch, give_up: float) -> float | None:
     launch.add()
     if not _wait(lambda: launch.progress()[-1][2] == AGENTS, give_up):
         return None
-    return next(t for t, _, w, _ in launch.progress() if t > started and w == AGENTS) - started
+    rows = launch.progress()
+    grown = next(t for t, _, w, _ in rows if t > started and w == AGENTS)
+    last_small = max(t for t, _, w, _ in rows if t < grown and w == AGENTS - 1)
+    print(f"      the 3 nodes' pause: {grown - last_small:.2f} s (last step at 3 -> first at 4)")
+    return grown - started
 
 
 def idle_cost(launch: Launch, seconds: float = 5.0) -> tuple[float, float]:

@@ -63,6 +63,11 @@ PREFLIGHT_ENV = "HPC_ELASTIC_PREFLIGHT"
 """``0``/``false`` turns off the agent's health checks before it joins (``--no-preflight``)."""
 USER_SECRET_FILE_ENV = "HPC_ELASTIC_USER_SECRET_FILE"
 """The user's own secret guarding the bad nodes remembered across jobs (``--user-secret-file``)."""
+STANDBY_READY_DIR_ENV = "HPC_ELASTIC_STANDBY_READY_DIR"
+"""Standby workers' env (``--prewarm``): a directory in which each standby creates a file named
+after its pid once its imports are done, so that the agent can tell a warm standby from one
+still importing (``StandbyPool.warm``). A standby drops it with the rest of its environment
+when it takes its rank."""
 INDEX_ENV = "HPC_ELASTIC_INDEX"
 """The per-user index of job directories (``jobdir.index_file``); default
 ``$XDG_STATE_HOME/hpc-elastic/jobs``, i.e. ``~/.local/state/hpc-elastic/jobs``."""

@@ -389,3 +389,13 @@ def test_a_spare_beside_a_finishing_round_is_no_spare_any_more() -> None:
     finishing = st.record_success(running("a", "b"), 1, "a")
     assert not st.is_spare(finishing, frozenset("abc"), "c", TWO)
     assert st.next_action(finishing, frozenset("abc"), "c", 0, TWO) is st.Action.FINISHING
+
+
+def test_a_job_runs_from_its_first_round_until_it_closes_or_fails() -> None:
+    """A node arriving at a running job ends its round (``Agent._warm_up`` waits first)."""
+    trains = running("a")
+    assert not st.running(None)  # no agent arrived yet
+    assert not st.running(st.JobState(max_restarts=3))  # the first round's last call is open
+    assert st.running(trains)
+    assert not st.running(st.close(trains))
+    assert not st.running(st.fail(trains, "rank 0 failed"))

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
+import pytest
 from cluster import wait_until
 from test_agent import Cluster
 
+from hpc_elastic import events
+from hpc_elastic.agent import agent as agent_module
 from hpc_elastic.agent.api import ExitCode
 from hpc_elastic.agent.standby import (
+    StandbyPool,
     hand_off,
     may_import,
     standby_command,
@@ -21,6 +28,7 @@ from hpc_elastic.agent.standby import (
     warm_modules,
 )
 from hpc_elastic.agent.workers import launch
+from hpc_elastic.events import Kind
 
 
 def script(tmp_path: Path, text: str, name: str = "train.py") -> Path:
@@ -195,3 +203,130 @@ def test_a_warm_rank_finds_the_module_its_script_calls_for_already_imported(
     assert hand_off(process, {**os.environ, "RANK": "0"}, None)
     assert process.wait(timeout=120) == 0
     assert out.read_text() == "True"
+
+
+def test_a_call_in_a_script_beside_it_gives_no_standby_its_module(tmp_path: Path) -> None:
+    """A folder of scripts is common: one that builds an optimizer says nothing of the others."""
+    script(tmp_path, "import torch\nopt = torch.optim.SGD(params, lr=0.1)\n", "finetune.py")
+    script(tmp_path, "import torch\ntorch.use_deterministic_algorithms(True)\n", "lib/exact.py")
+    plain = script(tmp_path, "import torch\nimport lib\n")
+    assert warm_modules(command(plain), ("torch",)) == ["torch"]
+    # A local module it imports does count, as its own text would.
+    uses = script(tmp_path, "import torch\nfrom lib import exact\n", "uses.py")
+    assert warm_modules(command(uses), ("torch",)) == ["torch", "torch._inductor.config"]
+    # The gloo workload sits beside train_inplace.py, which builds an optimizer; it does not.
+    workload = Path(__file__).resolve().parent / "workloads" / "train_gloo.py"
+    assert warm_modules(command(workload), ("torch",)) == ["torch"]
+
+
+GATE = """
+import os, pathlib, time
+# Imported by the standbys: they stay "importing" until the file named by GATE exists.
+pathlib.Path(os.environ["GATE"] + f".importing.{os.getpid()}").touch()
+while not os.path.exists(os.environ["GATE"]):
+    time.sleep(0.01)
+"""
+
+
+def gated_pool(tmp_path: Path, size: int) -> tuple[StandbyPool, Path]:
+    """A pool whose standbys import ``gate``, which returns once the returned path exists."""
+    script(tmp_path, GATE, "modules/gate.py")
+    train = script(tmp_path, "import gate\n")
+    argv = standby_command((sys.executable, str(train)), ("gate",))
+    assert argv is not None
+    gate = tmp_path / "open"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "modules"), "GATE": str(gate)}
+    launcher = functools.partial(launch, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    return StandbyPool(argv, env, size, launcher, tmp_path / "ready"), gate
+
+
+def test_a_standby_is_warm_only_once_its_imports_are_done(tmp_path: Path) -> None:
+    pool, gate = gated_pool(tmp_path, size=2)
+    try:
+        pool.fill()
+        importing = lambda: len(list(tmp_path.glob("open.importing.*"))) == 2  # noqa: E731
+        assert wait_until(importing, 60)
+        assert not pool.warm  # both are held in the import until the gate opens
+        gate.touch()
+        assert wait_until(lambda: pool.warm, 60)
+        taken = pool.take()
+        assert taken is not None
+        assert not (tmp_path / "ready" / str(taken.pid)).exists()  # its pid may come back
+        taken.kill()
+        taken.wait()
+    finally:
+        pool.close()
+    assert list((tmp_path / "ready").iterdir()) == []
+
+
+def test_a_standby_that_died_does_not_keep_the_pool_cold(tmp_path: Path) -> None:
+    """Its rank starts cold; waiting for it would wait for ever."""
+    pool, _ = gated_pool(tmp_path, size=1)
+    try:
+        pool.fill()
+        assert wait_until(lambda: len(list(tmp_path.glob("open.importing.*"))) == 1, 60)
+        pid = int(next(tmp_path.glob("open.importing.*")).name.rsplit(".", 1)[1])
+        os.kill(pid, signal.SIGKILL)
+        assert wait_until(lambda: pool.warm, 60)
+    finally:
+        pool.close()
+
+
+def gated_cluster(tmp_path: Path) -> Cluster:
+    """``--nodes 1:2`` agents whose standbys import ``gate``; each rank writes
+    ``round_<round>_rank_<rank>`` and trains until ``out/finish`` exists."""
+    script(tmp_path, GATE, "modules/gate.py")
+    train = script(
+        tmp_path,
+        "import gate\n"
+        "import os, pathlib, time\n"
+        "out = pathlib.Path(os.environ['FAKE_WORKER_OUT'])\n"
+        "name = f\"round_{os.environ['HPC_ELASTIC_ROUND']}_rank_{os.environ['RANK']}\"\n"
+        "(out / name).write_text(os.environ['WORLD_SIZE'])\n"
+        "while not (out / 'finish').exists():\n"
+        "    time.sleep(0.05)\n",
+    )
+    cluster = Cluster(tmp_path, nodes="1:2", prewarm=("gate",))
+    cluster.spec = replace(cluster.spec, command=(sys.executable, str(train)))
+    return cluster
+
+
+def test_a_node_arriving_at_a_running_job_joins_once_its_standbys_are_warm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Joining ends the running round: the job trains while the newcomer's standbys import."""
+    monkeypatch.setattr(agent_module, "WARM_UP_WAIT", 600.0)  # no way out but the gate
+    cluster = gated_cluster(tmp_path)
+    modules = str(tmp_path / "modules")
+    (tmp_path / "open").touch()
+    cluster.start(1, PYTHONPATH=modules, GATE=str(tmp_path / "open"))
+    assert wait_until((cluster.out / "round_1_rank_0").exists, 60)
+    cluster.start(1, PYTHONPATH=modules, GATE=str(tmp_path / "later"))
+    assert wait_until(lambda: any("before joining the running job" in s for s in cluster.said), 60)
+    assert wait_until(lambda: any(tmp_path.glob("later.importing.*")), 60)
+    assert cluster.job.server.member_ids == {"node0"}  # still training alone, undisturbed
+    (tmp_path / "later").touch()
+    opened = time.time()
+    assert wait_until((cluster.out / "round_2_rank_1").exists, 60)
+    (cluster.out / "finish").touch()
+    assert cluster.join() == {0: ExitCode.SUCCESS, 1: ExitCode.SUCCESS}
+    rounds = [e for e in events.read(cluster.job_dir / "events.jsonl") if e.kind == Kind.ROUND]
+    assert [e.round for e in rounds if e.slot == "n1"] == [2]
+    assert all(e.time >= opened for e in rounds if e.round == 2)
+    assert (cluster.out / "round_2_rank_1").read_text() == "2"
+
+
+def test_the_first_nodes_of_a_job_join_while_their_standbys_import(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At the start nobody trains yet, and the round's last call overlaps the imports."""
+    monkeypatch.setattr(agent_module, "WARM_UP_WAIT", 600.0)
+    cluster = gated_cluster(tmp_path)
+    cluster.start(1, PYTHONPATH=str(tmp_path / "modules"), GATE=str(tmp_path / "later"))
+    assert wait_until(lambda: "round" in cluster.kinds(), 60)  # formed with the gate shut
+    assert not (cluster.out / "round_1_rank_0").exists()  # its warm rank is still importing
+    (tmp_path / "later").touch()
+    assert wait_until((cluster.out / "round_1_rank_0").exists, 60)
+    (cluster.out / "finish").touch()
+    assert cluster.join() == {0: ExitCode.SUCCESS}
+    assert not any("before joining" in line for line in cluster.said)

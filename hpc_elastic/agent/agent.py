@@ -68,6 +68,16 @@ REFILL_AFTER = 30.0
 """New standbys start importing once every local rank has beaten its heartbeat, or this many
 seconds into a round, so that they do not slow the round's own start."""
 
+WARM_UP_WAIT = 60.0
+"""Seconds an agent arriving at a job that already trains waits for its standbys to finish
+importing before it joins (``Agent._warm_up``); after that it joins anyway, and the round waits
+for them as it would without the wait. Eight standbys importing torch and ``torch._dynamo``
+take a few seconds on a GPU node; a minute means a stalled import (a slow shared file
+system), which the running job should not wait on forever."""
+
+WARM_UP_POLL = 0.05
+"""Seconds between two looks at the standbys' ready files while warming up."""
+
 STACK_DUMP_DEADLINE = 5.0
 """How long a hung group's ranks get to print their stacks after the SIGABRT: faulthandler
 takes milliseconds, but a rank that also writes a core file would hold the restart up."""
@@ -416,7 +426,8 @@ class Agent:
         env = {"OMP_NUM_THREADS": "1", **self._environ}
         stdout = subprocess.PIPE if self.spec.tee else subprocess.DEVNULL
         launcher = functools.partial(launch, stdin=subprocess.PIPE, stdout=stdout)
-        return StandbyPool(argv, env, self.spec.nproc_per_node, launcher)
+        ready = self._run_dir / "standbys"
+        return StandbyPool(argv, env, self.spec.nproc_per_node, launcher, ready)
 
     @property
     def _node(self) -> str:
@@ -448,6 +459,8 @@ class Agent:
         try:
             if self._standbys is not None:
                 self._standbys.fill()
+                if self.rdzv.job_running() and not self._warm_up(self._standbys):
+                    return self._leave_on_signal()
             return self._loop()
         except RendezvousError as error:
             # Cut off from the store: this slot can do nothing now, but the job may go on;
@@ -465,6 +478,35 @@ class Agent:
             if self._standbys is not None:
                 self._standbys.close()
             shutil.rmtree(self._run_dir, ignore_errors=True)
+
+    def _warm_up(self, standbys: StandbyPool) -> bool:
+        """Arriving at a job that trains: wait until the standbys are warm before joining.
+
+        Joining ends the running round, and its members would stand idle while this node's
+        workers import torch (2 s on an idle core, far more on a loaded one); waiting first,
+        the job trains meanwhile and pauses only for the hand-over. At most ``WARM_UP_WAIT``
+        seconds; False when a stop signal came meanwhile (the agent leaves without joining).
+        """
+        if standbys.warm:
+            return True
+        modules = ", ".join(self.spec.prewarm)
+        self._say(
+            f"Waiting for the standby workers to import {modules} before joining the running "
+            "job, so that it trains meanwhile."
+        )
+        started = time.monotonic()
+        while not standbys.warm:
+            if self._stop_signal is not None:
+                return False
+            if time.monotonic() - started > WARM_UP_WAIT:
+                self._say(
+                    f"The standby workers have not imported {modules} within {WARM_UP_WAIT:g} s;"
+                    " joining anyway (the job waits for them there)."
+                )
+                return True
+            time.sleep(WARM_UP_POLL)
+        log.debug("%s: standbys warm after %.2f s", self._node, time.monotonic() - started)
+        return True
 
     def _abort(self, error: Exception, code: ExitCode) -> ExitCode:
         """Leave after an unexpected error: workers get ``--grace``, the reason is said once."""

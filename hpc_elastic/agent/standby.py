@@ -9,7 +9,11 @@ runs the script with ``runpy``, as ``python script.py`` would. Only ``python [-u
 and ``python [-u] -m module ...`` commands can be prewarmed; others start cold.
 
 Standbys start with the same base environment as workers (so ``OMP_NUM_THREADS`` and the like
-are in place before the import), through the same PDEATHSIG trampoline.
+are in place before the import), through the same PDEATHSIG trampoline. A standby whose imports
+are done creates a file named after its pid in the agent's ready directory
+(``STANDBY_READY_DIR_ENV``): an agent arriving at a job that already trains waits for that
+before it joins (``Agent._warm_up``), so that the running round is not stopped to wait for
+this node's imports.
 """
 
 from __future__ import annotations
@@ -24,12 +28,17 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from hpc_elastic.contract import STANDBY_READY_DIR_ENV
 
 _STANDBY = """\
 import importlib, json, os, runpy, socket, sys, time
 for name in sys.argv[1].split(","):
     importlib.import_module(name)
+if os.environ.get(READY_DIR):
+    open(os.path.join(os.environ[READY_DIR], str(os.getpid())), "w").close()
 line = sys.stdin.readline()
 if not line:
     os._exit(0)
@@ -73,7 +82,7 @@ plain connect every 10 ms costs nothing. Only scripts that call ``init_process_g
 themselves wait (``starts_process_group``), and the bound keeps one that starts it late from
 waiting long."""
 _MAX_SCANNED = 200
-"""Local files read by ``may_import`` before it gives up and says yes."""
+"""Local files ``_read_code`` reads at most: past that, ``may_import`` gives up and says yes."""
 _CALLED_IMPORTS = {
     "use_deterministic_algorithms": "torch._inductor.config",
     "torch.compile": "torch._inductor.config",
@@ -107,21 +116,24 @@ def standby_command(command: Sequence[str], modules: Sequence[str]) -> list[str]
     if not rest or (rest[0].startswith("-") and rest[0] != "-m") or rest == ["-m"]:
         return None
     wait = MASTER_WAIT if starts_process_group(command) else 0.0
-    code = _STANDBY.replace("MASTER_WAIT", f"{wait!r}")
+    code = _STANDBY.replace("MASTER_WAIT", f"{wait!r}").replace(
+        "READY_DIR", repr(STANDBY_READY_DIR_ENV)
+    )
     warm = warm_modules(command, modules)
     return [command[0], *flags, "-c", code, ",".join(warm), *rest]
 
 
 def warm_modules(command: Sequence[str], modules: Sequence[str]) -> list[str]:
-    """``modules``, then the modules that calls named by the script import when they first run
-    (``_CALLED_IMPORTS``), for the prewarmed packages only: a standby that imported torch but
-    not ``torch._inductor`` hands over a worker that imports it anyway, after the restart began.
+    """``modules``, then the modules that calls named by the script (or a local module it
+    imports) import when they first run (``_CALLED_IMPORTS``), for the prewarmed packages only:
+    a standby that imported torch but not ``torch._inductor`` hands over a worker that imports
+    it anyway, after the restart began.
     """
     roots = {module.split(".")[0] for module in modules}
     candidates = {
         call: module for call, module in _CALLED_IMPORTS.items() if module.split(".")[0] in roots
     }
-    extra = [candidates[call] for call in sorted(_named_nearby(command, set(candidates)))]
+    extra = [candidates[call] for call in sorted(_named_in_code(command, set(candidates)))]
     warm = list(dict.fromkeys([*modules, *extra]))
     if len(warm) > len(modules):
         log.debug("the script calls what imports %s: standbys import it too", warm[len(modules) :])
@@ -129,31 +141,23 @@ def warm_modules(command: Sequence[str], modules: Sequence[str]) -> list[str]:
 
 
 def starts_process_group(command: Sequence[str]) -> bool:
-    """Whether the script, or a Python file under its directory, names ``init_process_group``:
-    only then is rank 0's store sure to open, so that warm ranks wait for it (``MASTER_WAIT``).
-    A script whose framework starts the group does not wait and keeps torch's own backoff."""
-    return bool(_named_nearby(command, {"init_process_group"}))
+    """Whether the script, or a local module it imports, names ``init_process_group``: only
+    then is rank 0's store sure to open, so that warm ranks wait for it (``MASTER_WAIT``). A
+    script whose framework starts the group does not wait and keeps torch's own backoff."""
+    return bool(_named_in_code(command, {"init_process_group"}))
 
 
-def _named_nearby(command: Sequence[str], words: set[str]) -> set[str]:
-    """Which of ``words`` the script, or a Python file next to it or one folder below, contains
-    as text (a cheap look, no parse: a comment counts too, and that only costs a warm import)."""
+def _named_in_code(command: Sequence[str], words: set[str]) -> set[str]:
+    """Which of ``words`` the script, or a local module it imports, contains as text (a cheap
+    look: a comment counts too, and that only costs a warm import). Other files beside it do
+    not count: a folder of scripts (train.py, eval.py, ...) is common, and one that builds an
+    optimizer would give every other one's standbys ``torch._dynamo`` (2.4 s more each)."""
     script = _script(command)
-    if script is None or not words or not script.is_file():
-        return set()  # A script not found here: its folder's files may be anyone's (the cwd).
-    folder = script.parent  # Its own files and one level below, never a whole tree.
-    nearby = itertools.islice(
-        itertools.chain(folder.glob("*.py"), folder.glob("*/*.py")), _MAX_SCANNED
-    )
+    if script is None or not words:
+        return set()
     found: set[str] = set()
-    for path in itertools.chain([script], nearby):
-        try:
-            text = path.read_text(errors="replace")
-        except OSError:
-            continue
+    for text in _read_code(script).texts:
         found |= {word for word in words if word in text}
-        if found == words:
-            break
     return found
 
 
@@ -164,6 +168,48 @@ def _script(command: Sequence[str]) -> Path | None:
     if not rest or rest[0].startswith("-"):
         return None
     return Path(rest[0])
+
+
+@dataclass
+class _Code:
+    """The script and the local modules it imports, transitively, as ``python script.py``
+    would find them (``_read_code``)."""
+
+    texts: list[str] = field(default_factory=list)
+    """The source of every file read."""
+    outside: list[tuple[Path, str]] = field(default_factory=list)
+    """(file, module) of every import that is not a local module: the standard library,
+    third-party packages, or a relative import not found."""
+    complete: bool = True
+    """False when a file could not be read or parsed, or there were over ``_MAX_SCANNED``."""
+
+
+def _read_code(script: Path) -> _Code:
+    """Read the script and follow its local imports with ``ast``; nothing is run."""
+    code = _Code()
+    pending, seen = [script], set[Path]()
+    while pending:
+        path = pending.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        if len(seen) > _MAX_SCANNED:
+            code.complete = False
+            break
+        try:
+            source = path.read_bytes()
+            code.texts.append(source.decode(errors="replace"))
+            tree = ast.parse(source, filename=str(path))
+        except (OSError, SyntaxError, ValueError):
+            code.complete = False
+            continue
+        for name in _imported(tree):
+            local = _local_module(script.parent, path.parent, name)
+            if local is not None:
+                pending.append(local)
+            else:
+                code.outside.append((path, name))
+    return code
 
 
 def may_import(command: Sequence[str], modules: Sequence[str]) -> bool:
@@ -178,28 +224,16 @@ def may_import(command: Sequence[str], modules: Sequence[str]) -> bool:
     script = _script(command)
     if script is None:
         return True
+    code = _read_code(script)
+    if not code.complete:
+        return True
     wanted = {module.split(".")[0] for module in modules}
-    pending, seen = [script], set[Path]()
-    while pending:
-        path = pending.pop()
-        if path in seen:
-            continue
-        seen.add(path)
-        if len(seen) > _MAX_SCANNED:
+    for path, name in code.outside:
+        if name.lstrip(".").split(".")[0] in wanted:
+            log.debug("%s imports %s: standbys prewarm it", path, name)
             return True
-        try:
-            tree = ast.parse(path.read_bytes(), filename=str(path))
-        except (OSError, SyntaxError, ValueError):
-            return True
-        for name in _imported(tree):
-            if name.lstrip(".").split(".")[0] in wanted:
-                log.debug("%s imports %s: standbys prewarm it", path, name)
-                return True
-            local = _local_module(script.parent, path.parent, name)
-            if local is not None:
-                pending.append(local)
-            elif name.startswith(".") or name.split(".")[0] not in _STDLIB:
-                return True  # Third-party (or a relative import not found): it may import it.
+        if name.startswith(".") or name.split(".")[0] not in _STDLIB:
+            return True  # Third-party (or a relative import not found): it may import it.
     log.debug("%s imports none of %s: no standbys", script, ", ".join(sorted(wanted)))
     return False
 
@@ -252,7 +286,11 @@ def hand_off(process: subprocess.Popen[bytes], env: Mapping[str, str], log: Path
 
 
 class StandbyPool:
-    """Keeps ``size`` standbys alive; ``take`` hands one out, ``close`` kills the rest."""
+    """Keeps ``size`` standbys alive; ``take`` hands one out, ``close`` kills the rest.
+
+    Each standby marks ``ready_dir`` (a file named after its pid) once its imports are done:
+    ``warm`` says whether every live one has.
+    """
 
     def __init__(
         self,
@@ -260,25 +298,36 @@ class StandbyPool:
         env: Mapping[str, str],
         size: int,
         launch: Launcher,
+        ready_dir: Path,
     ) -> None:
         self._argv = argv
-        self._env = dict(env)
+        self._env = {**env, STANDBY_READY_DIR_ENV: str(ready_dir)}
         self._size = size
         self._launch = launch
+        self._ready_dir = ready_dir
         self._ready: list[subprocess.Popen[bytes]] = []
 
     @property
     def full(self) -> bool:
-        self._ready = [process for process in self._ready if process.poll() is None]
+        self._drop_dead()
         return len(self._ready) >= self._size
 
+    @property
+    def warm(self) -> bool:
+        """Whether every live standby has imported its modules (a dead one never will; its
+        rank starts cold)."""
+        self._drop_dead()
+        return all(self._marker(process).exists() for process in self._ready)
+
     def fill(self) -> None:
+        self._ready_dir.mkdir(parents=True, exist_ok=True)
         while not self.full:
             self._ready.append(self._launch(self._argv, self._env))
 
     def take(self) -> subprocess.Popen[bytes] | None:
         while self._ready:
             process = self._ready.pop(0)
+            self._marker(process).unlink(missing_ok=True)  # its pid may name a new one later
             if process.poll() is None:
                 return process
         return None
@@ -289,4 +338,13 @@ class StandbyPool:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+            self._marker(process).unlink(missing_ok=True)
         self._ready.clear()
+
+    def _drop_dead(self) -> None:
+        for process in [process for process in self._ready if process.poll() is not None]:
+            self._ready.remove(process)
+            self._marker(process).unlink(missing_ok=True)  # its pid may name a new one later
+
+    def _marker(self, process: subprocess.Popen[bytes]) -> Path:
+        return self._ready_dir / str(process.pid)

@@ -181,6 +181,11 @@ class Rendezvous(ABC):
         ended: news of that time (a re-fired watch) reaches this node only afterwards."""
         return 0.0
 
+    def job_running(self) -> bool:
+        """Whether the job already trains (``state.running``): a node that joins now ends the
+        running round. False when it cannot tell."""
+        return False
+
     def only_arrivals(self) -> bool:
         """Whether this node's round was superseded only by nodes waiting to join
         (``state.only_arrivals``): its workers then get ``state.arrival_grace`` to save.

@@ -461,6 +461,9 @@ class StoreRendezvous(Rendezvous):
         data, _ = self._store.get_state()
         return st.decode(data) if data is not None else None
 
+    def job_running(self) -> bool:
+        return st.running(self.snapshot())
+
     def _join(self) -> None:
         self._rejoin.clear()
         self._store.join(self.node.node_id, st.encode_node(self.node))

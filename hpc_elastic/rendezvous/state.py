@@ -281,6 +281,12 @@ def spares(state: JobState, alive: frozenset[str], nodes: NodeRange) -> frozense
     return frozenset(node for node in present(state, alive) if is_spare(state, alive, node, nodes))
 
 
+def running(state: JobState | None) -> bool:
+    """Whether the job has formed a round and has not ended: a node that joins it now ends the
+    round that trains (an arrival supersedes it), so its members stop and wait for the newcomer."""
+    return state is not None and state.round > 0 and not state.closed and not state.failed
+
+
 def round_over(state: JobState) -> bool:
     """Whether the latest round ended: a worker failure, or a member came back to rendezvous."""
     return state.failed_round == state.round or bool(state.ready)
