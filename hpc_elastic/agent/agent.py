@@ -17,11 +17,9 @@ import enum
 import functools
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -32,6 +30,7 @@ from typing import TypeVar
 from hpc_elastic import events
 from hpc_elastic.agent import rootcause, watchdog
 from hpc_elastic.agent.api import AgentSpec, ExitCode, Phase
+from hpc_elastic.agent.rundir import RunDir
 from hpc_elastic.agent.standby import StandbyPool, may_import, standby_command
 from hpc_elastic.agent.workers import (
     Worker,
@@ -384,7 +383,9 @@ class Agent:
         self._group: WorkerGroup | None = None
         self._members: dict[str, str] | None = None
         """node_id -> slot of the last round, to log which nodes were lost or arrived."""
-        self._run_dir = Path(tempfile.mkdtemp(prefix=f"hpc-elastic-{rdzv.settings.run_id}-"))
+        self._run = RunDir(rdzv.settings.run_id)
+        """Removed at the exit; one a SIGKILLed agent left is swept by the next (rundir.py)."""
+        self._run_dir = self._run.path
         self._lease = self._run_dir / "lease"
         """Touched every poll while this node holds a live round and is connected; workers
         stop on their own once it is older than the session timeout (self-fencing)."""
@@ -477,7 +478,7 @@ class Agent:
                 self._group.stop(0.0)
             if self._standbys is not None:
                 self._standbys.close()
-            shutil.rmtree(self._run_dir, ignore_errors=True)
+            self._run.remove()
 
     def _warm_up(self, standbys: StandbyPool) -> bool:
         """Arriving at a job that trains: wait until the standbys are warm before joining.
