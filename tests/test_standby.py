@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -18,7 +19,9 @@ from test_agent import Cluster
 
 from hpc_elastic import events
 from hpc_elastic.agent import agent as agent_module
+from hpc_elastic.agent import command as agent_command
 from hpc_elastic.agent.api import ExitCode
+from hpc_elastic.agent.health import Result, Status
 from hpc_elastic.agent.standby import (
     StandbyPool,
     hand_off,
@@ -29,6 +32,7 @@ from hpc_elastic.agent.standby import (
 )
 from hpc_elastic.agent.workers import launch
 from hpc_elastic.events import Kind
+from hpc_elastic.options import AGENT_OPTIONS
 
 
 def script(tmp_path: Path, text: str, name: str = "train.py") -> Path:
@@ -330,3 +334,39 @@ def test_the_first_nodes_of_a_job_join_while_their_standbys_import(
     (cluster.out / "finish").touch()
     assert cluster.join() == {0: ExitCode.SUCCESS}
     assert not any("before joining" in line for line in cluster.said)
+
+
+def test_the_standbys_import_during_the_health_checks_and_go_with_a_node_that_fails_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU node the checks take seconds (the matmul test imports torch and initialises
+    CUDA): the standbys start first, so an arriving node is warm sooner."""
+    script(tmp_path, GATE, "modules/gate.py")
+    train = script(tmp_path, "import gate\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "modules"))
+    monkeypatch.setenv("GATE", str(tmp_path / "never"))  # they import until they are killed
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the run directory goes
+    importing: list[Path] = []
+
+    def sees_a_standby_importing() -> Result:
+        wait_until(lambda: any(tmp_path.glob("never.importing.*")), 60)
+        importing.extend(tmp_path.glob("never.importing.*"))
+        return Result("standbys", Status.FAILED, f"{len(importing)} standby was importing.")
+
+    checks = {"standbys": sees_a_standby_importing}
+    monkeypatch.setattr(agent_command, "_default_checks", lambda *_: checks)
+    defaults = {row.name: row.default for row in AGENT_OPTIONS}
+    args = replace(
+        agent_command.AgentArguments.from_values(defaults),
+        run_id="job1",
+        job_dir=tmp_path / "job",
+        zk=f"local:{tmp_path / 'never-served'}",
+        prewarm=("gate",),
+        slot="0",
+        host="127.0.0.1",
+    )
+    assert agent_command.run_agent((sys.executable, str(train)), args) == 1
+    assert len(importing) == 1
+    pid = int(importing[0].name.rsplit(".", 1)[1])
+    assert not Path(f"/proc/{pid}").exists()  # killed and reaped with the node's exit
+    assert not list(tmp_path.glob("hpc-elastic-*"))  # and its run directory removed

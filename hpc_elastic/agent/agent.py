@@ -359,6 +359,70 @@ class _Interrupted(Exception):
     """A stop signal arrived while waiting on the rendezvous."""
 
 
+def _stderr(message: str) -> None:
+    print(f"hpc-elastic agent: {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Prepared:
+    """What an agent sets up on its node before it joins (``prepare``): its run directory, and
+    the standby workers, importing from the start. ``close`` removes both; the ``Agent`` that
+    takes them closes them at its end, and whoever prepared them closes them if it never ran.
+    """
+
+    run: RunDir
+    """Removed at the exit; one a SIGKILLed agent left is swept by the next (rundir.py)."""
+    standbys: StandbyPool | None
+
+    def close(self) -> None:
+        if self.standbys is not None:
+            self.standbys.close()
+        self.run.remove()
+
+
+def prepare(
+    spec: AgentSpec,
+    run_id: str,
+    environ: Mapping[str, str],
+    say: Callable[[str], None] = _stderr,
+) -> Prepared:
+    """Make the run directory and start the standbys (``--prewarm``) at once. The CLI calls it
+    before the health preflight, so that their imports overlap its checks (on a GPU node the
+    matmul check alone imports torch and initialises CUDA in a process of its own): an
+    arriving node is warm sooner, and joins sooner (``Agent._warm_up``)."""
+    run = RunDir(run_id)
+    standbys = standby_pool(spec, environ, say, run.path / "standbys")
+    if standbys is not None:
+        standbys.fill()
+    return Prepared(run, standbys)
+
+
+def standby_pool(
+    spec: AgentSpec, environ: Mapping[str, str], say: Callable[[str], None], ready: Path
+) -> StandbyPool | None:
+    """The standbys of ``--prewarm``, when the command can be prewarmed and may import one of
+    the modules; None (and a sentence on why) otherwise."""
+    if not spec.prewarm:
+        return None
+    argv = standby_command(spec.command, spec.prewarm)
+    if argv is None:
+        say(
+            "--prewarm needs a 'python [-u] SCRIPT' or 'python -m MODULE' command; "
+            "workers start cold."
+        )
+        return None
+    if not may_import(spec.command, spec.prewarm):
+        say(
+            f"The script imports none of {', '.join(spec.prewarm)}; "
+            "no standby workers are kept (they would only slow the start)."
+        )
+        return None
+    env = {"OMP_NUM_THREADS": "1", **environ}
+    stdout = subprocess.PIPE if spec.tee else subprocess.DEVNULL
+    launcher = functools.partial(launch, stdin=subprocess.PIPE, stdout=stdout)
+    return StandbyPool(argv, env, spec.nproc_per_node, launcher, ready)
+
+
 class Agent:
     """Runs this node's workers through rounds until the job succeeds, fails or is stopped."""
 
@@ -371,9 +435,12 @@ class Agent:
         say: Callable[[str], None] | None = None,
         on_event: Callable[[events.Event], None] | None = None,
         deadline_rules: Mapping[watchdog.Phase, watchdog.DeadlineRule] | None = None,
+        prepared: Prepared | None = None,
     ) -> None:
         """``deadline_rules`` replaces ``watchdog.DEFAULT_RULES`` (whose floors are minutes),
-        so that a test can see a hang caught by a learned deadline within seconds."""
+        so that a test can see a hang caught by a learned deadline within seconds.
+        ``prepared`` (``prepare``): the run directory and standbys made before the agent,
+        which it then owns; without it the agent prepares them itself."""
         self.spec = spec
         self.rdzv = rdzv
         self._environ = dict(os.environ if environ is None else environ)
@@ -383,14 +450,13 @@ class Agent:
         self._group: WorkerGroup | None = None
         self._members: dict[str, str] | None = None
         """node_id -> slot of the last round, to log which nodes were lost or arrived."""
-        self._run = RunDir(rdzv.settings.run_id)
-        """Removed at the exit; one a SIGKILLed agent left is swept by the next (rundir.py)."""
-        self._run_dir = self._run.path
+        self._prepared = prepared or prepare(spec, rdzv.settings.run_id, self._environ, self._say)
+        self._run_dir = self._prepared.run.path
         self._lease = self._run_dir / "lease"
         """Touched every poll while this node holds a live round and is connected; workers
         stop on their own once it is older than the session timeout (self-fencing)."""
         self._phase = Phase.JOINING
-        self._standbys = self._standby_pool()
+        self._standbys = self._prepared.standbys
         self._deadlines = watchdog.Deadlines(
             rules=dict(deadline_rules or watchdog.DEFAULT_RULES), override=spec.hang_timeout
         )
@@ -407,28 +473,6 @@ class Agent:
         """A hot spare (``submit --spares``): its standbys are warm, it waits to replace a
         member; the event makes ``status`` show the slot as a spare."""
         self._event(Kind.SPARE, round=round_number, standbys=self._standbys is not None)
-
-    def _standby_pool(self) -> StandbyPool | None:
-        if not self.spec.prewarm:
-            return None
-        argv = standby_command(self.spec.command, self.spec.prewarm)
-        if argv is None:
-            self._say(
-                "--prewarm needs a 'python [-u] SCRIPT' or 'python -m MODULE' command; "
-                "workers start cold."
-            )
-            return None
-        if not may_import(self.spec.command, self.spec.prewarm):
-            self._say(
-                f"The script imports none of {', '.join(self.spec.prewarm)}; "
-                "no standby workers are kept (they would only slow the start)."
-            )
-            return None
-        env = {"OMP_NUM_THREADS": "1", **self._environ}
-        stdout = subprocess.PIPE if self.spec.tee else subprocess.DEVNULL
-        launcher = functools.partial(launch, stdin=subprocess.PIPE, stdout=stdout)
-        ready = self._run_dir / "standbys"
-        return StandbyPool(argv, env, self.spec.nproc_per_node, launcher, ready)
 
     @property
     def _node(self) -> str:
@@ -476,9 +520,7 @@ class Agent:
             self._enter(Phase.DONE)
             if self._group is not None:
                 self._group.stop(0.0)
-            if self._standbys is not None:
-                self._standbys.close()
-            self._run.remove()
+            self._prepared.close()
 
     def _warm_up(self, standbys: StandbyPool) -> bool:
         """Arriving at a job that trains: wait until the standbys are warm before joining.
@@ -1137,7 +1179,3 @@ def _reading(worker: Worker) -> watchdog.Reading | None:
         return heartbeat.read(worker.paths.heartbeat)
     except OSError:
         return None
-
-
-def _stderr(message: str) -> None:
-    print(f"hpc-elastic agent: {message}", file=sys.stderr, flush=True)

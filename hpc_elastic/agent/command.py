@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from hpc_elastic import contract, events, notify
-from hpc_elastic.agent.agent import Agent
+from hpc_elastic.agent.agent import Agent, Prepared, prepare
 from hpc_elastic.agent.api import AgentSpec, parse_signal
 from hpc_elastic.events import Kind
 from hpc_elastic.logs import configure_from_env
@@ -129,21 +129,28 @@ def _run_agent(
     array_slot = ElasticSlot.from_env(os.environ, spec.job_dir, limits)
     if array_slot is not None:
         _arrive(array_slot, spec, args.run_id)
-    if args.preflight:
-        code = _preflight(spec, args, array_slot)
-        if code is not None:
-            return code
-    slot_emit = _emitter(spec, args.run_id, array_slot, notifier)
-    expected = array_slot.expected_nodes(slot_emit) if array_slot is not None else _slurm_node_count
-    rdzv = _connect(
-        args.zk,
-        rendezvous_settings(args),
-        this_node(args, slot),
-        expected,
-        args.zk_auth_file,
-        open_acl=args.zk_open_acl,
-    )
-    code = _supervise(spec, args, rdzv, slot, array_slot, notifier=notifier)
+    # The standbys start importing now, while the preflight and the connection go on.
+    prepared = prepare(spec, args.run_id, os.environ)
+    try:
+        if args.preflight:
+            code = _preflight(spec, args, array_slot)
+            if code is not None:
+                return code
+        slot_emit = _emitter(spec, args.run_id, array_slot, notifier)
+        expected = (
+            array_slot.expected_nodes(slot_emit) if array_slot is not None else _slurm_node_count
+        )
+        rdzv = _connect(
+            args.zk,
+            rendezvous_settings(args),
+            this_node(args, slot),
+            expected,
+            args.zk_auth_file,
+            open_acl=args.zk_open_acl,
+        )
+        code = _supervise(spec, args, rdzv, slot, array_slot, notifier=notifier, prepared=prepared)
+    finally:
+        prepared.close()  # the agent's own end closed it already, unless it never ran
     if array_slot is not None:
         code = array_slot.settle(code, spec.grace, slot_emit)
     return code
@@ -207,6 +214,7 @@ def _supervise(
     array_slot: ElasticSlot | None,
     *,
     notifier: notify.Notifier | None,
+    prepared: Prepared,
 ) -> int:
     """Run the ``Agent`` with its observers (alerts, metrics, the bad-node watch) and the
     signal handlers; stop what was started for it, however it ends."""
@@ -214,7 +222,7 @@ def _supervise(
     if notifier is not None:
         leader = notify.RankZero()  # job-level alerts come from rank 0's agent only
         observers += [leader.observe, notify.observer(notifier, leader)]
-    runner, exporter = _start(spec, args, rdzv, slot, observers)
+    runner, exporter = _start(spec, args, rdzv, slot, observers, prepared=prepared)
     watch = None
     if array_slot is not None:
         observers.append(_bad_node_watch(array_slot, runner, spec))
@@ -240,16 +248,18 @@ def _start(
     rdzv: StoreRendezvous,
     slot: str,
     observers: list[Callable[[events.Event], None]],
+    *,
+    prepared: Prepared,
 ) -> tuple[Agent, MetricsExporter | None]:
     """The ``Agent``, and the metrics exporter when asked for one (it reads the agent's step
     and phase, so it is made after it; its gauges observe events like any other observer)."""
     if args.metrics_port is None and args.metrics_textfile is None:
-        return Agent(spec, rdzv, on_event=_fan_out(observers)), None
+        return Agent(spec, rdzv, on_event=_fan_out(observers), prepared=prepared), None
     from hpc_elastic import metrics  # noqa: PLC0415 (prometheus_client: only when asked)
 
     gauges = metrics.AgentMetrics(args.run_id, slot, spec.events_file)
     observers.append(gauges.observe)
-    runner = Agent(spec, rdzv, on_event=_fan_out(observers))
+    runner = Agent(spec, rdzv, on_event=_fan_out(observers), prepared=prepared)
     exporter = metrics.MetricsExporter(
         gauges,
         runner.step,

@@ -44,9 +44,13 @@ class RunDir:
         hidden.rename(self.path)
 
     def remove(self) -> None:
+        """Delete the directory and drop the lock; a second call does nothing."""
+        if self._lock < 0:
+            return
         shutil.rmtree(self.path, ignore_errors=True)
         with contextlib.suppress(OSError):
             os.close(self._lock)
+        self._lock = -1  # that descriptor number may name another file now
 
 
 def sweep(parent: Path) -> list[Path]:
