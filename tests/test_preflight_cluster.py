@@ -57,7 +57,8 @@ def test_a_slot_never_joins_on_a_remembered_bad_node_and_finishes_on_a_good_one(
         return [event for event in events.read(history) if event.kind == kind]
 
     def started_again() -> bool:
-        for requeue in said("requeue"):  # Skip Slurm's requeue delay, as in test_elastic_cluster.
+        # Skip Slurm's requeue delay: safe, as the task is excluded from the node it left.
+        for requeue in said("requeue"):
             moved = requeue.details["slurm_job"]
             cluster.run(["scontrol", "update", f"JobId={moved}", "StartTime=now"], check=False)
         return bool(said("done"))
