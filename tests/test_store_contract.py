@@ -436,7 +436,14 @@ def test_a_zookeeper_restart_suspends_and_reconnects_every_agent_without_disturb
             assert recorder.states == [ConnectionState.SUSPENDED]
         server.start()
         for recorder in recorders:
-            eventually(partial(told_states, recorder, 2), "the connection come back")
+            # ci13 (2026-12-02) once saw no reconnection within 20 s of a serving server, and
+            # left nothing to tell why: the states and the server's log go with the failure.
+            try:
+                eventually(partial(told_states, recorder, 2), "the connection come back")
+            except AssertionError as error:
+                log = (tmp_path / "zk" / "zk.out").read_text(errors="replace")[-3000:]
+                states = [r.states for r in recorders]
+                raise AssertionError(f"{error}; states {states}; server log ends:\n{log}") from None
             assert recorder.states == [ConnectionState.SUSPENDED, ConnectionState.CONNECTED]
             assert not recorder.lost.is_set()
         assert not any(agent.changed.is_set() for agent in agents), "training goes on"
