@@ -10,11 +10,11 @@ from pathlib import Path
 from hpc_elastic.agent.rundir import RunDir, sweep
 
 HOLDS = """
-import sys, time
+import signal, sys
 from pathlib import Path
 from hpc_elastic.agent.rundir import RunDir
 print(RunDir("job1", Path(sys.argv[1])).path, flush=True)
-time.sleep(600)
+signal.pause()  # until the test kills it
 """
 """An agent's life in one line: it makes its run directory and lives until it is killed."""
 
