@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+import json
+from dataclasses import fields, is_dataclass, replace
+from types import UnionType
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import pytest
 from hypothesis import given
@@ -399,3 +402,200 @@ def test_a_job_runs_from_its_first_round_until_it_closes_or_fails() -> None:
     assert st.running(trains)
     assert not st.running(st.close(trains))
     assert not st.running(st.fail(trains, "rank 0 failed"))
+
+
+# --- the codec: a typed decoder, fuzzed ------------------------------------------------------
+
+
+def fields_of(data: bytes) -> dict[str, Any]:
+    return dict(json.loads(data))
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "said"),
+    [
+        (("closed",), "no", "'closed' is 'no', not true or false"),
+        (("members", 0, "host"), ["x"], "'members[0].host' is ['x'], not a string"),
+        (("members", 0, "nproc"), "2", "'members[0].nproc' is '2', not a whole number"),
+        (("members", 0, "nproc"), 0, "'members[0].nproc' is 0, out of range (1 or more)"),
+        (("round",), True, "'round' is True, not a whole number"),
+        (("round",), 1.5, "'round' is 1.5, not a whole number"),
+        (("master_port",), 70000, "'master_port' is 70000, out of range (from 1 to 65535)"),
+        (("restarts_used",), -1, "'restarts_used' is -1, out of range (0 or more)"),
+        (("succeeded",), "a", "'succeeded' is 'a', not a list"),
+        (("ready",), [7], "'ready[0]' is 7, not a string"),
+        (("last_failure",), {"rank": 0}, "'last_failure' lacks 'exit_code'"),
+        (("last_failure", "time"), "now", "'last_failure.time' is 'now', not a number of seconds"),
+        (("last_failure", "time"), 1e400, "'last_failure.time' is inf, not a time"),
+        (("failure_summary",), None, "'failure_summary' is None, not a string"),
+        (("format",), 3.0, "its format is 3.0"),
+        (("restarts_used",), 3, "it spends more restarts than it has"),
+        (("failed_round",), 9, "it failed a round that has not formed yet"),
+    ],
+)
+def test_a_state_field_of_the_wrong_type_or_range_is_refused_in_one_sentence(
+    path: tuple[str | int, ...], value: object, said: str
+) -> None:
+    """A field is checked before it is used: ``closed: "no"`` was once taken as closed."""
+    raw = fields_of(st.encode(st.record_failure(running("a", "b"), 1, failure())))
+    place: Any = raw
+    for step in path[:-1]:
+        place = place[step]
+    place[path[-1]] = value
+    with pytest.raises(RendezvousError) as refused:
+        st.decode(json.dumps(raw).encode())
+    message = str(refused.value)
+    assert said in message
+    assert message.endswith("check that every agent runs the same hpc-elastic version.")
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    "record",
+    [{"node_id": "a", "host": ["x"], "nproc": 1, "slot": ""}, {"node_id": "a", "host": "h"}],
+)
+def test_a_member_record_of_the_wrong_shape_is_refused(record: dict[str, Any]) -> None:
+    with pytest.raises(RendezvousError, match="is not a hpc-elastic node: "):
+        st.decode_node(json.dumps(record).encode())
+
+
+def test_every_field_of_the_state_and_its_records_has_a_check_in_the_decoder() -> None:
+    """A field added to ``JobState`` (or ``NodeInfo``, ``Failure``) needs its row in the
+    decoder's table, or every state would be refused as lacking it."""
+    assert set(st.STATE_FIELDS) == {field.name for field in fields(st.JobState)}
+    assert set(st.NODE_FIELDS) == {field.name for field in fields(NodeInfo)}
+    assert set(st.FAILURE_FIELDS) == {field.name for field in fields(Failure)}
+
+
+def well_typed(value: object, hint: Any) -> bool:
+    """Whether ``value`` has the type ``hint`` names (the dataclasses' own annotations), so
+    the fuzz tests judge a decoded state by the declarations, not by the decoder's table."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (UnionType, Union):
+        return any(well_typed(value, arg) for arg in args)
+    if origin is tuple:
+        return isinstance(value, tuple) and all(well_typed(item, args[0]) for item in value)
+    if hint is type(None):
+        return value is None
+    if hint in (int, float):
+        return type(value) is hint
+    if is_dataclass(hint):
+        hints = get_type_hints(hint)
+        return type(value) is hint and all(
+            well_typed(getattr(value, field.name), hints[field.name]) for field in fields(hint)
+        )
+    return isinstance(value, hint)
+
+
+def assert_valid(state: st.JobState) -> None:
+    assert well_typed(state, st.JobState), state
+    assert st.decode(st.encode(state)) == state
+
+
+names = hs.text(hs.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1, max_size=8)
+nodes = hs.builds(NodeInfo, names, names, hs.integers(1, 16), hs.text(max_size=4))
+failures = hs.builds(
+    Failure,
+    names,
+    hs.text(max_size=8),
+    hs.integers(0, 1000),
+    hs.none() | hs.integers(0, 255),
+    hs.none() | hs.sampled_from(["SIGKILL", "SIGSEGV"]),
+    hs.text(max_size=40),
+    hs.floats(0, 2e9),
+    hs.text(max_size=4),
+)
+
+
+@hs.composite
+def valid_states(draw: hs.DrawFn) -> st.JobState:
+    """Any state the rules could make: members unique, the budget and rounds consistent."""
+    members = draw(hs.lists(nodes, max_size=5, unique_by=lambda node: node.node_id))
+    max_restarts = draw(hs.integers(0, 100))
+    round_number = draw(hs.integers(0, 10**6))
+    ids = hs.lists(names, max_size=4).map(tuple)
+    return st.JobState(
+        max_restarts=max_restarts,
+        round=round_number,
+        members=tuple(members),
+        master_port=draw(hs.none() | hs.integers(1, 65535)),
+        restarts_used=draw(hs.integers(0, max_restarts)),
+        failed_round=draw(hs.integers(0, round_number)),
+        last_failure=draw(hs.none() | failures),
+        succeeded=draw(ids),
+        ready=draw(ids),
+        failure_summary=draw(hs.text(max_size=20)),
+        closed=draw(hs.booleans()),
+        excluded=draw(ids),
+    )
+
+
+json_values = hs.recursive(
+    hs.none() | hs.booleans() | hs.integers(-(2**70), 2**70) | hs.floats() | hs.text(max_size=10),
+    lambda children: (
+        hs.lists(children, max_size=4) | hs.dictionaries(hs.text(max_size=10), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+def decodes_or_refuses(data: bytes) -> None:
+    """The codec's contract: a state that is valid in every field, or one RendezvousError."""
+    try:
+        state = st.decode(data)
+    except RendezvousError as refused:
+        message = str(refused)
+    else:
+        assert_valid(state)
+        return
+    assert "\n" not in message
+
+
+@given(valid_states())
+def test_every_valid_state_survives_its_encoding(state: st.JobState) -> None:
+    assert_valid(state)
+
+
+@given(json_values)
+def test_any_json_decodes_to_a_valid_state_or_one_rendezvous_error(value: object) -> None:
+    decodes_or_refuses(json.dumps(value).encode())
+    if isinstance(value, dict):  # with the right format, the fields themselves are judged
+        decodes_or_refuses(json.dumps({**value, "format": st.FORMAT}).encode())
+
+
+def at(document: Any, path: list[str | int]) -> Any:
+    for step in path:
+        document = document[step]
+    return document
+
+
+def places(document: Any, path: list[str | int] | None = None) -> list[list[str | int]]:
+    """Every key path into a JSON document, the document itself first."""
+    path = path or []
+    found = [path]
+    if isinstance(document, dict):
+        for key, item in document.items():
+            found += places(item, [*path, key])
+    elif isinstance(document, list):
+        for index, item in enumerate(document):
+            found += places(item, [*path, index])
+    return found
+
+
+@given(state=valid_states(), data=hs.data())
+def test_a_mutated_valid_encoding_decodes_to_a_valid_state_or_one_rendezvous_error(
+    state: st.JobState, data: hs.DataObject
+) -> None:
+    document = fields_of(st.encode(state))
+    path = data.draw(hs.sampled_from(places(document)[1:]))
+    parent = at(document, path[:-1])
+    mutation = data.draw(hs.sampled_from(["replace", "delete", "add"]))
+    if mutation == "replace":
+        parent[path[-1]] = data.draw(json_values)
+    elif mutation == "delete":
+        del parent[path[-1]]
+    elif isinstance(parent, dict):
+        parent[data.draw(hs.text(max_size=10))] = data.draw(json_values)
+    else:
+        parent.append(data.draw(json_values))
+    decodes_or_refuses(json.dumps(document).encode())

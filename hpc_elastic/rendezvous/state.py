@@ -8,13 +8,14 @@ Nothing here does I/O or reads a clock, so every rule is unit-tested without Zoo
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from enum import Enum
 from functools import cached_property, lru_cache
-from typing import Any
+from typing import Any, cast
 
-from hpc_elastic.errors import RendezvousError
+from hpc_elastic.errors import RendezvousError, one_line
 from hpc_elastic.rendezvous.api import Failure, NodeInfo, RendezvousSettings, Round
 from hpc_elastic.spec import NodeRange
 
@@ -96,28 +97,177 @@ def _record_fields(record: NodeInfo | Failure) -> dict[str, Any]:
     return {field.name: getattr(record, field.name) for field in fields(record)}
 
 
+# --- the typed decoder -------------------------------------------------------------------------
+#
+# Whatever is in the store was perhaps not written by an agent of this version (or at all by
+# hpc-elastic): each field is checked for its type and range before a ``JobState`` is built,
+# so a malformed state is one ``RendezvousError`` sentence, never a crash in a decision rule
+# or a silently wrong value (``"closed": "no"`` is not "closed"). The checks are tables, one
+# entry per dataclass field (``STATE_FIELDS``, ``NODE_FIELDS``, ``FAILURE_FIELDS``): a new
+# field of the state is one entry more, and a test fails until it has one.
+
+
+class MalformedError(ValueError):
+    """One field of a decoded record has the wrong type or range; the text says which."""
+
+
+Check = Callable[[object, str], object]
+"""A JSON value and where it is (``members[2].host``) -> the field's value; raises
+``MalformedError``."""
+
+
+def _shown(value: object) -> str:
+    """A value quoted for the error sentence, short and on one line."""
+    quoted = repr(value)
+    return one_line(quoted if len(quoted) <= 30 else quoted[:27] + "...")
+
+
+def whole(low: int, high: int | None = None) -> Check:
+    """An integer (never a bool, a float or a string of digits) in ``[low, high]``."""
+
+    def check(value: object, where: str) -> object:
+        if type(value) is not int:
+            raise MalformedError(f"'{where}' is {_shown(value)}, not a whole number")
+        if value < low or (high is not None and value > high):
+            bounds = f"{low} or more" if high is None else f"from {low} to {high}"
+            raise MalformedError(f"'{where}' is {value}, out of range ({bounds})")
+        return value
+
+    return check
+
+
+def text(*, empty: bool = True) -> Check:
+    def check(value: object, where: str) -> object:
+        if type(value) is not str:
+            raise MalformedError(f"'{where}' is {_shown(value)}, not a string")
+        if not empty and not value:
+            raise MalformedError(f"'{where}' is empty")
+        return value
+
+    return check
+
+
+def flag(value: object, where: str) -> object:
+    if type(value) is not bool:
+        raise MalformedError(f"'{where}' is {_shown(value)}, not true or false")
+    return value
+
+
+def seconds(value: object, where: str) -> object:
+    """A time in seconds since 1970: a finite number, 0 or more (JSON may write it whole)."""
+    if type(value) not in (int, float):
+        raise MalformedError(f"'{where}' is {_shown(value)}, not a number of seconds")
+    number = float(value)  # type: ignore[arg-type]
+    if not math.isfinite(number) or number < 0:
+        raise MalformedError(f"'{where}' is {_shown(value)}, not a time (finite, 0 or more)")
+    return number
+
+
+def optional(check: Check) -> Check:
+    return lambda value, where: None if value is None else check(value, where)
+
+
+def tuple_of(check: Check) -> Check:
+    def convert(value: object, where: str) -> object:
+        if type(value) is not list:
+            raise MalformedError(f"'{where}' is {_shown(value)}, not a list")
+        return tuple(check(item, f"{where}[{index}]") for index, item in enumerate(value))
+
+    return convert
+
+
+def record(cls: type[Any], table: Mapping[str, Check]) -> Check:
+    """A JSON object with exactly ``table``'s keys, each checked, as a ``cls``."""
+
+    def convert(value: object, where: str) -> object:
+        subject = f"'{where}'" if where else "it"
+        if type(value) is not dict:
+            raise MalformedError(f"{subject} is {_shown(value)}, not an object")
+        if value.keys() != table.keys():
+            missing = sorted(table.keys() - value.keys())
+            unknown = sorted(value.keys() - table.keys())
+            what = (
+                f"lacks '{missing[0]}'" if missing else f"has an unknown field {_shown(unknown[0])}"
+            )
+            raise MalformedError(f"{subject} {what}")
+        prefix = f"{where}." if where else ""
+        return cls(**{name: check(value[name], prefix + name) for name, check in table.items()})
+
+    return convert
+
+
+NODE_FIELDS: dict[str, Check] = {
+    "node_id": text(empty=False),
+    "host": text(empty=False),
+    "nproc": whole(1),
+    "slot": text(),
+}
+"""``NodeInfo``'s fields: a member needs an id, an address the others reach and a worker."""
+
+FAILURE_FIELDS: dict[str, Check] = {
+    "node_id": text(empty=False),
+    "host": text(),
+    "rank": whole(0),
+    "exit_code": optional(whole(0)),
+    "signal": optional(text()),
+    "message": text(),
+    "time": seconds,
+    "slot": text(),
+}
+"""``Failure``'s fields (an exit code is a Popen return code of 0 or more, or None for a
+signal: ``rootcause.describe_exit``)."""
+
+STATE_FIELDS: dict[str, Check] = {
+    "max_restarts": whole(0),
+    "round": whole(0),
+    "members": tuple_of(record(NodeInfo, NODE_FIELDS)),
+    "master_port": optional(whole(1, 65535)),
+    "restarts_used": whole(0),
+    "failed_round": whole(0),
+    "last_failure": optional(record(Failure, FAILURE_FIELDS)),
+    "succeeded": tuple_of(text(empty=False)),
+    "ready": tuple_of(text(empty=False)),
+    "failure_summary": text(),
+    "closed": flag,
+    "excluded": tuple_of(text(empty=False)),
+}
+"""``JobState``'s fields, by the name ``encode`` writes them under."""
+
+STATE_RULES: tuple[tuple[Callable[[JobState], bool], str], ...] = (
+    (lambda s: s.restarts_used <= s.max_restarts, "spends more restarts than it has"),
+    (lambda s: s.failed_round <= s.round, "failed a round that has not formed yet"),
+    (lambda s: len(s.member_ids) == len(s.members), "lists a member twice"),
+)
+"""What holds between fields of every state the rules in this module make."""
+
+_STATE = record(JobState, STATE_FIELDS)
+_NODE = record(NodeInfo, NODE_FIELDS)
+
+
+def decode_state(raw: object) -> JobState:
+    """A ``JobState`` from parsed JSON (``format`` included); raises ``MalformedError``."""
+    if type(raw) is not dict:
+        raise MalformedError(f"it is {_shown(raw)}, not an object")
+    fmt = raw.get("format")  # first: a newer layout is "another version", not a bad field
+    if type(fmt) is not int or fmt != FORMAT:
+        raise MalformedError(f"its format is {_shown(fmt)}")
+    state = cast(JobState, _STATE({k: v for k, v in raw.items() if k != "format"}, ""))
+    for holds, broken in STATE_RULES:
+        if not holds(state):
+            raise MalformedError(f"it {broken}")
+    return state
+
+
 @lru_cache(maxsize=8)
 def decode(data: bytes) -> JobState:
     """Parse a state; cached because every agent sharing a connection reads the same bytes."""
     try:
-        raw = json.loads(data)
-        if raw.pop("format") != FORMAT:
-            raise ValueError("unknown format")
-        failure = raw.pop("last_failure")
-        return JobState(
-            **{
-                **raw,
-                "members": tuple(NodeInfo(**member) for member in raw.pop("members")),
-                "succeeded": tuple(raw.pop("succeeded")),
-                "ready": tuple(raw.pop("ready")),
-                "excluded": tuple(raw.pop("excluded")),
-                "last_failure": Failure(**failure) if failure is not None else None,
-            }
-        )
-    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as error:
+        return decode_state(json.loads(data))
+    except (ValueError, RecursionError) as error:  # MalformedError and JSON's errors
+        why = f": {error}" if isinstance(error, MalformedError) else ""
         raise RendezvousError(
-            f"The rendezvous state '{data[:80]!r}' is not a hpc-elastic state of format {FORMAT}; "
-            "check that every agent runs the same hpc-elastic version."
+            f"The rendezvous state {data[:40]!r} is not a hpc-elastic state of format "
+            f"{FORMAT}{why}; check that every agent runs the same hpc-elastic version."
         ) from error
 
 
@@ -129,10 +279,11 @@ def encode_node(node: NodeInfo) -> bytes:
 def decode_node(data: bytes) -> NodeInfo:
     """Cached: a member's record never changes, and every proposal decodes all of them."""
     try:
-        return NodeInfo(**json.loads(data))
-    except (ValueError, TypeError, RecursionError) as error:
+        return cast(NodeInfo, _NODE(json.loads(data), ""))
+    except (ValueError, RecursionError) as error:
+        why = f": {error}" if isinstance(error, MalformedError) else ""
         raise RendezvousError(
-            f"The member record '{data[:80]!r}' is not a hpc-elastic node; "
+            f"The member record {data[:40]!r} is not a hpc-elastic node{why}; "
             "check that every agent runs the same hpc-elastic version."
         ) from error
 
