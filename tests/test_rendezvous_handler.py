@@ -68,6 +68,18 @@ class FakeStore(Store):
     def unsubscribe(self, on_change: Callable[[], None]) -> None:
         self._subscribers.pop(on_change, None)
 
+    def put_note(self, key: str, data: bytes) -> None:
+        raise NotImplementedError("the handler's tests write no notes")
+
+    def claim_note(self, key: str, data: bytes) -> bytes:
+        raise NotImplementedError("the handler's tests write no notes")
+
+    def notes(self, prefix: str) -> dict[str, bytes]:
+        return {}
+
+    def note_keys(self) -> frozenset[str]:
+        return frozenset()
+
     def is_closed(self) -> bool:
         return self._closed
 

@@ -11,6 +11,7 @@ waits for the event it expects, with a generous deadline, and never sleeps.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import uuid
@@ -309,6 +310,71 @@ def test_a_closed_job_is_never_reopened_by_a_write(harness: Harness) -> None:
     assert store.set_state(b"again", token) == (None, ABSENT, False)
     assert store.set_state(b"fresh", ABSENT) == (None, ABSENT, False)
     assert harness.connect().get_state() == (None, ABSENT)
+
+
+# --- notes ---------------------------------------------------------------------------------
+
+
+def test_a_note_reaches_every_connection_and_outlives_the_one_that_wrote_it(
+    harness: Harness,
+) -> None:
+    writer, reader = harness.connect(), harness.connect()
+    recorder = Recorder(reader)
+    writer.put_note("hang-3-1.1@n1", b"evidence of n1")
+    assert recorder.was_told(lambda _: "hang-3-1.1@n1" in reader.note_keys())
+    writer.release()
+    assert reader.notes("hang-3-1.1@") == {"hang-3-1.1@n1": b"evidence of n1"}
+    late = harness.connect()
+    assert late.note_keys() == {"hang-3-1.1@n1"}, "a new connection knows the keys at once"
+
+
+def test_notes_are_read_by_prefix_and_a_put_replaces_a_note(harness: Harness) -> None:
+    store = harness.connect()
+    store.put_note("hang-1-1.1@a", b"a")
+    store.put_note("hang-1-1.1@b", b"b")
+    store.put_note("hang-1-10.1@a", b"other")
+    store.put_note("hang-1-1.1@a", b"a again")
+    assert store.notes("hang-1-1.1@") == {"hang-1-1.1@a": b"a again", "hang-1-1.1@b": b"b"}
+    assert store.notes("nothing") == {}
+    eventually(lambda: len(store.note_keys()) == 3, "the three keys pushed back")
+
+
+def test_the_first_claim_of_a_note_wins_and_every_claimer_learns_it(harness: Harness) -> None:
+    stores = [harness.connect() for _ in range(4)]
+    with ThreadPoolExecutor(len(stores)) as pool:
+        answers = list(
+            pool.map(
+                lambda pair: pair[1].claim_note("verdict", f"from {pair[0]}".encode()),
+                enumerate(stores),
+            )
+        )
+    assert len(set(answers)) == 1, answers
+    assert answers[0] in {f"from {index}".encode() for index in range(len(stores))}
+    assert stores[0].claim_note("verdict", b"too late") == answers[0]
+    assert stores[1].notes("verdict") == {"verdict": answers[0]}
+
+
+def test_notes_go_with_the_closed_job_and_none_is_written_after(harness: Harness) -> None:
+    store, other = harness.connect(), harness.connect()
+    store.put_note("hang-1-1.1@a", b"a")
+    store.close_job()
+    assert other.notes("") == {}
+    eventually(lambda: other.note_keys() == frozenset(), "the keys go")
+    with pytest.raises(RendezvousClosedError, match="'job' is closed"):
+        other.put_note("hang-1-1.1@b", b"b")
+    with pytest.raises(RendezvousClosedError, match="'job' is closed"):
+        other.claim_note("hang-1-1.1@", b"verdict")
+    assert other.notes("") == {}
+
+
+@pytest.mark.parametrize("key", ["", "a/b", ".", "..", "@x", "x" * 201, "é"])
+def test_a_note_key_no_store_can_hold_is_refused_with_the_key(harness: Harness, key: str) -> None:
+    store = harness.connect()
+    sentence = re.escape(f"Note key {key[:80]!r} is not usable")
+    with pytest.raises(RendezvousError, match=sentence):
+        store.put_note(key, b"x")
+    with pytest.raises(RendezvousError, match=sentence):
+        store.claim_note(key, b"x")
 
 
 # --- the in-memory store's controls, which the simulator drives ----------------------------

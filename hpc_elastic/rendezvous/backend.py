@@ -9,12 +9,28 @@ benchmark multiplexes hundreds of simulated nodes over a few connections).
 from __future__ import annotations
 
 import enum
+import re
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 
+from hpc_elastic.errors import RendezvousError
+
 ABSENT = -1
 """The token of a state that does not exist yet: ``set_state`` with it creates the state."""
+
+_NOTE_KEY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@=+:-]{0,199}")
+"""A note's key: one znode name on ZooKeeper (no '/', never '.' or '..'), short and printable."""
+
+
+def check_note_key(key: str) -> str:
+    """``key`` if it can name a note on every store, else a RendezvousError that quotes it."""
+    if not _NOTE_KEY.fullmatch(key):
+        raise RendezvousError(
+            f"Note key {key[:80]!r} is not usable; give 1 to 200 letters, digits or '_.@=+:-', "
+            "not starting with one of '.@=+:-'."
+        )
+    return key
 
 
 class ConnectionState(enum.Enum):
@@ -92,6 +108,31 @@ class Store(ABC):
         del callback
 
     @abstractmethod
+    def put_note(self, key: str, data: bytes) -> None:
+        """Write the note ``key`` (replacing one of that key): a small record that every
+        connection can read until the job is closed, and that outlives the connection that
+        wrote it (unlike a membership). A new key calls every subscriber's ``on_change`` on
+        every connection (a replaced one need not). Raises RendezvousClosedError once the job
+        is closed, RendezvousError for a key ``check_note_key`` refuses."""
+
+    @abstractmethod
+    def claim_note(self, key: str, data: bytes) -> bytes:
+        """Write the note ``key`` only if it does not exist yet, and return the note as it is
+        then: ours, or the one written first. Every caller learns the same value, so agents
+        that decided apart agree on one answer. Retrying after a lost connection is safe.
+        Raises as ``put_note`` does."""
+
+    @abstractmethod
+    def notes(self, prefix: str) -> dict[str, bytes]:
+        """Every note whose key starts with ``prefix``, as the server holds them now (empty
+        once the job is closed)."""
+
+    @abstractmethod
+    def note_keys(self) -> frozenset[str]:
+        """The keys of every note, as last pushed by the store: no request, so it may be
+        called at every poll."""
+
+    @abstractmethod
     def is_closed(self) -> bool:
         """Whether the job was closed (its tombstone exists)."""
 
@@ -107,14 +148,15 @@ class Store(ABC):
 class CachedStore(Store):
     """A store whose state, membership and subscribers are kept here, fed by the server's pushes.
 
-    Subclasses feed ``_remember_state`` and ``_alive`` (under ``_lock``) and call each of
-    ``_callbacks()`` after a change.
+    Subclasses feed ``_remember_state``, ``_alive`` and ``_note_keys`` (under ``_lock``) and
+    call each of ``_callbacks()`` after a change.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._state: tuple[bytes | None, int] = (None, ABSENT)
         self._alive: frozenset[str] = frozenset()
+        self._note_keys: frozenset[str] = frozenset()
         self._subscribers: dict[Callable[[], None], Callable[[], None]] = {}
         self._connection_subscribers: list[ConnectionCallback] = []
 
@@ -125,6 +167,10 @@ class CachedStore(Store):
     def alive(self) -> frozenset[str]:
         with self._lock:
             return self._alive
+
+    def note_keys(self) -> frozenset[str]:
+        with self._lock:
+            return self._note_keys
 
     def subscribe(self, on_change: Callable[[], None], on_session_lost: Callable[[], None]) -> None:
         with self._lock:

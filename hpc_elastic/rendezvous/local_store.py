@@ -5,7 +5,8 @@ a client. The wire is newline-delimited JSON, bytes travel as base64, nothing is
 
     request   {"id": 7, "op": "cas", "data": "<b64>", "token": 3}
     reply     {"id": 7, "ok": true, "data": "<b64>", "token": 4, "won": true}
-    push      {"push": true, "data": "<b64>|null", "token": 4, "alive": ["n1-..", ...]}
+    push      {"push": true, "data": "<b64>|null", "token": 4, "alive": ["n1-..", ...],
+               "notes": ["hang-3-1.1@n1-..", ...]}
 
 It keeps ZooKeeper's semantics where the rendezvous relies on them: the state has an integer
 version for compare-and-set (``ABSENT`` before it exists), a membership belongs to the
@@ -30,7 +31,7 @@ from typing import Any
 from hpc_elastic.errors import RendezvousClosedError, RendezvousError
 from hpc_elastic.rendezvous import state as st
 from hpc_elastic.rendezvous.api import NodeInfo, RendezvousSettings
-from hpc_elastic.rendezvous.backend import ABSENT, CachedStore, ConnectionState
+from hpc_elastic.rendezvous.backend import ABSENT, CachedStore, ConnectionState, check_note_key
 from hpc_elastic.rendezvous.handler import StoreRendezvous
 
 SCHEME = "local:"
@@ -90,6 +91,7 @@ class LocalStoreServer:
         self._state: bytes | None = None
         self._version = ABSENT
         self._members: dict[str, _Member] = {}
+        self._notes: dict[str, bytes] = {}
         self._order = itertools.count()
         self._views = itertools.count(1)
         self._closed = False
@@ -187,15 +189,36 @@ class LocalStoreServer:
                 found = [self._members[n] for n in request["nodes"] if n in self._members]
                 found.sort(key=lambda member: member.order)
                 return {"ok": True, "records": [_b64(m.data) for m in found]}, False
+            if op in ("put_note", "claim_note"):
+                return self._put_note(request["key"], _unb64(request["data"]) or b"", op)
+            if op == "notes":
+                prefix = request["prefix"]
+                matching = {k: _b64(v) for k, v in self._notes.items() if k.startswith(prefix)}
+                return {"ok": True, "notes": matching}, False
             if op == "is_closed":
                 return {"ok": True, "closed": self._closed}, False
             if op == "close_job":
-                changed = not self._closed or self._state is not None or bool(self._members)
+                changed = (
+                    not self._closed
+                    or self._state is not None
+                    or bool(self._members)
+                    or bool(self._notes)
+                )
                 self._closed = True
                 self._state, self._version = None, ABSENT
                 self._members.clear()
+                self._notes.clear()
                 return {"ok": True}, changed
         return {"ok": False, "error": f"unknown operation '{op}'"}, False
+
+    def _put_note(self, key: str, data: bytes, op: str) -> tuple[dict[str, Any], bool]:
+        """A new key is pushed to everyone (``Store.put_note``); a claim keeps the first."""
+        if self._closed:
+            return {"ok": False, "closed": True}, False
+        new = key not in self._notes
+        if new or op == "put_note":
+            self._notes[key] = data
+        return {"ok": True, "data": _b64(self._notes[key])}, new
 
     def _compare_and_set(self, data: bytes, token: int) -> tuple[dict[str, Any], bool]:
         # A closed job is never reopened, as on ZooKeeper: an agent that checked is_closed
@@ -215,6 +238,7 @@ class LocalStoreServer:
             "data": _b64(self._state),
             "token": self._version,
             "alive": sorted(self._members),
+            "notes": sorted(self._notes),
             "seq": next(self._views),
         }
 
@@ -254,7 +278,8 @@ class LocalStore(CachedStore):
         threading.Thread(target=self._read, name="local-store-reader", daemon=True).start()
         threading.Thread(target=self._deliver, name="local-store-notify", daemon=True).start()
         reply = self._call("watch")
-        self._remember(_unb64(reply["data"]), reply["token"], (reply["seq"], reply["alive"]))
+        view = (reply["seq"], reply["alive"], reply["notes"])
+        self._remember(_unb64(reply["data"]), reply["token"], view)
 
     def set_state(self, data: bytes, token: int) -> tuple[bytes | None, int, bool]:
         reply = self._call("cas", data=_b64(data), token=token)
@@ -274,6 +299,24 @@ class LocalStore(CachedStore):
     def members(self, node_ids: Iterable[str]) -> list[bytes]:
         records = self._call("members", nodes=list(node_ids))["records"]
         return [base64.b64decode(record) for record in records]
+
+    def put_note(self, key: str, data: bytes) -> None:
+        self._note("put_note", key, data)
+
+    def claim_note(self, key: str, data: bytes) -> bytes:
+        return self._note("claim_note", key, data)
+
+    def _note(self, op: str, key: str, data: bytes) -> bytes:
+        reply = self._call(op, key=check_note_key(key), data=_b64(data))
+        if not reply["ok"]:
+            raise RendezvousClosedError(
+                f"Job '{self._run_id}' is closed (finished or cancelled); no note can be written."
+            )
+        return _unb64(reply["data"]) or b""
+
+    def notes(self, prefix: str) -> dict[str, bytes]:
+        found = self._call("notes", prefix=prefix)["notes"]
+        return {key: base64.b64decode(data) for key, data in found.items()}
 
     def is_closed(self) -> bool:
         return bool(self._call("is_closed")["closed"])
@@ -318,7 +361,7 @@ class LocalStore(CachedStore):
                 for line in lines:
                     message = json.loads(line)
                     if message.get("push"):
-                        view = (message["seq"], message["alive"])
+                        view = (message["seq"], message["alive"], message["notes"])
                         self._remember(_unb64(message["data"]), message["token"], view)
                         self._notices.put(True)
                         continue
@@ -349,13 +392,16 @@ class LocalStore(CachedStore):
                     on_connection(ConnectionState.LOST)
                 return
 
-    def _remember(self, data: bytes | None, token: int, view: tuple[int, list[str]] | None) -> None:
-        """Keep the newest state and membership seen, whether pushed or in a reply."""
+    def _remember(
+        self, data: bytes | None, token: int, view: tuple[int, list[str], list[str]] | None
+    ) -> None:
+        """Keep the newest state, membership and note keys seen, pushed or in a reply."""
         self._remember_state(data, token)
         with self._lock:
             if view is not None and view[0] > self._alive_seq:
-                self._alive_seq, alive = view
+                self._alive_seq, alive, notes = view
                 self._alive = frozenset(alive)
+                self._note_keys = frozenset(notes)
 
 
 def connect(

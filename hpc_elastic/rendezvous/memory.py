@@ -10,7 +10,8 @@ a time, like a kazoo client. What the ``Store`` protocol promises holds as on Zo
   timeout when ``MemoryServer.tick()`` runs;
 * every change is pushed to every connected session, and the connection reports
   SUSPENDED / CONNECTED / LOST as kazoo does;
-* ``close_job`` leaves a tombstone; joining afterwards raises RendezvousClosedError.
+* ``close_job`` leaves a tombstone; joining afterwards raises RendezvousClosedError;
+* notes (``put_note``, ``claim_note``) outlive their writer's session and go with the job.
 
 Nothing here runs on its own: time is whatever the injected clock says, and sessions expire
 only when ``tick()`` looks at that clock. Every notification goes through the server's
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 
 from hpc_elastic.agent.badnodes import BadNode, check_host
 from hpc_elastic.errors import RendezvousAccessError, RendezvousClosedError, RendezvousError
-from hpc_elastic.rendezvous.backend import ABSENT, CachedStore, ConnectionState
+from hpc_elastic.rendezvous.backend import ABSENT, CachedStore, ConnectionState, check_note_key
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class View:
     state: bytes | None
     token: int
     alive: frozenset[str]
+    notes: frozenset[str] = frozenset()
+    """The keys of the notes (``Store.note_keys``)."""
 
 
 @dataclass(eq=False)
@@ -104,6 +107,7 @@ class MemoryServer:
         self._state: bytes | None = None
         self._version = ABSENT
         self._members: dict[str, _Member] = {}
+        self._notes: dict[str, bytes] = {}
         self._closed = False
         self._order = itertools.count()
         self._seq = 0
@@ -185,7 +189,13 @@ class MemoryServer:
 
     def _view(self) -> View:
         with self._lock:
-            return View(self._seq, self._state, self._version, frozenset(self._members))
+            return View(
+                self._seq,
+                self._state,
+                self._version,
+                frozenset(self._members),
+                frozenset(self._notes),
+            )
 
     def _changed(self) -> View:
         """Number the new picture and push it to every live session; return it.
@@ -246,6 +256,27 @@ class MemoryServer:
                 self._changed()
         self._push_pending()
 
+    def _put_note(self, key: str, data: bytes, run_id: str, *, claim: bool) -> bytes:
+        """Write a note (only if absent with ``claim``); the note as it is now."""
+        with self._lock:
+            if self._closed:
+                raise RendezvousClosedError(
+                    f"Job '{run_id}' is closed (finished or cancelled); no note can be written."
+                )
+            new = key not in self._notes
+            if new or not claim:
+                self._notes[key] = data
+                logger.debug("memory store: note %s written", key)
+            if new:
+                self._changed()
+            current = self._notes[key]
+        self._push_pending()
+        return current
+
+    def _read_notes(self, prefix: str) -> dict[str, bytes]:
+        with self._lock:
+            return {key: data for key, data in self._notes.items() if key.startswith(prefix)}
+
     def _records(self, node_ids: Iterable[str]) -> list[bytes]:
         with self._lock:
             found = [self._members[node] for node in node_ids if node in self._members]
@@ -253,10 +284,16 @@ class MemoryServer:
 
     def _close_job(self) -> None:
         with self._lock:
-            changed = not self._closed or self._state is not None or bool(self._members)
+            changed = (
+                not self._closed
+                or self._state is not None
+                or bool(self._members)
+                or bool(self._notes)
+            )
             self._closed = True
             self._state, self._version = None, ABSENT
             self._members.clear()
+            self._notes.clear()
             if changed:
                 logger.debug("memory store: job closed")
                 self._changed()
@@ -298,6 +335,20 @@ class MemoryStore(CachedStore):
     def members(self, node_ids: Iterable[str]) -> list[bytes]:
         self._heard()
         return self.server._records(node_ids)
+
+    def put_note(self, key: str, data: bytes) -> None:
+        check_note_key(key)
+        self._heard()
+        self.server._put_note(key, data, self.run_id, claim=False)
+
+    def claim_note(self, key: str, data: bytes) -> bytes:
+        check_note_key(key)
+        self._heard()
+        return self.server._put_note(key, data, self.run_id, claim=True)
+
+    def notes(self, prefix: str) -> dict[str, bytes]:
+        self._heard()
+        return self.server._read_notes(prefix)
 
     def is_closed(self) -> bool:
         self._heard()
@@ -417,6 +468,7 @@ class MemoryStore(CachedStore):
             self._seq = view.seq
             self._state = (view.state, view.token)
             self._alive = view.alive
+            self._note_keys = view.notes
 
 
 class MemoryBadNodes:

@@ -6,6 +6,7 @@ Layout of one job, under an optional chroot::
     /hpc-elastic/<run_id>            digest ACL of the job's secret only; checked on connect
         state                        JSON JobState; its znode version is the CAS token
         members/<node_id>            ephemeral, one per live agent; data = NodeInfo JSON
+        notes/<key>                  persistent notes (``Store.put_note``): a hang's evidence
         closed                       tombstone left by close_job; everything else is removed
     /hpc-elastic/.clock-<n>          ephemeral, world READ: ``probe`` reads the server's time
     /hpc-elastic/@users              world: CREATE only, like the prefix ('@' is never in a run id)
@@ -56,7 +57,7 @@ from hpc_elastic.agent.badnodes import BadNode, check_host, listing
 from hpc_elastic.errors import RendezvousAccessError, RendezvousClosedError, RendezvousError
 from hpc_elastic.rendezvous import state as st
 from hpc_elastic.rendezvous.api import NodeInfo, RendezvousSettings
-from hpc_elastic.rendezvous.backend import ABSENT, CachedStore, ConnectionState
+from hpc_elastic.rendezvous.backend import ABSENT, CachedStore, ConnectionState, check_note_key
 from hpc_elastic.rendezvous.handler import StoreRendezvous
 from hpc_elastic.rendezvous.secret import require_secret
 
@@ -213,6 +214,7 @@ class ZooKeeperStore(CachedStore):
             client.add_listener(self._on_connection_state)
             DataWatch(client, self._path("state"), self._on_state)
             _CoalescedChildrenWatch(client, self._path("members"), self._on_members)
+            _CoalescedChildrenWatch(client, self._path("notes"), self._on_notes)
 
     @property
     def session_id(self) -> tuple[int, bytes]:
@@ -263,6 +265,83 @@ class ZooKeeperStore(CachedStore):
             records = [self._records[node_id] for node_id in wanted if node_id in self._records]
         return [data for _, data in sorted(records)]
 
+    def put_note(self, key: str, data: bytes) -> None:
+        path = self._path("notes", check_note_key(key))
+        with self._converted():
+            self._client.retry(self._write_note, path, data, False)
+
+    def claim_note(self, key: str, data: bytes) -> bytes:
+        path = self._path("notes", check_note_key(key))
+        with self._converted():
+            current: bytes = self._client.retry(self._write_note, path, data, True)
+        return current
+
+    def notes(self, prefix: str) -> dict[str, bytes]:
+        """One listing, then every matching note fetched at once (all in flight together)."""
+        with self._converted():
+            try:
+                keys = self._client.retry(self._client.get_children, self._path("notes"))
+            except NoNodeError:
+                return {}  # closed (or never opened for writing): no notes
+            pending = [
+                (key, self._client.get_async(self._path("notes", key)))
+                for key in keys
+                if key.startswith(prefix)
+            ]
+            found: dict[str, bytes] = {}
+            for key, result in pending:
+                try:
+                    data, _ = result.get(timeout=RETRY_DEADLINE)
+                except NoNodeError:
+                    continue  # removed by close_job since the listing
+                except (ConnectionLoss, SessionExpiredError):
+                    data = self._client.retry(self._read_note, self._path("notes", key))
+                    if data is None:
+                        continue
+                found[key] = data
+        return found
+
+    def _write_note(self, path: str, data: bytes, claim: bool) -> bytes:
+        """Create the note; an existing one is replaced, or with ``claim`` kept and returned.
+        Idempotent: a retry after a lost reply finds our own note (a claim returns it, a put
+        writes the same bytes again)."""
+        for _ in range(2):
+            try:
+                self._client.create(path, data, acl=self._acl)
+                return data
+            except NodeExistsError:
+                if claim:
+                    current, _ = self._client.get(path)
+                    return bytes(current)
+                self._client.set(path, data)
+                return data
+            except NoNodeError:
+                self._ensure_notes_node()  # a job made before notes existed: make its node
+        raise NoNodeError(path)
+
+    def _ensure_notes_node(self) -> None:
+        """The ``notes`` node, only while the job is open: created in one transaction with a
+        ``check`` of ``members``, which ``close_job`` removes, so a late note can never
+        recreate a closed job's nodes."""
+        closed = RendezvousClosedError(
+            f"Job '{self._run_id}' is closed (finished or cancelled); no note can be written."
+        )
+        transaction = self._client.transaction()
+        transaction.check(self._path("members"), -1)
+        transaction.create(self._path("notes"), b"", acl=self._acl)
+        errors = [result for result in transaction.commit() if isinstance(result, Exception)]
+        if any(isinstance(error, NoNodeError) for error in errors):
+            raise closed
+        if errors and not any(isinstance(error, NodeExistsError) for error in errors):
+            raise errors[0]
+
+    def _read_note(self, path: str) -> bytes | None:
+        try:
+            data, _ = self._client.get(path)
+        except NoNodeError:
+            return None
+        return bytes(data)
+
     def job_exists(self) -> bool:
         """Whether the job node exists (an agent has connected at least once)."""
         with self._converted():
@@ -279,6 +358,7 @@ class ZooKeeperStore(CachedStore):
         with self._converted():
             self._client.retry(self._create, self._path("closed"), b"", False)
             self._client.retry(self._delete, self._path("members"), True)
+            self._client.retry(self._delete, self._path("notes"), True)
             self._client.retry(self._delete, self._path("state"))
         logger.debug("zookeeper: job %s closed", self._run_id)
 
@@ -317,9 +397,11 @@ class ZooKeeperStore(CachedStore):
             ) from error
 
     def _ensure_members_node(self) -> None:
-        """Not once the job is closed: its absence is what keeps a closed job closed."""
+        """``members`` and ``notes``, not once the job is closed: the absence of ``members``
+        is what keeps a closed job closed."""
         if self._client.retry(self._client.exists, self._path("closed")) is None:
             self._client.retry(self._create, self._path("members"), b"", False)
+            self._client.retry(self._create, self._path("notes"), b"", False)
 
     def _verify_acl(self) -> None:
         """Refuse a job node that is not exactly ours. Anyone may create children of the
@@ -427,6 +509,11 @@ class ZooKeeperStore(CachedStore):
             self._alive = frozenset(children)
             for gone in self._records.keys() - self._alive:
                 del self._records[gone]
+        self._notices.put(_CHANGED)
+
+    def _on_notes(self, children: list[str]) -> None:
+        with self._lock:
+            self._note_keys = frozenset(children)
         self._notices.put(_CHANGED)
 
     def _on_connection_state(self, state: str) -> None:
