@@ -508,3 +508,20 @@ def test_a_node_already_waiting_is_woken_once_to_announce_that_it_became_a_spare
     generation = spare.generation
     spare._on_change()
     assert spare.generation == generation, "announced: nothing new for the sleeping loop"
+
+
+def test_notes_shared_on_a_topic_are_read_by_node_and_one_answer_is_agreed() -> None:
+    """What an agent shares of a hang (agent/hangs.py) reaches every member, keyed by node id,
+    and two agents that decided apart on a topic both act on the first answer."""
+    server = MemoryServer()
+    a, b = (StoreRendezvous(settings(), NodeInfo(name, "h", 1), server.connect()) for name in "ab")
+    a.share("hang-2-1.1", b"a saw this")
+    assert b.sharers("hang-2-") == {"hang-2-1.1": frozenset({"a"})}
+    b.share("hang-2-1.1", b"b saw that")
+    assert a.shared("hang-2-1.1") == {"a": b"a saw this", "b": b"b saw that"}
+    assert b.agree("hang-2-1.2", b"b's verdict") == b"b's verdict"
+    assert a.agree("hang-2-1.2", b"a's verdict") == b"b's verdict"
+    assert a.sharers("hang-2-1.2") == {"hang-2-1.2": frozenset()}, "agreed, shared by nobody"
+    assert a.shared("hang-2-1.2") == {}
+    with pytest.raises(RendezvousError, match="Note topic 'x@y' holds '@'"):
+        a.share("x@y", b"")

@@ -193,6 +193,28 @@ class Rendezvous(ABC):
         return False
 
     @abstractmethod
+    def share(self, topic: str, data: bytes) -> None:
+        """Publish this node's note on ``topic`` (replacing its earlier one), for every member
+        to read until the job closes: e.g. what this node saw of a hang (agent/hangs.py).
+        ``topic`` has no '@'. A new note wakes the other agents through ``sharers``."""
+
+    @abstractmethod
+    def shared(self, topic: str) -> dict[str, bytes]:
+        """Every node's note on ``topic``, by node id, as the store holds them now."""
+
+    @abstractmethod
+    def sharers(self, prefix: str) -> dict[str, frozenset[str]]:
+        """Each topic starting with ``prefix`` that has notes, with the ids of the nodes that
+        shared on it; a topic agreed on (``agree``) counts too, with no node. From what the
+        store last pushed: no request, so an agent may ask at every poll."""
+
+    @abstractmethod
+    def agree(self, topic: str, data: bytes) -> bytes:
+        """Propose ``data`` as the one answer on ``topic``; return the answer: ours if it was
+        the first, else the first one. Agents that decided apart (on evidence that reached
+        each at a different time) so act on one answer."""
+
+    @abstractmethod
     def close(self) -> None:
         """Close the job for everyone: late agents exit cleanly; the job's state is removed."""
 

@@ -37,7 +37,20 @@ MAX_STAGGER = 5.0
 MEMBERS_RETRY = 1.0
 """Seconds before a round's completion is tried again after the store failed to list members."""
 
+NOTE_SEPARATOR = "@"
+"""Between a note's topic and the id of the node that shared it; an agreed answer's key is the
+topic and the separator alone (node ids are never empty)."""
+
 log = logging.getLogger(__name__)
+
+
+def _note_key(topic: str, node_id: str) -> str:
+    if NOTE_SEPARATOR in topic:
+        raise RendezvousError(
+            f"Note topic '{topic}' holds '{NOTE_SEPARATOR}', which separates a topic from a "
+            "node id; choose a topic without it."
+        )
+    return f"{topic}{NOTE_SEPARATOR}{node_id}"
 
 
 def free_port(environ: Mapping[str, str] = os.environ) -> int:
@@ -418,6 +431,32 @@ class StoreRendezvous(Rendezvous):
             summary,
         )
         return Step(decision, again=True)
+
+    def share(self, topic: str, data: bytes) -> None:
+        log.debug("%s: sharing a note on %s", self.node.node_id, topic)
+        self._store.put_note(_note_key(topic, self.node.node_id), data)
+
+    def shared(self, topic: str) -> dict[str, bytes]:
+        prefix = _note_key(topic, "")
+        notes = self._store.notes(prefix)
+        return {key[len(prefix) :]: data for key, data in notes.items() if key != prefix}
+
+    def sharers(self, prefix: str) -> dict[str, frozenset[str]]:
+        found: dict[str, set[str]] = {}
+        for key in self._store.note_keys():
+            topic, at, node = key.partition(NOTE_SEPARATOR)
+            if at and topic.startswith(prefix):
+                nodes = found.setdefault(topic, set())
+                if node:
+                    nodes.add(node)
+        return {topic: frozenset(nodes) for topic, nodes in found.items()}
+
+    def agree(self, topic: str, data: bytes) -> bytes:
+        answer = self._store.claim_note(_note_key(topic, ""), data)
+        log.debug(
+            "%s: %s on %s", self.node.node_id, "agreed" if answer == data else "adopted", topic
+        )
+        return answer
 
     def suspended_since(self) -> float | None:
         return self._suspended_at
