@@ -22,6 +22,7 @@ if TYPE_CHECKING:
         save,
         verify,
     )
+    from hpc_elastic.train.collectives import collective, watch_collectives
     from hpc_elastic.train.inplace import InPlace
     from hpc_elastic.train.preemption import (
         exit_preempted,
@@ -43,6 +44,8 @@ _LAZY = {
     "reading": "checkpoint",
     "save": "checkpoint",
     "verify": "checkpoint",
+    "collective": "collectives",
+    "watch_collectives": "collectives",
     "exit_preempted": "preemption",
     "finish": "preemption",
     "install_signal_handlers": "preemption",
@@ -62,6 +65,7 @@ __all__ = [
     "ElasticSampler",
     "InPlace",
     "TrainState",
+    "collective",
     "exit_preempted",
     "finish",
     "group",
@@ -75,6 +79,7 @@ __all__ = [
     "save_sharded",
     "should_stop",
     "verify",
+    "watch_collectives",
 ]
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_elastic.errors import CheckpointError
+from hpc_elastic.train.collectives import collective
 
 T = TypeVar("T")
 _log = logging.getLogger(__name__)
@@ -63,7 +64,8 @@ def collective_device() -> torch.device:
 
 def barrier() -> None:
     if active():
-        dist.barrier()
+        with collective("barrier"):
+            dist.barrier()
 
 
 def broadcast_from_rank0(value: T) -> T:
@@ -73,9 +75,10 @@ def broadcast_from_rank0(value: T) -> T:
     device = collective_device()
     payload = encode(value) if rank() == 0 else b""
     size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
-    dist.broadcast(size, src=0)
-    data = _as_tensor(payload, int(size.item()), device)
-    dist.broadcast(data, src=0)
+    with collective("broadcast"):
+        dist.broadcast(size, src=0)
+        data = _as_tensor(payload, int(size.item()), device)
+        dist.broadcast(data, src=0)
     return decode(_as_bytes(data, int(size.item())))  # type: ignore[no-any-return]
 
 
@@ -88,9 +91,10 @@ def broadcast_bytes(data: bytes | None, source: int) -> bytes:
     device = collective_device()
     payload = data if rank() == source and data is not None else b""
     size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
-    dist.broadcast(size, src=source)
-    tensor = _as_tensor(payload, int(size.item()), device)
-    dist.broadcast(tensor, src=source)
+    with collective("broadcast"):
+        dist.broadcast(size, src=source)
+        tensor = _as_tensor(payload, int(size.item()), device)
+        dist.broadcast(tensor, src=source)
     return _as_bytes(tensor, int(size.item()))
 
 
@@ -124,9 +128,10 @@ def exchange_bytes(
 
 
 def _wait_all(pending: list[dist.Work | None]) -> None:
-    for request in pending:
-        if request is not None:  # None: this process is not in the group
-            request.wait()
+    with collective("exchange"):
+        for request in pending:
+            if request is not None:  # None: this process is not in the group
+                request.wait()
 
 
 def gather_to_all(value: T) -> list[T]:
@@ -137,11 +142,12 @@ def gather_to_all(value: T) -> list[T]:
     payload = encode(value)
     size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
     sizes = [torch.zeros_like(size) for _ in range(world_size())]
-    dist.all_gather(sizes, size)
-    longest = max(int(each.item()) for each in sizes)
-    # all_gather wants tensors of one shape: pad every payload to the longest, then trim.
-    gathered = [torch.zeros(longest, dtype=torch.uint8, device=device) for _ in sizes]
-    dist.all_gather(gathered, _as_tensor(payload, longest, device))
+    with collective("all_gather"):
+        dist.all_gather(sizes, size)
+        longest = max(int(each.item()) for each in sizes)
+        # all_gather wants tensors of one shape: pad every payload to the longest, then trim.
+        gathered = [torch.zeros(longest, dtype=torch.uint8, device=device) for _ in sizes]
+        dist.all_gather(gathered, _as_tensor(payload, longest, device))
     return [
         decode(_as_bytes(data, int(each.item())))
         for data, each in zip(gathered, sizes, strict=True)

@@ -4,15 +4,23 @@ The file holds the last training step as text and its mtime says when the loop l
 While a checkpoint is written on the training thread it holds "STEP checkpoint": the loop cannot
 beat then, and the agent times the rank by its checkpoint deadline instead of the (much shorter)
 learned step deadline. Torch-free, so the agent reads it with the same code the worker writes.
+
+Beside it, the **collective marker** (``<heartbeat>.collective``) says whether the rank waits
+in a collective: "in all_reduce #12 since T" while it does, "out ..." after. A hung job's
+agents read it to tell the rank that stopped from the ranks that wait for it
+(docs/unattended.md, "Who hung"). The training helpers mark their own collectives, and
+``hpc_elastic.train.collectives`` marks a user's.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from hpc_elastic import contract
@@ -137,3 +145,104 @@ class Heartbeat:
     def _silent(self) -> bool:
         """No file to write, or the loop already said it is over."""
         return self.path is None or self._finished
+
+
+COLLECTIVE_SUFFIX = ".collective"
+MARKER_BYTES = 160
+"""Every marker record is padded to this length and written with one ``pwrite`` at offset 0
+into a file opened once: no rename and no new inode per collective, two syscalls per marked
+collective. A reader that races a write may see a mix of two records: it then fails to parse,
+and the agent falls back on the rank's stack."""
+
+
+def collective_path(heartbeat: Path | str) -> Path:
+    """The collective marker of the rank whose heartbeat is ``heartbeat``."""
+    return Path(f"{heartbeat}{COLLECTIVE_SUFFIX}")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One marker record: the rank's latest marked collective, and whether it is inside."""
+
+    inside: bool
+    op: str
+    seq: int
+    """How many collectives this process has marked, this one included."""
+    since: float
+    """When it entered (inside) or left it (wall clock)."""
+    pid: int
+    """The writer: a record left by an earlier worker of the same rank is not this one's."""
+
+
+def read_collective(path: Path | str) -> Collective | None:
+    """The marker's record, or None: no marker (the rank never marked a collective), or one
+    caught half-written."""
+    try:
+        with open(path, "rb") as file:
+            words = file.read(MARKER_BYTES).decode(errors="replace").split()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if len(words) != 5 or words[0] not in ("in", "out"):
+        return None
+    where, op, seq, since, pid = words
+    try:
+        return Collective(where == "in", op, int(seq.lstrip("#")), float(since), int(pid))
+    except ValueError:
+        return None
+
+
+class CollectiveMarker:
+    """Writes the collective marker of this rank; a no-op without a heartbeat file to sit by.
+
+    Nested and concurrent collectives (a background commit's gather beside the loop's
+    all_reduce) count once: the marker says "in" from the first entry to the last exit.
+    """
+
+    def __init__(self, heartbeat: Path | str | None = None) -> None:
+        self._heartbeat = heartbeat
+        self._resolved = False
+        self.path: Path | None = None
+        self._fd: int | None = None
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._seq = 0
+
+    def enter(self, op: str) -> None:
+        with self._lock:
+            self._depth += 1
+            self._seq += 1
+            self._write("in", op)
+
+    def leave(self, op: str) -> None:
+        with self._lock:
+            self._depth = max(0, self._depth - 1)
+            if self._depth == 0:
+                self._write("out", op)
+
+    @contextmanager
+    def marked(self, op: str) -> Iterator[None]:
+        """Mark the ``with`` block as waiting in collective ``op``."""
+        self.enter(op)
+        try:
+            yield
+        finally:
+            self.leave(op)
+
+    def _write(self, where: str, op: str) -> None:
+        if not self._resolved:
+            # At the first collective, not at import: a prewarmed standby imports modules
+            # before the agent hands it its rank's environment (agent/standby.py).
+            self._resolved = True
+            target = self._heartbeat or os.environ.get(HEARTBEAT_FILE_ENV)
+            self.path = collective_path(target) if target else None
+        if self.path is None:
+            return
+        name = "".join(c if c.isalnum() or c in "_.:-" else "_" for c in op)[:40] or "collective"
+        record = f"{where} {name} #{self._seq} {time.time():.6f} {os.getpid()}"
+        try:
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
+            os.pwrite(self._fd, record.ljust(MARKER_BYTES - 1).encode() + b"\n", 0)
+        except OSError as error:  # the run directory went away: the agent is gone too
+            log.debug("heartbeat: cannot mark collective %s: %s", op, error)
+            self.path = None

@@ -56,6 +56,7 @@ from hpc_elastic.train.assignment import (
     read_assignment,
     write_ack,
 )
+from hpc_elastic.train.collectives import collective
 
 log = logging.getLogger(__name__)
 
@@ -378,14 +379,16 @@ def _broadcast_state(state: Stateful, source: int) -> None:
     received_skeleton, shapes = _dist.decode(payload)
     device = _dist.collective_device()
     if sending:
-        for tensor in tensors:
-            dist.broadcast(tensor.detach().to(device).contiguous(), src=source)
+        with collective("broadcast"):
+            for tensor in tensors:
+                dist.broadcast(tensor.detach().to(device).contiguous(), src=source)
         return
     filled: list[torch.Tensor] = []
-    for dtype_of, shape in shapes:
-        buffer = torch.empty(shape, dtype=dtype_of.dtype, device=device)
-        dist.broadcast(buffer, src=source)
-        filled.append(buffer)
+    with collective("broadcast"):
+        for dtype_of, shape in shapes:
+            buffer = torch.empty(shape, dtype=dtype_of.dtype, device=device)
+            dist.broadcast(buffer, src=source)
+            filled.append(buffer)
     state.load_state_dict(_fill(received_skeleton, iter(filled)))
 
 

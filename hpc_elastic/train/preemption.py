@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from hpc_elastic import events
 from hpc_elastic.train import _dist, background, lease
+from hpc_elastic.train.collectives import collective
 from hpc_elastic.train.exitcodes import PREEMPTED_EXIT_CODE
 from hpc_elastic.train.heartbeat import Heartbeat
 
@@ -151,7 +152,8 @@ def _agree(stop: int, failed: int) -> tuple[bool, bool]:
     if not _dist.active():
         return bool(stop), bool(failed)
     flags = torch.tensor([stop, failed], dtype=torch.int32, device=_dist.collective_device())
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    with collective("all_reduce"):
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return bool(flags[0].item()), bool(flags[1].item())
 
 
@@ -166,8 +168,7 @@ def exit_preempted() -> NoReturn:
     """
     finish()
     background.drain_if_used()  # the final save may still be committing
-    if _dist.active():
-        dist.barrier()
+    _dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(PREEMPTED_EXIT_CODE)
