@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ from hpc_elastic.contract import DEFAULT_ZK, ZK_ENV
 from hpc_elastic.errors import ConfigError, UsageError
 from hpc_elastic.options import ConfigReader, WrongTypeError, config_readers
 from hpc_elastic.spec import parse_zk
+from hpc_elastic.trust import unsafe_file_reason
 
 CONFIG_FILE = "hpc-elastic.toml"
 PYPROJECT_FILE = "pyproject.toml"
@@ -71,17 +71,10 @@ def search_directories(start: Path, home: Path) -> list[Path]:
     return directories
 
 
-def unsafe_config_reason(owner: int, mode: int, uid: int) -> str | None:
-    """Why a config file with this owner and mode must not be trusted by ``uid``, or None.
-
-    Anyone else's file, or one that group or others may rewrite, could name a template or setup
-    lines that would run as us.
-    """
-    if owner != uid:
-        return f"it is owned by user id {owner}, not by you"
-    if mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"group or others may write it (mode {stat.S_IMODE(mode):04o})"
-    return None
+unsafe_config_reason = unsafe_file_reason
+"""Why a config file with this owner and mode must not be trusted: anyone else's file, or one
+that group or others may rewrite, could name a template or setup lines that would run as us.
+The one rule for every file we act on (``hpc_elastic.trust``), templates included."""
 
 
 def _trusted(path: Path, uid: int) -> Path:

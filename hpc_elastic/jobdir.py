@@ -22,6 +22,7 @@ field, by ``load``: nothing in a ``job.json`` is trusted, since what it names re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpc_elastic import contract, events
+from hpc_elastic import contract, events, trust
 from hpc_elastic.errors import UsageError
 from hpc_elastic.spec import NodeRange, parse_zk
 
@@ -44,6 +45,9 @@ PRIVATE_DIR_MODE = 0o700
 PRIVATE_FILE_MODE = 0o600
 """The job directory and its files are the user's alone whatever the umask: the script and
 job.json carry ``--env`` values, which may be tokens, and the directory holds the secret."""
+
+LOG_DIR_MODE = 0o755
+"""The most a log directory we make may allow (the umask may narrow it): nobody else writes it."""
 
 _log = logging.getLogger(__name__)
 _JOB_ID = re.compile(r"^[1-9]\d{0,17}$")
@@ -166,10 +170,50 @@ def indexed(environ: Mapping[str, str] = os.environ) -> list[Path]:
 
 
 def make_private_dir(path: Path) -> None:
-    """``path`` and missing parents; ``path`` itself 0700 (the parents follow the umask)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """``path`` and missing parents; ``path`` itself 0700, the parents as ``make_log_dir``."""
+    make_log_dir(path.parent)
     path.mkdir(mode=PRIVATE_DIR_MODE)
     path.chmod(PRIVATE_DIR_MODE)
+
+
+def make_log_dir(path: Path) -> None:
+    """``path`` and its missing parents, each made no wider than 0755 whatever the umask:
+    whoever may write a log directory may rename the job directories in it."""
+    missing = []
+    for directory in (path, *path.parents):
+        if os.path.lexists(directory):
+            break
+        missing.append(directory)
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # made by another process meanwhile
+            directory.mkdir(mode=LOG_DIR_MODE)
+
+
+def job_dir_problem(path: Path) -> str | None:
+    """Why ``path`` is not a job directory of this user's alone, or None: it must be a real
+    directory (not a link), owned by us, mode 0700. Anyone who may rename entries in the log
+    directory could otherwise put a directory of theirs in its place, with their code in
+    ``code/`` and a link to our secret, between ``submit`` and the moment a slot starts."""
+    return trust.private_dir_problem(path)
+
+
+def untrusted_job_dir(path: Path, reason: str) -> str:
+    """The sentence that refuses job directory ``path`` for ``reason``."""
+    return (
+        f"Job directory '{path}' is not trusted because {reason}; someone may have put a "
+        "directory of theirs in its place, so nothing in it is run or read: check who may "
+        f"rename entries in '{path.parent}', and run the job again under a --log-dir that "
+        "only you can write."
+    )
+
+
+def ensure_job_dir(path: Path) -> str | None:
+    """Make ``path`` (0700) if it is missing, as an agent started by hand may find it; then
+    ``job_dir_problem``. Another agent of the job making it at the same moment is no fault."""
+    if not os.path.lexists(path):
+        with contextlib.suppress(FileExistsError):
+            make_private_dir(path)
+    return job_dir_problem(path)
 
 
 def write_private(path: Path, text: str, *, exclusive: bool = False) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import secrets
 import shutil
 import signal
 import subprocess
@@ -29,7 +30,14 @@ from hpc_elastic.contract import RUN_ID_ENV
 from hpc_elastic.errors import UsageError
 from hpc_elastic.events import ChurnDetails, Kind
 from hpc_elastic.invocation import AgentInvocation
-from hpc_elastic.jobdir import JobDir, JobRecord, make_private_dir
+from hpc_elastic.jobdir import (
+    JobDir,
+    JobRecord,
+    job_dir_problem,
+    make_private_dir,
+    untrusted_job_dir,
+    write_private,
+)
 from hpc_elastic.ops.progress import Progress
 from hpc_elastic.options import agent_options
 from hpc_elastic.rendezvous import state as st
@@ -194,7 +202,12 @@ class LocalJob:
 
     def execute(self) -> int:
         """Run the job to its end; always leaves no agent and no socket behind."""
-        self._write_job_dir()
+        try:
+            self._write_job_dir()
+            self._check_job_dir()
+        except BaseException:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+            raise
         self._server.start()
         try:
             for node in self._nodes:
@@ -341,10 +354,21 @@ class LocalJob:
             events.Event(kind=kind, job=self.run_id, slot="run", details=details),
         )
 
+    def _check_job_dir(self) -> None:
+        """The job directory is still the one just made, ours alone: someone who may rename
+        entries in the log directory could have put theirs in its place by now (the agents
+        check again when they start)."""
+        problem = job_dir_problem(self.job_dir)
+        if problem is not None:
+            raise UsageError(untrusted_job_dir(self.job_dir, problem))
+
     def _write_job_dir(self) -> None:
         try:
             make_private_dir(self.job_dir)
             self.paths.logs.mkdir()
+            # The job's secret, as submit writes one: the workers seal their checkpoints'
+            # manifests with it (hpc_elastic.train._integrity), so only what this job wrote loads.
+            write_private(self.paths.secret, secrets.token_hex(32), exclusive=True)
         except OSError as error:
             raise UsageError(
                 f"Job directory '{self.job_dir}' cannot be created ({error.strerror}); "

@@ -24,7 +24,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Protocol
 
-from hpc_elastic import __version__, snapshot
+from hpc_elastic import __version__, snapshot, trust
 from hpc_elastic.errors import HpcElasticError, SnapshotError, UsageError
 from hpc_elastic.jobdir import (
     JOB_FILE,
@@ -34,6 +34,7 @@ from hpc_elastic.jobdir import (
     SECRET_FILE,
     JobDir,
     JobRecord,
+    make_log_dir,
     make_private_dir,
     write_private,
     write_private_bytes,
@@ -188,7 +189,11 @@ def _check_partition(spec: JobSpec, slurm: SlurmCommands) -> None:
 
 def _write_job_dir(job: Plan, files: Mapping[str, bytes]) -> None:
     """The job directory, complete before sbatch; a failure part way removes it again."""
+    log_dir = job.job_dir.parent
+    _refuse_unsafe_log_dir(log_dir)  # before anything is written
     try:
+        make_log_dir(log_dir)
+        _refuse_unsafe_log_dir(log_dir)  # again: who else could have made it meanwhile
         make_private_dir(job.job_dir)
     except OSError as err:
         raise _unwritable(job, err) from err
@@ -206,6 +211,23 @@ def _write_job_dir(job: Plan, files: Mapping[str, bytes]) -> None:
     except HpcElasticError:
         shutil.rmtree(job.job_dir, ignore_errors=True)
         raise
+
+
+def _refuse_unsafe_log_dir(log_dir: Path) -> None:
+    """Refuse a log directory in which, or above which, another user may rename entries: they
+    could put a directory of theirs, with their code and a link to our secret, in place of a
+    job's while it waits in the queue. The agents would refuse the swapped directory, but
+    the job would never run; this keeps the swap from being possible."""
+    found = trust.unsafe_parent(log_dir)
+    if found is None:
+        return
+    where = found.directory
+    fix = f"run 'chmod +t {where}' or 'chmod go-w {where}', or give" if found.ours else "give"
+    raise UsageError(
+        f"--log-dir '{log_dir}' is not safe for job directories: '{where}' is refused because "
+        f"{found.reason}, so someone could put a directory of theirs in place of a job's "
+        f"before it runs; {fix} a --log-dir under directories only you (and root) can write."
+    )
 
 
 def _unwritable(job: Plan, err: OSError) -> UsageError:

@@ -7,6 +7,7 @@ the signal handlers and runs the ``Agent``; its exit code is the agent's (see ``
 from __future__ import annotations
 
 import getpass
+import logging
 import os
 import signal
 import socket
@@ -23,7 +24,9 @@ import typer
 from hpc_elastic import contract, events, notify
 from hpc_elastic.agent.agent import Agent, Prepared, prepare
 from hpc_elastic.agent.api import AgentSpec, parse_signal
+from hpc_elastic.errors import AgentError
 from hpc_elastic.events import Kind
+from hpc_elastic.jobdir import ensure_job_dir, untrusted_job_dir
 from hpc_elastic.logs import configure_from_env
 from hpc_elastic.options import AGENT_OPTIONS, with_options
 from hpc_elastic.rendezvous import local_store
@@ -39,6 +42,7 @@ if TYPE_CHECKING:
     from hpc_elastic.metrics import MetricsExporter
 
 HOST_ENV = contract.HOST_ENV
+_log = logging.getLogger(__name__)
 
 CONTEXT = {"allow_interspersed_args": False}
 """Everything after ``--`` (or after the first positional argument) is the worker command."""
@@ -124,6 +128,7 @@ def _run_agent(
 ) -> int:
     """``run_agent`` with its notifier."""
     spec = agent_spec(command, args)
+    _check_job_dir(spec.job_dir)
     slot = args.slot if args.slot is not None else default_slot(os.environ)
     limits = SlotLimits(args.max_preemptions, args.max_time_limits, args.exclude_after)
     array_slot = ElasticSlot.from_env(os.environ, spec.job_dir, limits)
@@ -154,6 +159,15 @@ def _run_agent(
     if array_slot is not None:
         code = array_slot.settle(code, spec.grace, slot_emit)
     return code
+
+
+def _check_job_dir(job_dir: Path) -> None:
+    """Refuse a job directory that is not ours alone before anything in it is read or run:
+    the worker command runs the code snapshot in it, and the secret lies in it."""
+    problem = ensure_job_dir(job_dir)
+    if problem is not None:
+        raise AgentError(untrusted_job_dir(job_dir, problem))
+    _log.debug("job directory %s is ours alone", job_dir)
 
 
 def agent_spec(command: tuple[str, ...], args: AgentArguments) -> AgentSpec:

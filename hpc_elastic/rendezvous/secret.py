@@ -6,6 +6,7 @@ to every user of the node).
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import stat
@@ -30,25 +31,57 @@ def create_secret_file(path: Path) -> str:
 
 
 def read_secret_file(path: Path) -> str:
-    """The secret in ``path``, refusing a file that other users could have read."""
+    """The secret in ``path``, refusing a link, a file of another user, and a file that other
+    users could have read.
+
+    The file is opened without following a link and checked on the open descriptor: a job
+    directory swapped for another user's could hold a link to the real secret (to get the
+    agent to join with it) or a secret of theirs; the job directory's own check
+    (``jobdir.job_dir_problem``) keeps the directories above it ours. ``O_NONBLOCK``: a FIFO in
+    its place fails the regular-file check instead of blocking the open.
+    """
     try:
-        mode = path.stat().st_mode
-        text = path.read_text().strip()
+        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise UsageError(
+                f"ZooKeeper secret file '{path}' is a symbolic link, which is never followed; "
+                "give the job's own secret file (hpc-elastic submit writes it in the job "
+                "directory)."
+            ) from error
         raise RendezvousError(
             f"Cannot read the ZooKeeper secret file '{path}' ({error.strerror}); "
             "check --zk-auth-file."
         ) from error
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise UsageError(
-            f"ZooKeeper secret file '{path}' has mode {stat.S_IMODE(mode):04o}, so other users "
-            f"can read it; run 'chmod 600 {path}'."
-        )
+    with os.fdopen(descriptor, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        problem = _untrusted_secret(info, path)
+        text = "" if problem is not None else handle.read().decode(errors="replace").strip()
+    if problem is not None:
+        raise UsageError(f"ZooKeeper secret file '{path}' {problem}")
     if not text:
         raise UsageError(
             f"ZooKeeper secret file '{path}' is empty; let 'hpc-elastic submit' create it."
         )
     return text
+
+
+def _untrusted_secret(info: os.stat_result, path: Path) -> str | None:
+    """The rest of the sentence refusing a secret file with this status, or None."""
+    mode = info.st_mode
+    if not stat.S_ISREG(mode):
+        return "is not a regular file; give the job's own secret file."
+    if info.st_uid != os.geteuid():
+        return (
+            f"is owned by user id {info.st_uid}, not by you, so someone else chose it; "
+            "give the secret file that hpc-elastic submit wrote for you."
+        )
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        return (
+            f"has mode {stat.S_IMODE(mode):04o}, so other users can read it; run "
+            f"'chmod 600 {path}'."
+        )
+    return None
 
 
 OPEN_ACL_FLAG = "--zk-open-acl"

@@ -1,0 +1,166 @@
+"""A hostile shared filesystem: another Unix user who can write near our files can neither run
+code as us, nor feed us weights, nor read our secret.
+
+Each attack is carried out by a real second, unprivileged account (``mallory``, see
+tests/unix_users.py) against the product run by the test's own user; docs/security.md lists
+them under "Attacks and their tests".
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from cluster import REPO
+from test_cli import FakeSlurm
+from typer.testing import CliRunner
+from unix_users import UnixUser, mallory, shared
+
+from hpc_elastic import cli
+from hpc_elastic.commands import submit as submit_command
+from hpc_elastic.errors import UsageError
+from hpc_elastic.jobdir import make_private_dir, write_private
+from hpc_elastic.rendezvous.secret import read_secret_file
+
+__all__ = ["mallory", "shared"]  # fixtures, imported for pytest to find
+
+RUN_ID = "train-20260101-000000-" + "ab" * 16
+HER_SCRIPT = "open({canary!r}, 'w').write('mallory ran as uid %d' % __import__('os').getuid())\n"
+
+
+def one_error_line(stderr: str) -> str:
+    """The CLI's whole answer to a refusal: one ``error:`` line, no traceback."""
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("error: "), stderr
+    return lines[0]
+
+
+# --- 1. A pending job's directory swapped for the attacker's --------------------------------
+
+
+def a_submitted_job(log_dir: Path) -> Path:
+    """A job directory as ``submit`` leaves it: 0700, its secret 0600, its code snapshot."""
+    job = log_dir / RUN_ID
+    make_private_dir(job)
+    write_private(job / "secret", secrets.token_hex(32), exclusive=True)
+    (job / "code").mkdir()
+    (job / "code" / "train.py").write_text("print('the job as submitted')\n")
+    return job
+
+
+def swap(attacker: UnixUser, job: Path, canary: Path) -> None:
+    """The attack: rename the job's directory aside, make one of her own in its place that
+    links to the real secret, and plant her training script where the job will look."""
+    aside = job.with_name(f".{job.name}")
+    attacker.sh(
+        f"mv {job} {aside}; mkdir -p {job}/code; ln -s ../{aside.name}/secret {job}/secret; "
+        f"cat > {job}/code/train.py <<'EOF'\n{HER_SCRIPT.format(canary=str(canary))}EOF\n"
+        f"chmod -R a+rwX {job}"
+    )
+
+
+def test_an_agent_never_runs_code_from_a_job_directory_another_user_swapped(
+    mallory: UnixUser, shared: Path, private_zookeeper: str
+) -> None:
+    job = a_submitted_job(shared / "project")
+    canary = shared / "canary"
+    swap(mallory, job, canary)
+    agent = subprocess.run(
+        [
+            sys.executable, "-m", "hpc_elastic", "agent", f"--run-id={RUN_ID}",
+            f"--job-dir={job}", f"--zk={private_zookeeper}/fs-{uuid.uuid4().hex}",
+            f"--zk-auth-file={job / 'secret'}", "--nodes=1", "--slot=0", "--host=127.0.0.1",
+            "--no-preflight", "--", sys.executable, "-u", str(job / "code" / "train.py"),
+        ],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    assert not canary.exists(), f"the agent ran her script: {canary.read_text()}"
+    assert agent.returncode == 1, agent.stderr
+    line = one_error_line(agent.stderr)
+    assert f"Job directory '{job}' is not trusted because it is owned by user id" in line
+    assert str(mallory.uid) in line
+
+
+def test_a_secret_file_that_is_a_link_or_another_users_file_is_never_read(
+    mallory: UnixUser, shared: Path
+) -> None:
+    hers = shared / "project" / "secret"
+    mallory.sh(f"umask 077; echo her-own-secret > {hers}")
+    job = shared / "victim-job"
+    make_private_dir(job)
+    (job / "secret").symlink_to(hers)
+    with pytest.raises(UsageError, match=f"secret file '{job / 'secret'}' is a symbolic link"):
+        read_secret_file(job / "secret")
+    with pytest.raises(UsageError, match=f"secret file '{hers}' is owned by user id {mallory.uid}"):
+        read_secret_file(hers)
+
+
+@pytest.fixture
+def submitting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeSlurm:
+    """``hpc-elastic submit`` from a project of the test's own, with sbatch stood in for."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HPC_ELASTIC_ZK", raising=False)
+    (tmp_path / "train.py").write_text("pass\n")
+    fake = FakeSlurm()
+    monkeypatch.setattr(submit_command, "slurm", fake)
+    return fake
+
+
+@pytest.mark.parametrize("where", ["a group project directory", "a teammate's runs directory"])
+def test_submit_refuses_a_log_directory_in_which_another_user_may_rename_the_job(
+    mallory: UnixUser, shared: Path, submitting: FakeSlurm, where: str
+) -> None:
+    project = shared / "project"
+    unsafe, log_dir = project, project / "runs"
+    if where == "a teammate's runs directory":
+        unsafe = log_dir = project / "mallory-runs"
+        mallory.sh(f"mkdir -m 755 {log_dir}")
+    result = CliRunner().invoke(cli.app, ["submit", f"--log-dir={log_dir}", "train.py"])
+    assert result.exit_code == 2, result.stderr
+    line = one_error_line(result.stderr)
+    assert f"'{unsafe}'" in line
+    assert "--log-dir" in line
+    assert submitting.submitted == []
+    assert not any(log_dir.glob("train-*")), "a job directory was made"
+
+
+def test_submit_accepts_a_log_directory_under_a_sticky_one(
+    mallory: UnixUser, shared: Path, submitting: FakeSlurm
+) -> None:
+    del mallory  # the same place as above, made safe: others may add entries, not move ours
+    (shared / "project").chmod(0o1777)
+    result = CliRunner().invoke(
+        cli.app, ["submit", f"--log-dir={shared / 'project' / 'runs'}", "train.py"]
+    )
+    assert result.exit_code == 0, result.stderr
+    assert len(submitting.submitted) == 1
+
+
+def test_run_refuses_a_job_directory_swapped_before_its_agents_start(
+    mallory: UnixUser, shared: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hpc_elastic import local  # noqa: PLC0415
+    from hpc_elastic.spec import NodeRange  # noqa: PLC0415
+
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    run = local.LocalRun(script=script, nodes=NodeRange(1, 1), log_dir=shared / "project")
+    job = local.LocalJob(run, say=lambda _text: None)
+    canary = shared / "canary"
+    written = local.LocalJob._write_job_dir
+
+    def then_swapped(self: local.LocalJob) -> None:
+        written(self)
+        swap(mallory, self.job_dir, canary)
+
+    monkeypatch.setattr(local.LocalJob, "_write_job_dir", then_swapped)
+    with pytest.raises(UsageError, match=f"^Job directory '{job.job_dir}' is not trusted because"):
+        job.execute()
+    assert not (job.job_dir / "logs").exists(), "an agent was started in her directory"
