@@ -12,14 +12,21 @@ variable into an error instead of a blank.
 Templates render in Jinja's ``SandboxedEnvironment``: a template reached through a config file
 may not be the user's own, and the sandbox keeps it from reaching Python (``__class__``,
 ``__subclasses__``, ``os``); the worst it can do is write a bad script, which is printed by
-``render`` before anything runs.
+``render`` before anything runs. The sandbox needs jinja2 3.1.6 or later: 3.1.5's is escaped
+with ``|attr("format")`` alone (CVE-2025-27516), so pyproject.toml asks for 3.1.6.
+What may be rendered at all is checked first: the user's template, and every file it extends
+or includes from beside it, must pass the config file's own rule (the user's, writable by no
+one else: ``trust.unsafe_file_reason``), and built-in names always mean the built-in templates.
 """
 
 from __future__ import annotations
 
 import importlib.resources
+import logging
+import os
 import re
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,6 +36,7 @@ from hpc_elastic.invocation import AgentInvocation
 from hpc_elastic.jobdir import JobDir
 from hpc_elastic.options import agent_options, job_environment, sbatch_options
 from hpc_elastic.spec import JobSpec, mounts_of
+from hpc_elastic.trust import unsafe_file_reason
 
 if TYPE_CHECKING:
     import jinja2
@@ -36,6 +44,7 @@ if TYPE_CHECKING:
 ELASTIC_TEMPLATE = "elastic.sh.j2"
 FIXED_TEMPLATE = "fixed.sh.j2"
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -205,12 +214,12 @@ def _agent_range(spec: JobSpec) -> str:
     return f"{nodes.min}:{nodes.max}" if spec.is_array else f"1:{nodes.max}"
 
 
-def _environment(search_path: list[Path]) -> jinja2.Environment:
+def _environment(user_dir: Path | None) -> jinja2.Environment:
     import jinja2  # noqa: PLC0415 (here, so `hpc-elastic --help` does not pay for it)
     import jinja2.sandbox  # noqa: PLC0415
 
     return jinja2.sandbox.SandboxedEnvironment(
-        loader=jinja2.FileSystemLoader([str(path) for path in search_path]),
+        loader=jinja2.FunctionLoader(lambda name: _find_template(name, user_dir)),
         undefined=jinja2.StrictUndefined,
         autoescape=False,
         keep_trailing_newline=True,
@@ -219,8 +228,44 @@ def _environment(search_path: list[Path]) -> jinja2.Environment:
     )
 
 
+def _find_template(name: str, user_dir: Path | None) -> tuple[str, str, Callable[[], bool]]:
+    """What ``{% extends %}`` and ``{% include %}`` reach: a built-in template first, whatever
+    lies beside the user's, so a ``base.sh.j2`` planted next to it is never the one used;
+    then a file beside the user's template, which must pass ``read_trusted_template``. The
+    built-in ones are the package's own files: whoever can change them can change its code.
+    A name with ``..`` never leaves its directory."""
+    from jinja2 import TemplateNotFound  # noqa: PLC0415 (see _environment)
+    from jinja2.loaders import split_template_path  # noqa: PLC0415
+
+    pieces = split_template_path(name)
+    builtin = builtin_template_dir().joinpath(*pieces)
+    if builtin.is_file():
+        return builtin.read_text(encoding="utf-8"), str(builtin), lambda: True
+    if user_dir is not None and user_dir.joinpath(*pieces).is_file():
+        path = user_dir.joinpath(*pieces)
+        _log.debug("template %r is %s, beside the user's", name, path)
+        return read_trusted_template(path), str(path), lambda: True
+    where = "among the built-in templates" + (" or beside yours" if user_dir else "")
+    raise TemplateNotFound(name, f"{name!r} not found {where}")
+
+
+def read_trusted_template(path: Path) -> str:
+    """The text of a template of the user's, refused unless it passes the config file's own
+    rule (``trust.unsafe_file_reason``): the user's file, that no one else may write. The
+    check is made on the open file, so the file checked is the file read."""
+    with path.open("rb") as file:
+        info = os.fstat(file.fileno())
+        reason = unsafe_file_reason(info.st_uid, info.st_mode, os.geteuid())
+        if reason is not None:
+            raise TemplateError(
+                f"Template '{path}' is not trusted because {reason}; remove it, or make it "
+                "yours and writable only by you (chmod go-w)."
+            )
+        return file.read().decode("utf-8")
+
+
 def _render_builtin(name: str, variables: dict[str, object]) -> str:
-    return _environment([builtin_template_dir()]).get_template(name).render(variables)
+    return _environment(None).get_template(name).render(variables)
 
 
 def _render_user(path: Path, variables: dict[str, object]) -> str:
@@ -229,14 +274,14 @@ def _render_user(path: Path, variables: dict[str, object]) -> str:
     import jinja2.sandbox  # noqa: PLC0415
 
     try:
-        source = path.read_text(encoding="utf-8")
+        source = read_trusted_template(path)
     except (OSError, UnicodeDecodeError) as err:
         reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
         raise TemplateError(
             f"--template '{path}' cannot be read ({reason}); give the path of a Jinja2 "
             "sbatch template."
         ) from err
-    environment = _environment([path.resolve().parent, builtin_template_dir()])
+    environment = _environment(path.resolve().parent)
     try:
         return environment.from_string(source).render(variables)
     except jinja2.TemplateSyntaxError as err:
@@ -253,4 +298,9 @@ def _render_user(path: Path, variables: dict[str, object]) -> str:
         raise TemplateError(
             f"--template '{path}' failed to render: {err.message}; fix the template "
             "(docs/submit.md lists the variables it may use)."
+        ) from err
+    except (OSError, UnicodeDecodeError) as err:
+        raise TemplateError(
+            f"--template '{path}' reaches a template that cannot be read ({err}); fix the "
+            "template or the file it names."
         ) from err

