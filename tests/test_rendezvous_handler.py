@@ -525,3 +525,51 @@ def test_notes_shared_on_a_topic_are_read_by_node_and_one_answer_is_agreed() -> 
     assert a.shared("hang-2-1.2") == {}
     with pytest.raises(RendezvousError, match="Note topic 'x@y' holds '@'"):
         a.share("x@y", b"")
+
+
+def test_a_round_never_forms_below_min_from_a_view_that_missed_a_departure() -> None:
+    """Found by the simulation (seed 27655): b left during the last call, and a's view, its
+    watch still in flight, showed b alive. a completed the round with the members the store
+    still had, a alone, for a 2:3 job: a round below MIN. A member missing from the store
+    now means a stale view: a waits for its watch and decides again."""
+    held: list[Callable[[], None]] = []
+    holding: list[MemoryStore] = []
+
+    def deliver(store: MemoryStore, notification: Callable[[], None]) -> None:
+        if store in holding:
+            held.append(notification)
+        else:
+            notification()
+
+    clock = ManualClock()
+    server = MemoryServer(clock=clock, deliver=deliver)
+    config = RendezvousSettings(run_id="job", nodes=NodeRange(2, 3), last_call=2.0)
+    a_store = server.connect("job", config.session_timeout)
+    a = StoreRendezvous(
+        config, NodeInfo("a", "host-a", 1), a_store, clock=clock, pick_port=lambda: 1
+    )
+    b_store = server.connect("job", config.session_timeout)
+    b = StoreRendezvous(
+        config, NodeInfo("b", "host-b", 1), b_store, clock=clock, pick_port=lambda: 1
+    )
+    a.begin_round()
+    b.begin_round()
+    step = a.round_step()
+    while step.again:
+        step = a.round_step()
+    assert step.action is st.Action.LAST_CALL
+    holding.append(a_store)  # a's watches are late from here on
+    b.leave()
+    clock.now = 2.0
+    step = a.round_step()
+    while step.again:
+        step = a.round_step()
+    assert step.round is None
+    assert step.wake_at is not None, "a waits for its view to catch up, then decides again"
+    state = server.state[0]
+    assert state is not None
+    assert st.decode(state).round == 0, "no round formed without b's place filled"
+    holding.clear()
+    for notification in held:
+        notification()
+    assert a.round_step().action is st.Action.BELOW_MIN

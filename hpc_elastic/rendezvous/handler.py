@@ -536,6 +536,12 @@ class StoreRendezvous(Rendezvous):
             return Step(action, wake_at=now + MEMBERS_RETRY)
         if self._store.get_state()[1] != token:
             return Step(action, again=True)  # Changed meanwhile: decide again, do not encode.
+        if len(records) < len(present):
+            # A candidate left after our view was taken (its watch is still on the way): the
+            # round would be decided on who is gone, and could form below MIN (simulation
+            # seed 27655). Decide again once the view caught up, or a moment later.
+            log.debug("%s: a candidate left meanwhile; deciding again", self.node.node_id)
+            return Step(action, wake_at=now + MEMBERS_RETRY)
         exclude = st.stragglers(state, alive) if self._overdue else frozenset()
         if exclude:
             log.warning(
