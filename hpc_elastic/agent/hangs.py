@@ -1,0 +1,449 @@
+"""Who hung: the rank that stopped, never a rank that waits for it (docs/unattended.md).
+
+When one rank stops, every other rank of the job soon waits for it in a collective, on every
+node, and every agent sees its ranks make no progress: the first agent whose deadline passes
+is as likely to hold a waiting rank as the stopped one. So no agent blames a rank on its
+deadline alone. Each agent that takes part in a hang's investigation shares what it saw of
+its own ranks (``NodeEvidence``) through the rendezvous, and the verdict is a pure function
+of every node's evidence (``attribute``), agreed once for the whole job.
+
+What one rank's evidence says, read before the agent touches the rank:
+
+* its state in ``/proc`` (``T``: stopped, ``D``: uninterruptible sleep): such a rank cannot
+  answer, and is the culprit;
+* its collective marker (``train/heartbeat.py``): inside a collective, or out of any;
+* its stack, from the faulthandler dump the agent asks for: the main thread in
+  ``torch.distributed`` or in ``backward`` (DDP's gradient all-reduce) waits for its peers; a
+  rank that does not answer the dump signal at all is the culprit;
+* how long it made no progress, with the time it waited for a CPU discounted (``age``).
+
+Nothing here reads a clock, a file or a process: the investigation (``agent/investigation``)
+gathers the evidence, these rules decide, so every case is a unit test.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+PROGRESS_SHARE = 0.5
+"""A rank outside any collective that made progress within this share of its deadline is
+still moving (slow, on a busy machine), and the investigation is dismissed: the others wait
+for a rank that will come. A rank frozen in a collective's lockstep stopped beating at most a
+step before the others, far less than half a deadline (at least five steps)."""
+
+STOPPED = "T"
+TRACED = "t"
+DISK = "D"
+EXITED = "exited"
+"""The process had ended when its agent looked (its exit code says how)."""
+FINISHED = "finished"
+"""Its training loop said it is over (``heartbeat.FINISHED``): not timed, never blamed."""
+UNKNOWN = "?"
+
+
+@dataclass(frozen=True)
+class RankEvidence:
+    """What one rank's agent saw of it."""
+
+    rank: int
+    state: str = UNKNOWN
+    """The ``/proc`` state letter before the agent froze the rank (R, S, D, T, ...), or
+    ``EXITED``, ``FINISHED``, ``UNKNOWN``."""
+    age: float = 0.0
+    """Seconds since it last made progress (its heartbeat), less the time it waited for a CPU
+    and the time its agent was not scheduled: what the deadline is compared with."""
+    deadline: float = 0.0
+    phase: str = "step"
+    marker: str | None = None
+    """Its collective marker: "in all_reduce #12" or "out all_reduce #12"; None when it never
+    marked one (a script that uses neither the training helpers nor ``collective``)."""
+    inside: bool | None = None
+    """The marker's word: in a collective (True), out of any (False), or no marker (None)."""
+    stack: str | None = None
+    """Where its main thread was in the dump it printed: "train.py:42 in step"."""
+    waits_in: str | None = None
+    """The collective its stack waits in ("all_reduce", "backward"); None when the stack is
+    the rank's own code, or unknown."""
+    dumped: bool | None = None
+    """None: not asked for its stack yet; True: it printed a dump or died of the signal;
+    False: still alive, printing nothing, after the dump deadline (it cannot answer)."""
+    exit_code: int | None = None
+    echo: bool = False
+    """It exited because a peer vanished (``rootcause.is_echo``): it was in a collective."""
+
+    @property
+    def in_collective(self) -> bool | None:
+        """Whether it waits in a collective; None when nothing tells.
+
+        A marker that says "in" is the rank's own word. One that says "out" only says that no
+        *marked* collective is under way: DDP's gradient all-reduce runs unmarked inside
+        ``backward()``, so the stack, once there is one, has the last word."""
+        if self.state == EXITED:
+            return True if self.echo else None
+        if self.inside:
+            return True
+        if self.dumped and self.stack is not None:
+            return self.waits_in is not None
+        return self.inside
+
+    @property
+    def collective(self) -> str:
+        """The collective it waits in, for a sentence: its marker's, else its stack's."""
+        if self.inside and self.marker:
+            return self.marker.removeprefix("in ")
+        return self.waits_in or "a collective"
+
+    @property
+    def stuck(self) -> str | None:
+        """Why it cannot answer (stopped, in uninterruptible sleep, silent to the dump
+        signal), or None."""
+        if self.state in (STOPPED, TRACED):
+            return f"stopped (state {self.state})"
+        if self.state == DISK:
+            return "in uninterruptible sleep (state D)"
+        if self.dumped is False:
+            return "silent to the stack-dump signal"
+        return None
+
+    @property
+    def timed(self) -> bool:
+        """Whether it was still at work (not finished, not exited cleanly)."""
+        return self.state != FINISHED and not (self.state == EXITED and self.exit_code == 0)
+
+    @property
+    def moving(self) -> bool:
+        """Still making progress: outside any collective (as far as is known), able to
+        answer, and beaten within ``PROGRESS_SHARE`` of its deadline."""
+        return (
+            self.timed
+            and self.state not in (EXITED, UNKNOWN)
+            and self.stuck is None
+            and self.in_collective is not True
+            and self.age < self.deadline * PROGRESS_SHARE
+        )
+
+
+@dataclass(frozen=True)
+class Suspicion:
+    """The local hang that made an agent open (or join) the investigation."""
+
+    rank: int
+    phase: str
+    waited: float
+    """Wall seconds since the rank's last progress."""
+    deadline: float
+    overridden: bool = False
+    """The deadline is ``--hang-timeout``, not learned."""
+
+    def clause(self) -> str:
+        how = "--hang-timeout" if self.overridden else "learned deadline"
+        return (
+            f"the job made no progress for {self.waited:.1f} s in {self.phase} "
+            f"({how} {self.deadline:.1f} s)"
+        )
+
+
+@dataclass(frozen=True)
+class NodeEvidence:
+    """What one agent shares of a hang: its ranks' evidence, and its own suspicion."""
+
+    node_id: str
+    slot: str
+    ranks: tuple[RankEvidence, ...] = ()
+    stage: int = 1
+    """1: read without touching the ranks (states, markers, ages); 2: stacks too."""
+    suspicion: Suspicion | None = None
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> NodeEvidence | None:
+        """None for a note that is not evidence of this version (never trusted blindly)."""
+        try:
+            raw = json.loads(data)
+            ranks = tuple(RankEvidence(**rank) for rank in raw.pop("ranks"))
+            suspicion = raw.pop("suspicion")
+            return cls(
+                **raw,
+                ranks=ranks,
+                suspicion=Suspicion(**suspicion) if suspicion is not None else None,
+            )
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as error:
+            logger.debug("hangs: a note that is not evidence: %s", error)
+            return None
+
+
+@dataclass(frozen=True)
+class Member:
+    """One node of the round, as the verdict needs it: its ranks and how to name it."""
+
+    node_id: str
+    slot: str
+    first_rank: int
+    nproc: int
+
+    @property
+    def ranks(self) -> range:
+        return range(self.first_rank, self.first_rank + self.nproc)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The investigation's answer, agreed once for the whole job."""
+
+    kind: str
+    """``CULPRIT``, ``AMBIGUOUS`` or ``DISMISSED``."""
+    sentence: str
+    reporter: str
+    """The node whose agent records the failure: the culprit's, else the first member that
+    answered; every other agent only rejoins."""
+    rank: int | None = None
+    node_id: str = ""
+    slot: str = ""
+    evidence: dict[str, str] = field(default_factory=dict)
+    """One line per rank the verdict rests on, for ``events``."""
+
+    @property
+    def blames_a_node(self) -> bool:
+        """Only a culprit counts against its node (bad-node memory, exclusion)."""
+        return self.kind == CULPRIT
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> Verdict | None:
+        try:
+            raw = json.loads(data)
+            verdict = cls(**raw)
+        except (ValueError, TypeError, RecursionError) as error:
+            logger.debug("hangs: a note that is not a verdict: %s", error)
+            return None
+        return verdict if verdict.kind in (CULPRIT, AMBIGUOUS, DISMISSED) else None
+
+
+CULPRIT = "culprit"
+AMBIGUOUS = "ambiguous"
+DISMISSED = "dismissed"
+
+
+def first_look(evidence: Mapping[str, NodeEvidence], members: Sequence[Member]) -> Verdict | None:
+    """After stage 1 (no rank touched yet): a ``DISMISSED`` verdict when some rank is still
+    moving (the machine is busy, the others wait for a rank that will come), else None: the
+    ranks' stacks are needed. Dismissing costs nothing, a wrong kill costs a restart."""
+    moving = [rank for rank in _ranks(evidence) if rank.moving]
+    if not moving:
+        return None
+    slowest = moving[0]
+    sentence = (
+        f"No hang: rank {slowest.rank} still made progress {slowest.age:.1f} s ago (deadline "
+        f"{slowest.deadline:.1f} s); the others waited for it on a busy machine."
+    )
+    return Verdict(DISMISSED, sentence, _first_answering(evidence, members), rank=slowest.rank)
+
+
+def attribute(evidence: Mapping[str, NodeEvidence], members: Sequence[Member]) -> Verdict:
+    """The culprit, or ``AMBIGUOUS``: the rule of docs/unattended.md, "Who hung".
+
+    1. A rank that cannot answer (stopped, in uninterruptible sleep, silent to the dump
+       signal) is the culprit.
+    2. Else, a rank out of every collective while others wait in one is the culprit: it
+       never entered the collective they wait in.
+    3. Else (everyone waits, or what would tell is missing) nobody can be blamed.
+
+    Culprits on more than one node are ambiguous too: no single node is at fault.
+    """
+    ranks = _ranks(evidence)
+    known = {rank.rank for rank in ranks}
+    unanswered = [r for member in members for r in member.ranks if r not in known]
+    waiting = [rank for rank in ranks if rank.timed and rank.in_collective is True]
+    stuck = [rank for rank in ranks if rank.timed and rank.stuck is not None]
+    caught = _caught(evidence, members)
+    reporter = _first_answering(evidence, members)
+    lines = {str(rank.rank): describe(rank) for rank in ranks}
+    if stuck:
+        return _blame(stuck, waiting, members, caught, lines, how="stuck", reporter=reporter)
+    outside = [
+        rank
+        for rank in ranks
+        if rank.timed and rank.in_collective is False and rank.state != EXITED
+    ]
+    if outside and waiting:
+        return _blame(outside, waiting, members, caught, lines, how="outside", reporter=reporter)
+    if outside and not unanswered and not _unknown(ranks):
+        # Nobody waits in a collective: the ranks are stuck in their own code.
+        return _blame(outside, [], members, caught, lines, how="alone", reporter=reporter)
+    return Verdict(
+        AMBIGUOUS, _ambiguous(waiting, outside, ranks, unanswered, caught), reporter, evidence=lines
+    )
+
+
+def _blame(
+    culprits: list[RankEvidence],
+    waiting: list[RankEvidence],
+    members: Sequence[Member],
+    caught: str,
+    lines: dict[str, str],
+    *,
+    how: str,
+    reporter: str,
+) -> Verdict:
+    nodes = {_member_of(rank.rank, members) for rank in culprits}
+    if len(nodes) > 1 or None in nodes:
+        named = _and([f"{rank.rank} ({_slot(rank.rank, members)})" for rank in culprits])
+        sentence = (
+            f"Ranks {named} on different nodes were each {_what(culprits[0], how)}, so no "
+            f"single node can be blamed; {caught}."
+        )
+        return Verdict(AMBIGUOUS, sentence, reporter, evidence=lines)
+    member = next(iter(nodes))
+    assert member is not None
+    first = culprits[0]
+    also = culprits[1:]
+    place = member.slot or member.node_id
+    who = f"Rank {first.rank} on {place}"
+    if also:
+        who = f"Ranks {_and([str(rank.rank) for rank in culprits])} on {place}"
+    sentence = f"{who} {'were' if also else 'was'} {_what(first, how)}"
+    if waiting:
+        sentence += f" while {_waiters(waiting)} for {'them' if also else 'it'}"
+    where = f"; it hung in {first.stack}" if first.stack and how != "stuck" else ""
+    sentence += f"{where}; {caught}."
+    return Verdict(
+        CULPRIT,
+        sentence,
+        member.node_id,
+        rank=first.rank,
+        node_id=member.node_id,
+        slot=member.slot,
+        evidence=lines,
+    )
+
+
+def _what(rank: RankEvidence, how: str) -> str:
+    if how == "stuck":
+        return rank.stuck or "stuck"
+    if how == "outside":
+        return "outside every collective"
+    return "stuck in its own code, in no collective"
+
+
+def _ambiguous(
+    waiting: list[RankEvidence],
+    outside: list[RankEvidence],
+    ranks: list[RankEvidence],
+    unanswered: list[int],
+    caught: str,
+) -> str:
+    parts = []
+    if waiting:
+        parts.append(f"{_waiters(waiting)} for a rank that never arrived")
+    silent = [rank.rank for rank in ranks if rank.timed and rank.in_collective is None]
+    if unanswered:
+        parts.append(f"{_ranks_word(unanswered)} did not answer")
+    if silent:
+        parts.append(f"{_ranks_word(silent)} left no marker and no stack to tell")
+    if outside:
+        parts.append(f"{_ranks_word([rank.rank for rank in outside])} made no progress either")
+    if waiting and not unanswered and not silent and not outside:
+        parts = [f"every rank waited in a collective its peers never joined ({_waiters(waiting)})"]
+    if not parts:
+        parts.append("no rank could be told apart")
+    text = "; ".join(parts)
+    return f"{text[0].upper()}{text[1:]}; no rank can be blamed; {caught}."
+
+
+def _waiters(waiting: list[RankEvidence]) -> str:
+    """ "ranks 0 and 3 waited in all_reduce" or "rank 0 waited in all_reduce #5 and ranks 1
+    and 2 in backward"."""
+    by_collective: dict[str, list[int]] = {}
+    for rank in waiting:
+        by_collective.setdefault(rank.collective, []).append(rank.rank)
+    groups = [f"{_ranks_word(ranks)} {{verb}}in {name}" for name, ranks in by_collective.items()]
+    first, *rest = groups
+    return _and([first.format(verb="waited "), *(group.format(verb="") for group in rest)])
+
+
+def _caught(evidence: Mapping[str, NodeEvidence], members: Sequence[Member]) -> str:
+    """What caught the hang: the first member's suspicion, in node order."""
+    for member in members:
+        node = evidence.get(member.node_id)
+        if node is not None and node.suspicion is not None:
+            return node.suspicion.clause()
+    suspicions = [node.suspicion for node in evidence.values() if node.suspicion is not None]
+    return suspicions[0].clause() if suspicions else "the job made no progress"
+
+
+def _first_answering(evidence: Mapping[str, NodeEvidence], members: Sequence[Member]) -> str:
+    for member in members:
+        if member.node_id in evidence:
+            return member.node_id
+    return min(evidence, default="")
+
+
+def _ranks(evidence: Mapping[str, NodeEvidence]) -> list[RankEvidence]:
+    return sorted((rank for node in evidence.values() for rank in node.ranks), key=_rank_key)
+
+
+def _rank_key(rank: RankEvidence) -> int:
+    return rank.rank
+
+
+def _unknown(ranks: Iterable[RankEvidence]) -> bool:
+    return any(rank.timed and rank.in_collective is None for rank in ranks)
+
+
+def _member_of(rank: int, members: Sequence[Member]) -> Member | None:
+    return next((member for member in members if rank in member.ranks), None)
+
+
+def _slot(rank: int, members: Sequence[Member]) -> str:
+    member = _member_of(rank, members)
+    return "an unknown node" if member is None else member.slot or member.node_id
+
+
+def _ranks_word(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_and([str(r) for r in ranks])}"
+
+
+def _and(words: Sequence[str]) -> str:
+    if len(words) <= 1:
+        return "".join(words)
+    return f"{', '.join(words[:-1])} and {words[-1]}"
+
+
+def describe(rank: RankEvidence) -> str:
+    """One rank's evidence in a few words, for ``events``: "state T, marker in all_reduce #12,
+    stack train.py:42 in step, no progress for 61.0 s"."""
+    words = [f"state {rank.state}"]
+    if rank.exit_code is not None:
+        words.append(f"exit code {rank.exit_code}{' (a peer vanished)' if rank.echo else ''}")
+    if rank.marker is not None:
+        words.append(f"marker {rank.marker}")
+    if rank.dumped is False:
+        words.append("no answer to the dump signal")
+    elif rank.stack is not None:
+        waits = f" (waits in {rank.waits_in})" if rank.waits_in else ""
+        words.append(f"stack {rank.stack}{waits}")
+    elif rank.dumped:
+        words.append("no stack dump")
+    if rank.timed and rank.state != EXITED:
+        words.append(f"no progress for {rank.age:.1f} s of {rank.deadline:.1f} s")
+    return ", ".join(words)
+
+
+def with_stage(node: NodeEvidence, ranks: Iterable[RankEvidence], stage: int) -> NodeEvidence:
+    """``node`` with new rank evidence, at ``stage``."""
+    return replace(node, ranks=tuple(sorted(ranks, key=_rank_key)), stage=stage)
+
+
+def as_json(value: Any) -> Any:
+    """A verdict or evidence as plain JSON values, for an event's details."""
+    return json.loads(json.dumps(asdict(value)))

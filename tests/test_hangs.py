@@ -1,0 +1,257 @@
+"""Who hung (agent/hangs.py): the pure rule over every node's evidence, case by case.
+
+Two nodes, n0 (ranks 0, 1) and n1 (ranks 2, 3), unless a case says otherwise. The evidence is
+what the agents would share: each rank's /proc state, collective marker, stack and age."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import pytest
+
+from hpc_elastic.agent.hangs import (
+    AMBIGUOUS,
+    CULPRIT,
+    DISMISSED,
+    EXITED,
+    FINISHED,
+    Member,
+    NodeEvidence,
+    RankEvidence,
+    Suspicion,
+    Verdict,
+    attribute,
+    first_look,
+)
+
+MEMBERS = (Member("id0", "n0", 0, 2), Member("id1", "n1", 2, 2))
+CAUGHT = Suspicion(rank=0, phase="step", waited=61.0, deadline=60.0)
+
+
+def waiting(rank: int, op: str = "all_reduce #12") -> RankEvidence:
+    """A rank that waits in a marked collective, and whose stack says so too."""
+    return RankEvidence(
+        rank,
+        state="S",
+        age=61.0,
+        deadline=60.0,
+        marker=f"in {op}",
+        inside=True,
+        stack="distributed_c10d.py:2950 in all_reduce, called from train.py:80 in step",
+        waits_in="all_reduce",
+        dumped=True,
+    )
+
+
+def in_backward(rank: int) -> RankEvidence:
+    """A DDP rank waiting in the gradient all-reduce: its marker says it left should_stop's
+    all_reduce (DDP's own is not marked), its stack says backward."""
+    return RankEvidence(
+        rank,
+        state="S",
+        age=61.0,
+        deadline=60.0,
+        marker="out all_reduce #12",
+        inside=False,
+        stack="graph.py:979 in _engine_run_backward, called from train.py:70 in step",
+        waits_in="backward",
+        dumped=True,
+    )
+
+
+def own_code(rank: int, state: str = "R") -> RankEvidence:
+    """A rank hung in its own loop, in no collective."""
+    return RankEvidence(
+        rank,
+        state=state,
+        age=61.0,
+        deadline=60.0,
+        marker="out all_reduce #12",
+        inside=False,
+        stack="train.py:42 in spin",
+        dumped=True,
+    )
+
+
+def stopped(rank: int, state: str = "T") -> RankEvidence:
+    return RankEvidence(rank, state=state, age=62.0, deadline=60.0, marker="out all_reduce #12")
+
+
+def nodes(*ranks: RankEvidence, stage: int = 2) -> dict[str, NodeEvidence]:
+    """The evidence of every node that holds one of ``ranks``; n0 caught the hang."""
+    found: dict[str, NodeEvidence] = {}
+    for member in MEMBERS:
+        mine = tuple(rank for rank in ranks if rank.rank in member.ranks)
+        if mine:
+            suspicion = CAUGHT if member.slot == "n0" else None
+            found[member.node_id] = NodeEvidence(
+                member.node_id, member.slot, mine, stage, suspicion
+            )
+    return found
+
+
+def test_a_stopped_rank_is_blamed_and_not_the_ranks_of_another_node_that_wait_for_it() -> None:
+    """The soak's case: rank 2 frozen, n0's ranks caught first, waiting in backward."""
+    verdict = attribute(nodes(in_backward(0), in_backward(1), stopped(2), in_backward(3)), MEMBERS)
+    assert (verdict.kind, verdict.rank, verdict.node_id, verdict.slot) == (CULPRIT, 2, "id1", "n1")
+    assert verdict.reporter == "id1", "the culprit's own agent records the failure"
+    assert verdict.sentence == (
+        "Rank 2 on n1 was stopped (state T) while ranks 0, 1 and 3 waited in backward for it; "
+        "the job made no progress for 61.0 s in step (learned deadline 60.0 s)."
+    )
+    assert verdict.blames_a_node
+
+
+@pytest.mark.parametrize(
+    ("rank", "why"),
+    [
+        (stopped(3, "D"), "in uninterruptible sleep (state D)"),
+        (stopped(3, "t"), "stopped (state t)"),
+        (replace(own_code(3), dumped=False, stack=None), "silent to the stack-dump signal"),
+    ],
+)
+def test_a_rank_that_cannot_answer_is_the_culprit(rank: RankEvidence, why: str) -> None:
+    verdict = attribute(nodes(waiting(0), waiting(1), waiting(2), rank), MEMBERS)
+    assert (verdict.kind, verdict.rank) == (CULPRIT, 3)
+    assert f"Rank 3 on n1 was {why} while ranks 0, 1 and 2 waited in" in verdict.sentence
+
+
+def test_the_rank_that_never_entered_the_collective_is_blamed_with_where_it_hung() -> None:
+    verdict = attribute(nodes(waiting(0), own_code(1), waiting(2), waiting(3)), MEMBERS)
+    assert (verdict.kind, verdict.rank, verdict.slot) == (CULPRIT, 1, "n0")
+    assert verdict.sentence.startswith(
+        "Rank 1 on n0 was outside every collective while ranks 0, 2 and 3 waited in "
+        "all_reduce #12 for it; it hung in train.py:42 in spin;"
+    )
+
+
+def test_a_sleeping_rank_in_its_own_code_is_blamed_like_a_spinning_one() -> None:
+    verdict = attribute(nodes(waiting(0), waiting(1), own_code(2, "S"), waiting(3)), MEMBERS)
+    assert (verdict.kind, verdict.rank) == (CULPRIT, 2)
+
+
+def test_a_ddp_rank_whose_marker_says_out_but_whose_stack_is_in_backward_waits() -> None:
+    """Its marker only says it left the last marked collective: the stack has the last word."""
+    verdict = attribute(nodes(in_backward(0), in_backward(1), own_code(2), in_backward(3)), MEMBERS)
+    assert (verdict.kind, verdict.rank) == (CULPRIT, 2)
+
+
+def test_every_rank_waiting_in_a_collective_its_peers_never_join_is_ambiguous() -> None:
+    """Rank 1 skipped the all_reduce the others wait in and waits in another one."""
+    evidence = nodes(waiting(0), waiting(1, "pair #12"), waiting(2), waiting(3))
+    verdict = attribute(evidence, MEMBERS)
+    assert verdict.kind == AMBIGUOUS
+    assert verdict.rank is None
+    assert not verdict.blames_a_node
+    assert verdict.reporter == "id0", "the first member that answered records it"
+    assert verdict.sentence == (
+        "Every rank waited in a collective its peers never joined (ranks 0, 2 and 3 waited in "
+        "all_reduce #12 and rank 1 in pair #12); no rank can be blamed; the job made no "
+        "progress for 61.0 s in step (learned deadline 60.0 s)."
+    )
+
+
+def test_a_node_that_did_not_answer_leaves_the_hang_ambiguous_and_says_so() -> None:
+    verdict = attribute(nodes(waiting(0), waiting(1)), MEMBERS)
+    assert verdict.kind == AMBIGUOUS
+    assert verdict.sentence.startswith(
+        "Ranks 0 and 1 waited in all_reduce #12 for a rank that never arrived; ranks 2 and 3 "
+        "did not answer; no rank can be blamed;"
+    )
+
+
+def test_ranks_stuck_on_two_nodes_blame_no_node() -> None:
+    verdict = attribute(nodes(stopped(0), waiting(1), stopped(2), waiting(3)), MEMBERS)
+    assert verdict.kind == AMBIGUOUS
+    assert "Ranks 0 (n0) and 2 (n1) on different nodes were each stopped (state T)" in (
+        verdict.sentence
+    )
+
+
+def test_two_stuck_ranks_of_one_node_blame_that_node_and_name_both() -> None:
+    verdict = attribute(nodes(waiting(0), waiting(1), stopped(2), stopped(3, "D")), MEMBERS)
+    assert (verdict.kind, verdict.rank, verdict.node_id) == (CULPRIT, 2, "id1")
+    assert verdict.sentence.startswith("Ranks 2 and 3 on n1 were stopped (state T) while")
+    assert "for them;" in verdict.sentence
+
+
+def test_a_finished_rank_is_never_blamed_and_a_lone_rank_stuck_in_its_code_is() -> None:
+    """One node: rank 0 hangs in its own code, rank 1 said its loop is over."""
+    members = (Member("id0", "n0", 0, 2),)
+    done = RankEvidence(1, state=FINISHED, stack="train.py:9 in wait", dumped=True)
+    evidence = {"id0": NodeEvidence("id0", "n0", (own_code(0, "S"), done), 2, CAUGHT)}
+    verdict = attribute(evidence, members)
+    assert (verdict.kind, verdict.rank) == (CULPRIT, 0)
+    assert "stuck in its own code, in no collective; it hung in train.py:42 in spin" in (
+        verdict.sentence
+    )
+
+
+def test_a_rank_that_died_of_a_vanished_peer_counts_as_waiting() -> None:
+    echo = RankEvidence(3, state=EXITED, exit_code=1, echo=True)
+    verdict = attribute(nodes(waiting(0), waiting(1), stopped(2), echo), MEMBERS)
+    assert (verdict.kind, verdict.rank) == (CULPRIT, 2)
+    assert "ranks 0 and 1 waited in all_reduce #12 and rank 3 in a collective" in verdict.sentence
+
+
+def test_ranks_that_left_neither_a_marker_nor_a_stack_leave_it_ambiguous() -> None:
+    """A script without the helpers, started without faulthandler: nothing to tell by."""
+    blind = [RankEvidence(rank, state="S", age=61.0, deadline=60.0, dumped=True) for rank in (2, 3)]
+    verdict = attribute(nodes(waiting(0), waiting(1), *blind), MEMBERS)
+    assert verdict.kind == AMBIGUOUS
+    assert "ranks 2 and 3 left no marker and no stack to tell" in verdict.sentence
+
+
+def test_the_verdict_does_not_depend_on_the_order_the_evidence_came_in() -> None:
+    evidence = nodes(in_backward(0), in_backward(1), stopped(2), in_backward(3))
+    verdicts = {
+        attribute(dict(order), MEMBERS).encode()
+        for order in itertools.permutations(evidence.items())
+    }
+    assert len(verdicts) == 1
+
+
+def test_a_rank_still_moving_on_a_busy_machine_dismisses_the_investigation() -> None:
+    """Stage 1, nothing touched: rank 1 is outside any collective and beat 10 s ago (less than
+    half its deadline): it is slow, not hung, and the others wait for it."""
+    slow = RankEvidence(1, state="R", age=10.0, deadline=60.0, marker="out all_reduce #12")
+    evidence = nodes(waiting(0), slow, waiting(2), waiting(3), stage=1)
+    verdict = first_look(evidence, MEMBERS)
+    assert verdict is not None
+    assert (verdict.kind, verdict.rank) == (DISMISSED, 1)
+    assert verdict.sentence.startswith("No hang: rank 1 still made progress 10.0 s ago")
+
+
+@pytest.mark.parametrize(
+    "rank",
+    [
+        replace(waiting(1), age=1.0),  # in a collective, however fresh: it waits
+        replace(stopped(1), age=1.0),  # stopped: cannot be moving
+        replace(own_code(1), age=31.0, stack=None, dumped=None),  # past half its deadline
+        RankEvidence(1, state=FINISHED, age=1.0, deadline=60.0),  # not at work any more
+    ],
+)
+def test_no_rank_that_waits_cannot_answer_or_is_past_half_its_deadline_dismisses(
+    rank: RankEvidence,
+) -> None:
+    evidence = nodes(waiting(0), rank, waiting(2), waiting(3), stage=1)
+    assert first_look(evidence, MEMBERS) is None
+
+
+def test_evidence_and_verdicts_survive_the_store_and_garbage_is_refused() -> None:
+    evidence = nodes(waiting(0), stopped(1))["id0"]
+    assert NodeEvidence.decode(evidence.encode()) == evidence
+    verdict = attribute(nodes(waiting(0), waiting(1), stopped(2), waiting(3)), MEMBERS)
+    assert Verdict.decode(verdict.encode()) == verdict
+    for garbage in (b"", b"[]", b'{"node_id": 1}', b'{"kind": "nonsense", "sentence": ""}'):
+        assert NodeEvidence.decode(garbage) is None
+    assert Verdict.decode(b'{"kind": "nonsense", "sentence": "", "reporter": ""}') is None
+
+
+def test_a_hang_timeout_is_named_as_such() -> None:
+    set_by_hand = replace(CAUGHT, overridden=True, deadline=4.0, waited=4.2)
+    evidence = nodes(waiting(0), waiting(1), stopped(2), waiting(3))
+    evidence["id0"] = replace(evidence["id0"], suspicion=set_by_hand)
+    sentence = attribute(evidence, MEMBERS).sentence
+    assert sentence.endswith("made no progress for 4.2 s in step (--hang-timeout 4.0 s).")
