@@ -573,3 +573,21 @@ def test_a_round_never_forms_below_min_from_a_view_that_missed_a_departure() -> 
     for notification in held:
         notification()
     assert a.round_step().action is st.Action.BELOW_MIN
+
+
+def test_a_member_that_wakes_after_the_barrier_failed_the_job_neither_closes_nor_succeeds() -> None:
+    """Found by the simulation (seed 498): b froze as its workers finished; its session
+    expired and a's exit barrier failed the job ("left round 1"). Awake, b recorded the last
+    success and closed the failed job: b and a exited 0 while the node that failed the job
+    exited 1. The job stays failed, for b too."""
+    world, a, b = one_member_finished()
+    store = b._store
+    assert isinstance(store, MemoryStore)
+    store.expire_session()
+    assert a.barrier_step().again
+    with pytest.raises(JobFailedError, match="node 'b' left round 1"):
+        a.barrier_step()
+    assert not b.begin_barrier()
+    with pytest.raises(JobFailedError, match="node 'b' left round 1"):
+        b.barrier_step()
+    assert not world.server.closed

@@ -599,3 +599,12 @@ def test_a_mutated_valid_encoding_decodes_to_a_valid_state_or_one_rendezvous_err
     else:
         parent.append(data.draw(json_values))
     decodes_or_refuses(json.dumps(document).encode())
+
+
+def test_a_success_in_a_job_that_failed_does_not_count() -> None:
+    """Found by the simulation (seed 498): a node froze as its workers finished, the others'
+    exit barrier failed the job for it, and once awake it recorded its success, the last,
+    and closed the failed job: one node exited 1 and the others 0."""
+    failed = st.fail(st.record_success(running("a", "b"), 1, "a"), "node 'b' left round 1")
+    assert st.record_success(failed, 1, "b") == failed
+    assert not st.all_succeeded(st.record_success(failed, 1, "b"))

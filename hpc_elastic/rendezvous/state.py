@@ -580,8 +580,10 @@ def record_failure(state: JobState, round_number: int, failure: Failure) -> JobS
 
 def record_success(state: JobState, round_number: int, node_id: str) -> JobState:
     """A success in a round that already ended (a failure, or a member back in rendezvous)
-    does not count: that round reruns."""
-    if round_number != state.round or node_id in state.succeeded:
+    does not count: that round reruns. Nor does one in a job that failed or closed: a node
+    frozen while its workers finished, and failed by the others' exit barrier meanwhile, must
+    not close the failed job as a success (simulation seed 498)."""
+    if state.failed or state.closed or round_number != state.round or node_id in state.succeeded:
         return state
     if state.round == round_number and round_over(state):
         return state
