@@ -306,3 +306,96 @@ def test_arrival_lags_come_from_the_newest_step_every_rank_reached() -> None:
     assert paced_step_times({0: 1.0, 1: 1.0}, {0: {1: 1.0}, 1: {1: 1.4}}) == pytest.approx(
         {0: 1.0, 1: 1.4}
     )
+
+
+# --- deadlines under load (docs/unattended.md, "Deadlines under load") ---------------------
+
+
+def learned(rank_watch: RankWatch, ranks: int = 2, queued: float = 0.0) -> dict[int, float]:
+    """Ten steps a second apart on every rank, then silence from step 11 on; each rank's
+    CPU-queue seconds so far (``queued`` at every step)."""
+    waits = dict.fromkeys(range(ranks), queued)
+    for second in range(1, 12):
+        readings = {rank: (float(second), second) for rank in range(ranks)}
+        rank_watch.poll(second + 0.1, readings, queued=waits)
+    assert rank_watch.deadlines.deadline(Phase.STEP) == RULE.floor
+    return waits
+
+
+def test_time_a_rank_spent_waiting_for_a_cpu_is_not_held_against_it() -> None:
+    """Rank 1 spins in a step that a busy machine runs one second in three: it waited for a
+    CPU two thirds of the time, so it has not used up its deadline yet. Rank 0, which
+    sleeps (a stopped rank, a rank waiting in a collective), has."""
+    rank_watch = watch()
+    learned(rank_watch)
+    still = {0: (11.0, 11), 1: (11.0, 11)}
+    after = 11.0 + RULE.floor + 3.0
+    verdict = rank_watch.poll(after, still, queued={0: 0.0, 1: (RULE.floor + 3.0) * 2 / 3})
+    assert [hung.rank for hung in verdict.hung] == [0]
+    assert verdict.waits[1].waited == pytest.approx(RULE.floor + 3.0)
+    assert verdict.waits[1].counted == pytest.approx((RULE.floor + 3.0) / 3)
+    # A rank that spins for ever is still caught, later: it gets its share of a CPU.
+    later = 11.0 + 3 * RULE.floor + 3.0
+    verdict = rank_watch.poll(later, still, queued={0: 0.0, 1: (3 * RULE.floor + 3.0) * 2 / 3})
+    assert [hung.rank for hung in verdict.hung] == [0, 1]
+
+
+def test_a_poll_that_comes_late_does_not_count_against_the_ranks() -> None:
+    """The agent itself was not scheduled for most of the wait: the machine is busy."""
+    deadlines = Deadlines(rules={**DEFAULT_RULES, Phase.STEP: RULE})
+    rank_watch = RankWatch(deadlines, Stragglers(), started=0.0, poll_interval=0.1)
+    for tenth in range(10, 120):
+        second = tenth / 10
+        rank_watch.poll(second, {0: (float(int(second)), int(second))})
+    stalled = 11.9 + 0.1 + RULE.floor  # the next poll comes a whole floor late
+    [wait] = rank_watch.poll(stalled, {0: (11.0, 11)}).waits.values()
+    assert not wait.past_deadline
+    assert wait.counted == pytest.approx(stalled - 11.0 - RULE.floor)
+    # Polled on time from then on, the rank is caught a floor after its last beat, less the
+    # stall: the wait goes on counting.
+    now = stalled
+    while not rank_watch.poll(now, {0: (11.0, 11)}).hung:
+        now = round(now + 0.1, 6)
+        assert now < stalled + RULE.floor, "never caught"
+
+
+def test_an_investigation_that_found_the_job_moving_excuses_the_wait_so_far() -> None:
+    rank_watch = watch()
+    learned(rank_watch)
+    still = {0: (11.0, 11), 1: (11.0, 11)}
+    assert rank_watch.poll(11.0 + RULE.floor + 1.0, still).hung
+    rank_watch.excuse(11.0 + RULE.floor + 1.0)
+    assert rank_watch.poll(11.0 + 2 * RULE.floor, still).hung == []
+    assert rank_watch.poll(11.0 + 2 * RULE.floor + 2.0, still).hung
+
+
+def test_a_rank_late_only_for_want_of_a_cpu_is_not_a_straggler() -> None:
+    """In lockstep, rank 2 arrives 0.6 s late at every step, but it spent those 0.6 s in the
+    CPU's run queue (the machine is busy): not its fault, not a straggler. Rank 3 of another
+    run arrives as late without queueing: it is one."""
+    for queues, expected in ((True, []), (False, [2])):
+        rank_watch = watch()
+        found: list[int] = []
+        for step in range(1, 8):
+            readings = {rank: (float(step), step) for rank in range(3)}
+            readings[2] = (step + 0.6, step)
+            queued = {0: 0.0, 1: 0.0, 2: 0.6 * step if queues else 0.0}
+            found += rank_watch.poll(step + 0.7, readings, queued=queued).stragglers
+        assert found == expected
+
+
+def test_when_every_rank_is_slow_none_is_a_straggler() -> None:
+    """The machine got three times slower for everyone: the median moved with them."""
+    rank_watch = watch()
+    found: list[int] = []
+    for step in range(1, 30):
+        pace = 1.0 if step < 10 else 3.0
+        at = 9.0 + (step - 9) * pace if step >= 10 else float(step)
+        readings = {rank: (at + 0.01 * rank, step) for rank in range(3)}
+        found += rank_watch.poll(at + 0.5, readings).stragglers
+    assert found == []
+
+
+def test_the_queue_time_of_a_step_comes_off_its_paced_time() -> None:
+    paced = paced_step_times({0: 1.0, 1: 1.0}, {0: {1: 1.0}, 1: {1: 1.4}}, {1: 0.4})
+    assert paced == pytest.approx({0: 1.0, 1: 1.0})

@@ -289,12 +289,21 @@ def step_seconds(previous: Reading | None, current: Reading) -> float | None:
 
 @dataclass(frozen=True)
 class Hung:
-    """A rank that waited past its phase's deadline: what the root-cause line says."""
+    """How long a rank has waited in its phase, and its deadline: past it, what the root-cause
+    line says."""
 
     rank: int
     phase: Phase
     waited: float
+    """Wall seconds since the rank last made progress."""
     deadline: float
+    counted: float | None = None
+    """``waited`` less the time the machine was too busy to run the rank or its agent (see
+    ``RankWatch``): what is compared with the deadline. None: all of ``waited``."""
+
+    @property
+    def past_deadline(self) -> bool:
+        return (self.waited if self.counted is None else self.counted) > self.deadline
 
     def sentence(self, overridden: bool) -> str:
         how = "--hang-timeout" if overridden else "learned deadline"
@@ -311,31 +320,63 @@ class Verdict:
     """Ranks that have just become stragglers."""
     scores: dict[int, float]
     """Each rank's latest step time over the median, for the straggler metric."""
+    waits: dict[int, Hung] = field(default_factory=dict)
+    """Every timed rank's wait so far, hung or not: a hang's evidence (agent/hangs.py)."""
+
+
+STALLS_KEPT = 4096
+"""Late polls remembered: far more than a deadline's worth of them on a machine that is busy."""
 
 
 @dataclass
 class RankWatch:
     """Watches one round's local ranks through their heartbeats, learning as it goes.
 
-    ``poll`` takes the time, each rank's heartbeat reading (None before its first beat), and
-    whether a checkpoint is being written; it feeds the durations it sees into ``deadlines``
-    (kept by the agent across rounds) and returns the hung ranks and the new stragglers.
+    ``poll`` takes the time, each rank's heartbeat reading (None before its first beat),
+    whether a checkpoint is being written, and each rank's seconds spent waiting for a CPU so
+    far (``queued``, from ``/proc/PID/schedstat``); it feeds the durations it sees into
+    ``deadlines`` (kept by the agent across rounds) and returns the hung ranks and the new
+    stragglers.
+
+    **Under load** (docs/unattended.md, "Deadlines under load"): the time a rank waited for
+    a CPU is not held against it, neither is the time this watch itself was polled late
+    (with ``poll_interval`` given: the agent was not scheduled, the machine is busy). A hung
+    rank still exceeds its deadline: one that sleeps (a stopped rank, a rank waiting in a
+    collective, a ``sleep``) never queues for a CPU, and one that spins gets its share.
     """
 
     deadlines: Deadlines
     stragglers: Stragglers
     started: float
     """When the round's workers were launched: the start of every rank's start-up phase."""
+    poll_interval: float | None = None
+    """How often ``poll`` is meant to be called; a later call counts the delay as a stall."""
     _last: dict[int, Reading] = field(default_factory=dict)
     _step_times: dict[int, float] = field(default_factory=dict)
     _arrivals: dict[int, dict[int, float]] = field(default_factory=dict)
     """rank -> step -> when the rank was first seen at that step (see ``arrival_lags``)."""
+    _queued: dict[int, float] = field(default_factory=dict)
+    """Each rank's seconds waiting for a CPU, as last read."""
+    _queued_at_move: dict[int, float] = field(default_factory=dict)
+    """... as read when its heartbeat last moved."""
+    _queued_per_step: dict[int, float] = field(default_factory=dict)
+    _polled_at: float | None = None
+    _stalls: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=STALLS_KEPT))
+    """(when a late poll came, seconds it was late)."""
+    _excused_at: float = -math.inf
 
     def poll(
-        self, now: float, readings: Mapping[int, Reading | None], checkpointing: bool = False
+        self,
+        now: float,
+        readings: Mapping[int, Reading | None],
+        checkpointing: bool = False,
+        queued: Mapping[int, float] | None = None,
     ) -> Verdict:
+        self._note_stall(now)
+        self._queued.update(queued or {})
         moved = False
         hung = []
+        waits = {}
         for rank, reading in sorted(readings.items()):
             if reading is not None:
                 moved |= self._learn(rank, reading)
@@ -347,13 +388,31 @@ class RankWatch:
                 # No rank has ever beaten: an unmodified script that never calls the
                 # heartbeat must never be killed for silence.
                 continue
-            phase, waited = self._waiting(rank, reading, now, checkpointing)
-            deadline = self.deadlines.deadline(phase)
-            if waited > deadline:
-                hung.append(Hung(rank, phase, waited, deadline))
-        paced = paced_step_times(self._step_times, self._arrivals)
+            waits[rank] = wait = self._waiting(rank, reading, now, checkpointing)
+            if wait.past_deadline:
+                hung.append(wait)
+        paced = paced_step_times(self._step_times, self._arrivals, self._queued_per_step)
         newly = self.stragglers.observe(paced) if moved else []
-        return Verdict(hung, newly, self.stragglers.score(paced))
+        return Verdict(hung, newly, self.stragglers.score(paced), waits)
+
+    def excuse(self, now: float) -> None:
+        """Time every rank afresh from ``now``: a hang's investigation found the job still
+        moving (agent/hangs.py, ``first_look``), so the ranks that waited waited for a peer
+        that was slow, not stuck."""
+        self._excused_at = now
+        logger.debug("watchdog: waits excused at %.3f", now)
+
+    def _note_stall(self, now: float) -> None:
+        """A poll later than ``poll_interval`` after the last one: the agent was not run."""
+        if self.poll_interval is not None and self._polled_at is not None:
+            late = now - self._polled_at - self.poll_interval
+            if late > 0:
+                self._stalls.append((now, late))
+        self._polled_at = now
+
+    def _stalled_since(self, since: float) -> float:
+        """Seconds of late polls after ``since``."""
+        return sum(min(late, at - since) for at, late in self._stalls if at > since)
 
     def _learn(self, rank: int, reading: Reading) -> bool:
         """Record a reading; True if the rank's heartbeat moved since the last poll."""
@@ -361,6 +420,9 @@ class RankWatch:
         if previous is not None and reading[0] <= previous[0]:
             return False
         self._last[rank] = reading
+        queued, queued_before = self._queued.get(rank), self._queued_at_move.get(rank)
+        if queued is not None:
+            self._queued_at_move[rank] = queued
         if previous is None:
             self.deadlines.observe(Phase.STARTUP, reading[0] - self.started)
             return False
@@ -368,15 +430,21 @@ class RankWatch:
         seconds = step_seconds(previous, reading)
         if seconds is not None:
             self._step_times[rank] = seconds
+            if queued is not None and queued_before is not None:
+                advanced = (reading[1] or 0) - (previous[1] or 0)
+                self._queued_per_step[rank] = max(0.0, queued - queued_before) / advanced
         return True
 
-    def _waiting(
-        self, rank: int, reading: Reading | None, now: float, checkpointing: bool
-    ) -> tuple[Phase, float]:
+    def _waiting(self, rank: int, reading: Reading | None, now: float, checkpointing: bool) -> Hung:
         if reading is None:
-            return Phase.STARTUP, now - self.started
-        phase = Phase.CHECKPOINT if checkpointing else Phase.STEP
-        return phase, now - reading[0]
+            phase, since = Phase.STARTUP, self.started
+        else:
+            phase, since = (Phase.CHECKPOINT if checkpointing else Phase.STEP), reading[0]
+        since = max(since, self._excused_at)
+        waited = now - since
+        queued = self._queued.get(rank, 0.0) - self._queued_at_move.get(rank, 0.0)
+        counted = waited - self._stalled_since(since) - max(0.0, queued)
+        return Hung(rank, phase, waited, self.deadlines.deadline(phase), max(0.0, counted))
 
 
 ARRIVALS_KEPT = 32
@@ -418,13 +486,22 @@ def arrival_lags(arrivals: Mapping[int, Mapping[int, float]]) -> dict[int, float
 
 
 def paced_step_times(
-    step_times: Mapping[int, float], arrivals: Mapping[int, Mapping[int, float]]
+    step_times: Mapping[int, float],
+    arrivals: Mapping[int, Mapping[int, float]],
+    queued_per_step: Mapping[int, float] | None = None,
 ) -> dict[int, float]:
-    """Each rank's step time plus its arrival lag: what the straggler rule compares.
+    """Each rank's step time plus its arrival lag, less the time per step it waited for a CPU:
+    what the straggler rule compares.
 
     For ranks that train independently the lags are zero or absent and this is the step time
     itself; in lockstep the step times are equal and the lag is what sets the straggler apart
-    (a rank that arrives half a period late scores 1.5).
+    (a rank that arrives half a period late scores 1.5). A rank that is late only because the
+    machine did not run it (``queued_per_step``, from ``/proc/PID/schedstat``) is not a
+    straggler: its node is busy, its GPU or its data are not slow.
     """
     lags = arrival_lags({rank: arrivals.get(rank, {}) for rank in step_times})
-    return {rank: seconds + lags.get(rank, 0.0) for rank, seconds in step_times.items()}
+    queued = queued_per_step or {}
+    return {
+        rank: max(0.0, seconds + lags.get(rank, 0.0) - queued.get(rank, 0.0))
+        for rank, seconds in step_times.items()
+    }
