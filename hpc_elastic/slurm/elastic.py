@@ -43,8 +43,36 @@ SCONTROL_TRIES = 3
 SCONTROL_PAUSE = 0.5
 """Tries of that ``scontrol``, and seconds between two (well inside any GraceTime)."""
 _STARTING = frozenset({"RUNNING", "CONFIGURING"})
-_NOT_STARTED = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD"})
-"""Task states the end of the job cancels; REQUEUE_HOLD is a task Slurm requeued too often."""
+_ENDED = frozenset(
+    {
+        "COMPLETING",
+        "COMPLETED",
+        "CANCELLED",
+        "FAILED",
+        "TIMEOUT",
+        "PREEMPTED",
+        "NODE_FAIL",
+        "BOOT_FAIL",
+        "DEADLINE",
+        "OUT_OF_MEMORY",
+        "REVOKED",
+        "STAGE_OUT",
+    }
+)
+"""Task states in which Slurm has ended the task or is ending it: nothing left to cancel."""
+_LIVE = frozenset({"RUNNING", "SIGNALING", "SUSPENDED", "STOPPED", "RESIZING"})
+"""Task states in which an agent may run on a node. Every other state (PENDING, REQUEUED,
+REQUEUE_HOLD, CONFIGURING, SPECIAL_EXIT, a state this version does not know) means that no
+agent of the task runs: the end of the job cancels it at once."""
+END_MARGIN_S = 60.0
+"""Seconds a sibling's agent is given, beyond its workers' ``--grace``, to finish its own
+clean exit once the job is over, before the end of the job cancels its task: on a busy
+machine an agent's way out (the exit barrier's last read, its workers' drain, its events and
+ledger) can take tens of seconds, and a task cancelled meanwhile ends CANCELLED instead of
+COMPLETED, or loses the save its workers were making."""
+END_POLL_S = 2.0
+"""Seconds between two looks (squeue and the siblings' ledgers) while the end of the job
+waits for siblings that may still be on their way out."""
 HELD_POLL_S = 30.0
 """Seconds between two looks for held siblings when nothing else makes the agent ask squeue:
 a hold happens after the slot has left, when the rendezvous may see no change for hours."""
@@ -104,11 +132,116 @@ def coming_slots(statuses: Sequence[JobStatus]) -> int:
 
 
 def pending_tasks(statuses: Sequence[JobStatus]) -> list[int]:
+    """Tasks in which no agent runs and that Slurm has not ended: pending, requeued, held,
+    configuring, or in a state this version does not know."""
     return sorted(
         index
         for status in statuses
-        if status.state in _NOT_STARTED and status.array_task is not None
+        if status.state not in _LIVE | _ENDED and status.array_task is not None
         for index in task_indices(status.array_task)
+    )
+
+
+class Sibling(enum.Enum):
+    """What the end of the job does with one sibling task (``sibling_at_end``)."""
+
+    GONE = "gone"
+    """Slurm ended the task or is ending it: nothing to do."""
+    WAITING = "waiting"
+    """No agent runs in it (pending, requeued, held, configuring, ...): cancelled at once."""
+    LOST = "lost"
+    """Slurm shows it running, but the rendezvous dropped its agent (its session expired) and
+    it wrote nothing since: the task of a crashed node that Slurm has not noticed yet (on
+    22.05 that can take until the node's next registration, minutes). Cancelled at once."""
+    LEFT = "left"
+    """Its agent left cleanly (its ledger says so) or a new agent is starting in it, which
+    finds the job over and exits by itself: never cancelled."""
+    FINISHING = "finishing"
+    """Its agent may still be on its clean way out (saving, its last barrier read, closing the
+    job): given its ``--grace`` plus END_MARGIN_S to leave, then cancelled."""
+
+
+def sibling_at_end(status: JobStatus, ledger: SlotLedger | None, lost: bool) -> Sibling:
+    """The end of the job's rule for one sibling task.
+
+    ``ledger``: the slot's ledger (None: unreadable); ``lost``: the job's timeline says the
+    rendezvous dropped the slot's agent and heard nothing from it since (``lost_slots``).
+    A clean exit clears the ledger's ``running_on`` before it cancels anything, so a sibling
+    that did is never cancelled; a ledger that names another node than Slurm's is the last
+    incarnation's, and the task Slurm shows is a new one that has not arrived yet.
+    """
+    if status.state in _ENDED:
+        return Sibling.GONE
+    if status.state not in _LIVE:
+        return Sibling.WAITING
+    if ledger is not None and (
+        ledger.running_on is None or (status.nodes and ledger.running_on != status.nodes)
+    ):
+        return Sibling.LEFT
+    return Sibling.LOST if lost else Sibling.FINISHING
+
+
+def lost_slots(timeline: Iterable[Event]) -> set[str]:
+    """Slots whose agent the rendezvous dropped (named by a ``node_lost`` event) and that
+    wrote no event since: their agent's session expired, so it is gone, or cut off and fenced,
+    with nothing left to save. A slot that came back (a new incarnation, or the same agent
+    healed and rejoined) writes events again (its ``round``, ``join``) and is not lost."""
+    dropped: dict[str, float] = {}
+    heard: dict[str, float] = {}
+    for event in timeline:
+        if event.slot:
+            heard[event.slot] = max(heard.get(event.slot, event.time), event.time)
+        nodes = event.details.get("nodes") if event.kind == Kind.NODE_LOST else None
+        for slot in nodes if isinstance(nodes, list) else ():
+            dropped[str(slot)] = max(dropped.get(str(slot), event.time), event.time)
+    return {slot for slot, at in dropped.items() if slot not in heard or heard[slot] < at}
+
+
+def job_over(exit_code: int, timeline: Iterable[Event]) -> bool:
+    """Whether the job is over for good, so that no sibling may start or go on.
+
+    An agent exits 0 only when every member of the final round succeeded or the job was
+    closed; it exits 1 when the job failed (then a ``failed`` event is in the timeline,
+    written before the exit), but also when it gave up on its own (an ``error`` event: a bug,
+    a rendezvous it may not read), and then the job goes on without it: nothing is cancelled.
+    """
+    if exit_code == 0:
+        return True
+    return exit_code == 1 and any(event.kind == Kind.FAILED for event in timeline)
+
+
+@dataclass(frozen=True)
+class EndPlan:
+    """The end of the job's decision over every sibling, from one squeue answer."""
+
+    cancel: tuple[int, ...]
+    """Tasks to cancel now (``WAITING`` and ``LOST``)."""
+    lost: tuple[int, ...]
+    """Those of ``cancel`` that Slurm showed running (``LOST``)."""
+    finishing: tuple[int, ...]
+    """Tasks whose agent may still be on its way out (``FINISHING``)."""
+
+
+def end_plan(
+    statuses: Sequence[JobStatus],
+    me: int,
+    ledger_of: Callable[[int], SlotLedger | None],
+    lost: set[str],
+) -> EndPlan:
+    """Sort every sibling task of the array but ``me`` by ``sibling_at_end``."""
+    verdicts = {
+        task: sibling_at_end(status, ledger_of(task), str(task) in lost)
+        for status in statuses
+        if status.array_task is not None
+        for task in task_indices(status.array_task)
+        if task != me
+    }
+
+    def tasks(*kinds: Sibling) -> tuple[int, ...]:
+        return tuple(sorted(task for task, verdict in verdicts.items() if verdict in kinds))
+
+    return EndPlan(
+        tasks(Sibling.WAITING, Sibling.LOST), tasks(Sibling.LOST), tasks(Sibling.FINISHING)
     )
 
 
@@ -499,14 +632,10 @@ def _poll(coming: ComingSlots, interval: float) -> None:
     threading.Thread(target=loop, name="hpc-elastic-held", daemon=True).start()
 
 
-def cancel_pending(
-    array_job_id: str, env: Mapping[str, str] | None = None, *, keep: int | None = None
-) -> list[int]:
-    """Cancel the array's pending tasks (all but ``keep``): the job is over, none may start."""
-    pending = [i for i in pending_tasks(commands.squeue([array_job_id], env)) if i != keep]
-    if pending:
-        commands.cancel(f"{array_job_id}_[{','.join(map(str, pending))}]", env=env)
-    return pending
+def cancel_tasks(array_job_id: str, tasks: Sequence[int], env: Mapping[str, str] | None) -> None:
+    """One ``scancel`` for ``tasks`` of the array (none: no call)."""
+    if tasks:
+        commands.cancel(f"{array_job_id}_[{','.join(map(str, tasks))}]", env=env)
 
 
 def requeue(
@@ -978,20 +1107,86 @@ class ElasticSlot:
             return 1
         if why is Departure.CANCELLED:
             emit(Kind.CANCELLED, slurm=evidence, slurm_job=self.job_id)
-        self.leave()
+        self.leave()  # First: a sibling ending the job reads it, and never cancels this task.
         if exit_code in (0, 1):
-            try:
-                cancelled = self.cancel_pending()
-            except SlurmError:
-                cancelled = []  # Another slot's agent got there first: they are gone.
-            if cancelled:
-                emit(Kind.CANCEL_PENDING, tasks=cancelled)
+            self.end_siblings(exit_code, warning_s, emit)
         return exit_code
 
-    def cancel_pending(self) -> list[int]:
-        """The job is over (done or failed): no pending task of the array may start."""
+    def end_siblings(self, exit_code: int, grace: float, emit: Callable[..., None]) -> list[int]:
+        """The job is over (done or failed): no other task of the array may start or go on.
+        Returns the tasks cancelled.
+
+        Tasks in which no agent runs are cancelled at once, and so is a task that Slurm shows
+        running although the rendezvous dropped its agent: a crashed node's, which Slurm may
+        not notice for minutes (until the node registers again). A task whose agent may
+        still be on its way out is never cut short: by the time this agent gets here the
+        job is failed, closed, or every member of its last round has succeeded (and the
+        last of them closes it), so every live agent is leaving by itself. It is given
+        ``grace`` (its workers' save) plus END_MARGIN_S, and cancelled only if Slurm still
+        shows it running and its ledger still does not say it left. Nothing is cancelled
+        when this agent exits 1 for a reason of its own: the job goes on without it.
+        """
+        timeline = list(events.read(JobDir(self.job_dir).events))
+        if not job_over(exit_code, timeline):
+            log.debug(
+                "slot %s exits %d, the job goes on: nothing cancelled", self.job_id, exit_code
+            )
+            return []
+        lost = lost_slots(timeline)
+        deadline = time.monotonic() + grace + END_MARGIN_S
+        tried: set[int] = set()
+        cancelled: list[int] = []
+        answered = False
+        while True:
+            plan = self._end_plan(lost)
+            overdue = time.monotonic() >= deadline
+            if plan is not None:
+                answered = True
+                due = set(plan.cancel) - tried
+                if overdue:
+                    due |= set(plan.finishing)
+                if due:
+                    tried |= due
+                    running = due & {*plan.lost, *plan.finishing}
+                    cancelled += self._cancel(sorted(due), sorted(running), emit)
+                if overdue or not plan.finishing:
+                    return cancelled
+            elif overdue or not answered:
+                return cancelled  # Slurm did not answer: nothing is known to be left to cancel
+            log.debug("slot %s waits for its siblings to leave", self.job_id)
+            time.sleep(END_POLL_S)
+
+    def _end_plan(self, lost: set[str]) -> EndPlan | None:
+        """``end_plan`` over squeue's answer now and the siblings' ledgers; None if squeue
+        failed."""
+        array, me = self.context.array_job_id, self.context.array_task_id
+        assert array is not None
+        assert me is not None
+        try:
+            statuses = commands.squeue([array], self.env)
+        except SlurmError as error:
+            log.debug("no squeue answer at the end of the job: %s", error)
+            return None
+        return end_plan(statuses, me, self._sibling_ledger, lost)
+
+    def _sibling_ledger(self, task: int) -> SlotLedger | None:
+        try:
+            return load_ledger(JobDir(self.job_dir).slot_ledger(str(task)))
+        except SlurmError:
+            return None
+
+    def _cancel(self, tasks: list[int], running: list[int], emit: Callable[..., None]) -> list[int]:
+        """Cancel ``tasks`` (``running``: those Slurm showed running); the event says which."""
         assert self.context.array_job_id is not None
-        return cancel_pending(self.context.array_job_id, self.env, keep=self.context.array_task_id)
+        try:
+            cancel_tasks(self.context.array_job_id, tasks, self.env)
+        except SlurmError as error:
+            # Another slot's agent got there first (scancel fails for a task already ended).
+            log.debug("scancel of tasks %s: %s", tasks, error)
+            return []
+        log.debug("slot %s cancelled tasks %s (running: %s)", self.job_id, tasks, list(running))
+        emit(Kind.CANCEL_PENDING, tasks=tasks, running=running)
+        return tasks
 
     def _save(self, ledger: SlotLedger) -> None:
         self._ledger = ledger
