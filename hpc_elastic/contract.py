@@ -42,7 +42,11 @@ MASTER_PORTS_ENV = "HPC_ELASTIC_MASTER_PORTS"
 """``LOW:HIGH``: rank 0's agent picks the workers' MASTER_PORT in this range (default: any)."""
 HOST_ENV = "HPC_ELASTIC_HOST"
 NOTIFY_URL_ENV = "HPC_ELASTIC_NOTIFY_URL"
-"""``submit --notify``'s web hook, for the agent (never on a command line: see ``notify``)."""
+"""``submit --notify``'s web hook, for the agent (never on a command line: see ``notify``).
+``submit`` reads it too, as ``--notify`` when no flag gives one."""
+AGENT_ONLY_ENV = frozenset({NOTIFY_URL_ENV})
+"""Variables the agent reads and never passes on to workers or standbys: secrets that the
+training code has no use for (and might log with the rest of its environment)."""
 ZK_ENV = "HPC_ELASTIC_ZK"
 CHECKPOINT_ASYNC_ENV = "HPC_ELASTIC_CHECKPOINT_ASYNC"
 """``1``: ``save`` copies the state and writes it in the background; ``0`` or unset: inline."""

@@ -8,10 +8,17 @@ one background thread delivers it, retrying with exponential backoff when the re
 down or answers 5xx/429. When the queue is full the alert is dropped and counted, since an
 agent stuck behind a dead webhook would be a worse outage than a missed message.
 Only the standard library (urllib) is used, so there is no third-party boundary here.
+
+The receiver is not trusted: whatever it answers (a reply that is not HTTP, a thousand
+headers, a redirect), the delivery thread lives on, and an alert that was not delivered is
+counted and reported (``on_drop``: the agent writes a ``warning`` event into the job's
+timeline). No redirect is followed: urllib would follow a 302 to any host, as a GET without
+the alert, so a 3xx counts as a refusal instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -20,7 +27,7 @@ import socket
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,14 +104,26 @@ def _urllib_send(url: str, body: bytes, timeout: float) -> int:
     import urllib.error  # noqa: PLC0415
     import urllib.request  # noqa: PLC0415
 
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        """Follow no redirect: returning None makes urllib raise the 3xx as an HTTPError."""
+
+        def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
     request = urllib.request.Request(
         url, data=body, method="POST", headers={"Content-Type": "application/json"}
     )
+    opener = urllib.request.build_opener(NoRedirect)
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        with opener.open(request, timeout=timeout) as response:
             return int(response.status)
     except urllib.error.HTTPError as error:
         return int(error.code)
+
+
+DropHandler = Callable[[str, str, int], None]
+"""Told of each alert not delivered: its kind, why (one phrase) and how many were dropped so
+far. Called from the delivery thread or from ``post``; it must not block for long."""
 
 
 @dataclass
@@ -116,9 +135,12 @@ class Notifier:
     timeout: float = TIMEOUT
     queue_size: int = QUEUE_SIZE
     send: Sender = _urllib_send
+    on_drop: DropHandler | None = None
+    """Where drops are reported besides the log (the agent sets it once it knows the job)."""
     delivered: int = 0
     dropped: int = 0
-    """Alerts lost: the queue was full, or every retry failed."""
+    """Alerts lost: the queue was full, every retry failed, the receiver refused or garbled
+    its reply, or the agent exited first."""
 
     def __post_init__(self) -> None:
         check_url(self.url)
@@ -126,6 +148,8 @@ class Notifier:
         """Logged instead of the URL, whose path is often the webhook's secret token."""
         self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue(self.queue_size)
         self._closing = threading.Event()
+        self._count = threading.Lock()
+        """``post`` (the agent's threads) and the delivery thread both count drops."""
         self._thread = threading.Thread(target=self._deliver_all, name="notify", daemon=True)
         self._thread.start()
 
@@ -136,46 +160,92 @@ class Notifier:
         try:
             self._queue.put_nowait(payload(kind, message, origin=origin, **details))
         except queue.Full:
-            self.dropped += 1
-            logger.warning("notify: queue full, alert '%s' dropped", kind)
+            self._drop(kind, "the queue of unsent alerts was full")
 
     def close(self, wait: float = 5.0) -> None:
         """Give each queued alert one more attempt (no retries) for up to ``wait`` seconds,
-        then give up: the thread is a daemon, so a dead receiver cannot keep the agent alive."""
+        then give up: the thread is a daemon, so a dead receiver cannot keep the agent alive.
+        Alerts still queued then are counted as dropped."""
         self._closing.set()
-        try:
+        with contextlib.suppress(queue.Full):
             self._queue.put(None, timeout=wait)
-        except queue.Full:
-            return
         self._thread.join(wait)
+        if self._thread.is_alive():
+            self._drop_queued()
+
+    def _drop_queued(self) -> None:
+        while True:
+            try:
+                alert = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if alert is not None:
+                self._drop(str(alert["kind"]), "the agent exited before it was sent")
+
+    def _drop(self, kind: str, why: str) -> None:
+        with self._count:
+            self.dropped += 1
+            dropped = self.dropped
+        logger.warning("notify: alert '%s' to %s dropped: %s", kind, self._host, why)
+        if self.on_drop is None:
+            return
+        try:
+            self.on_drop(kind, why, dropped)
+        except Exception:  # a broken report must not stop the alerts
+            logger.exception("notify: reporting the dropped alert '%s' failed", kind)
 
     def _deliver_all(self) -> None:
         while True:
             alert = self._queue.get()
             if alert is None:
                 return
-            if self._deliver(json.dumps(alert, default=str).encode(), str(alert["kind"])):
-                self.delivered += 1
+            kind = str(alert.get("kind"))
+            try:
+                why = self._deliver(json.dumps(alert, default=str).encode(), kind)
+            except Exception as error:  # the thread must outlive any alert
+                logger.exception("notify: delivering '%s' failed", kind)
+                why = f"it could not be sent ({type(error).__name__})"
+            if why is None:
+                with self._count:
+                    self.delivered += 1
             else:
-                self.dropped += 1
+                self._drop(kind, why)
 
-    def _deliver(self, body: bytes, kind: str) -> bool:
+    def _deliver(self, body: bytes, kind: str) -> str | None:
+        """Post ``body`` with retries; None once delivered, else why it was given up."""
+        why = "the agent exited before it was sent"
         for delay in [0.0, *self.backoff.delays()]:
             # While closing, a pending retry is not waited for: the agent is exiting.
             if delay and self._closing.wait(delay):
                 break
-            try:
-                status: int | None = self.send(self.url, body, self.timeout)
-            except OSError as error:
-                logger.debug("notify: %s to %s failed: %s", kind, self._host, error)
-                status = None
+            status, why, retry = self._attempt(body, kind)
             if status is not None and 200 <= status < 300:
                 logger.debug("notify: %s delivered to %s", kind, self._host)
-                return True
-            if not worth_retrying(status):
+                return None
+            if not retry:
                 break
-        logger.warning("notify: alert '%s' to %s could not be delivered", kind, self._host)
-        return False
+        return why
+
+    def _attempt(self, body: bytes, kind: str) -> tuple[int | None, str, bool]:
+        """One POST: the status (None: no valid answer), what a failure means as a phrase, and
+        whether another try may pass (``worth_retrying``; never after a garbled reply).
+
+        Anything the receiver does is an answer here, never an exception: http.client raises
+        ``HTTPException`` subclasses (not ``OSError``) for a bad status line or more than 100
+        headers, and those once ended the delivery thread, so every later alert was lost."""
+        try:
+            status = self.send(self.url, body, self.timeout)
+        except OSError as error:
+            logger.debug("notify: %s to %s failed: %s", kind, self._host, error)
+            return None, f"{self._host} could not be reached ({type(error).__name__})", True
+        except Exception as error:  # any reply at all, see above
+            logger.debug("notify: %s to %s got a malformed reply: %r", kind, self._host, error)
+            why = f"the reply of {self._host} was not valid HTTP ({type(error).__name__})"
+            return None, why, False
+        if 300 <= status < 400:
+            why = f"{self._host} answered with a redirect ({status}), which is never followed"
+            return status, why, False
+        return status, f"{self._host} answered {status}", worth_retrying(status)
 
 
 JOB_LEVEL = frozenset({"failed", "breaker", "finished"})
@@ -246,15 +316,32 @@ def observer(notifier: Notifier, leader: Callable[[], bool]) -> Callable[[Event]
     return observe
 
 
-def from_environ(environ: Mapping[str, str]) -> Notifier | None:
-    """The job's notifier, when ``submit --notify`` exported a URL (see ``contract``).
+def from_environ(environ: MutableMapping[str, str]) -> Notifier | None:
+    """The job's notifier, when ``submit --notify`` exported a URL (see ``contract``); the URL
+    is taken out of ``environ``, so nothing the agent starts inherits it.
 
     The URL comes through the environment, never the agent's command line: a webhook's path
     is often its secret token, and every user on a node can read command lines with ``ps``,
-    while a process environment is readable only by its owner.
+    while a process environment is readable only by its owner. The workers never see it
+    (``contract.AGENT_ONLY_ENV``): training code logs its environment more often than not.
     """
-    url = environ.get(NOTIFY_URL_ENV)
+    url = environ.pop(NOTIFY_URL_ENV, None)
     return Notifier(url) if url else None
+
+
+def drop_reporter(emit: Callable[..., None]) -> DropHandler:
+    """A ``Notifier.on_drop`` that writes each drop as a ``warning`` event through ``emit``
+    (``emit(Kind.WARNING, **details)``, as the agent writes its slot's events), so that
+    ``hpc-elastic events`` shows the alerts nobody received, with their running count."""
+
+    def report(kind: str, why: str, dropped: int) -> None:
+        emit(
+            Kind.WARNING,
+            message=f"Alert '{kind}' was not delivered: {why}; alerts dropped so far: {dropped}.",
+            alerts_dropped=dropped,
+        )
+
+    return report
 
 
 class RankZero:

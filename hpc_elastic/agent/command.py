@@ -132,6 +132,8 @@ def _run_agent(
     slot = args.slot if args.slot is not None else default_slot(os.environ)
     limits = SlotLimits(args.max_preemptions, args.max_time_limits, args.exclude_after)
     array_slot = ElasticSlot.from_env(os.environ, spec.job_dir, limits)
+    if notifier is not None:  # an alert not delivered is said in the job's timeline
+        notifier.on_drop = notify.drop_reporter(_emitter(spec, args.run_id, array_slot))
     if array_slot is not None:
         _arrive(array_slot, spec, args.run_id)
     # The standbys start importing now, while the preflight and the connection go on.

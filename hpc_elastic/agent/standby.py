@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpc_elastic.contract import STANDBY_READY_DIR_ENV
+from hpc_elastic.contract import AGENT_ONLY_ENV, STANDBY_READY_DIR_ENV
 
 _STANDBY = """\
 import importlib, json, os, runpy, socket, sys, time
@@ -301,7 +301,9 @@ class StandbyPool:
         ready_dir: Path,
     ) -> None:
         self._argv = argv
-        self._env = {**env, STANDBY_READY_DIR_ENV: str(ready_dir)}
+        # A standby becomes a worker: it never gets what only the agent may know.
+        self._env = {name: value for name, value in env.items() if name not in AGENT_ONLY_ENV}
+        self._env[STANDBY_READY_DIR_ENV] = str(ready_dir)
         self._size = size
         self._launch = launch
         self._ready_dir = ready_dir

@@ -129,6 +129,11 @@ def hang_debug_defaults(base: Mapping[str, str], nccl_trace: Path | None) -> dic
     }
 
 
+def without_agent_secrets(base: Mapping[str, str]) -> dict[str, str]:
+    """``base`` minus what only the agent may know (``contract.AGENT_ONLY_ENV``: the webhook)."""
+    return {name: value for name, value in base.items() if name not in contract.AGENT_ONLY_ENV}
+
+
 def worker_env(
     base: Mapping[str, str],
     spec: AgentSpec,
@@ -142,7 +147,7 @@ def worker_env(
     """torchrun's environment for one worker, plus the HPC_ELASTIC_* training contract."""
     group_rank = rdzv_round.group_rank(node.node_id)
     rank = rdzv_round.first_rank(node.node_id) + local_rank
-    env = dict(base)
+    env = without_agent_secrets(base)
     env.setdefault("OMP_NUM_THREADS", "1")
     # The job's own directory unless the job named another (``--env
     # HPC_ELASTIC_CHECKPOINT_DIR=s3://bucket/run``): that one is passed on untouched, never made.
