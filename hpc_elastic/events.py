@@ -85,6 +85,9 @@ class Kind(enum.StrEnum):
     """A round's workers began training (read by ops/goodput.py)."""
     STRAGGLER = "straggler"
     """A rank steps much slower than the median (details: rank, score)."""
+    HANG = "hang"
+    """One agent's part in a hang's investigation: what it saw of its ranks, and the verdict
+    agreed for the whole job (``HangDetails``); the root cause itself is one ``failure``."""
     USER_ERROR = "user_error"
     BREAKER = "breaker"
     """A failure no restart fixes (a user error; restarts without a new checkpoint): the
@@ -267,6 +270,11 @@ class FailureDetails:
     message: str = ""
     """The tail of the worker's error file or log."""
     hung: bool = False
+    sentence: str = ""
+    """The one sentence a person reads (a hang's verdict); empty: the message's last line."""
+    node_fault: bool = True
+    """Whether the failure counts against the node of the agent that wrote it (bad-node
+    memory, exclusion): never for a hang whose culprit is elsewhere or unknown."""
 
     def to_details(self) -> dict[str, Any]:
         return {
@@ -275,6 +283,8 @@ class FailureDetails:
             "signal": self.signal,
             "message": self.message,
             "hung": self.hung,
+            "sentence": self.sentence,
+            "node_fault": self.node_fault,
         }
 
     @classmethod
@@ -285,6 +295,50 @@ class FailureDetails:
             signal=_text(details, "signal"),
             message=_text(details, "message") or "",
             hung=details.get("hung") is True,
+            sentence=_text(details, "sentence") or "",
+            node_fault=details.get("node_fault") is not False,
+        )
+
+
+@dataclass(frozen=True)
+class HangDetails:
+    """``Kind.HANG``: one agent's evidence of a hang and the verdict agreed for the job."""
+
+    investigation: int = 0
+    """Counts the round's investigations: one dismissed as a slow rank may be followed by
+    another."""
+    verdict: str = ""
+    """culprit, ambiguous or dismissed (``agent/hangs.py``)."""
+    rank: int | None = None
+    """The culprit; None when there is none."""
+    culprit_slot: str = ""
+    sentence: str = ""
+    evidence: dict[str, str] = field(default_factory=dict)
+    """This agent's ranks, by rank: state, marker, stack, time without progress."""
+    logs: dict[str, str] = field(default_factory=dict)
+    """This agent's ranks' logs, by rank: the whole stack dumps are there."""
+
+    def to_details(self) -> dict[str, Any]:
+        return {
+            "investigation": self.investigation,
+            "verdict": self.verdict,
+            "rank": self.rank,
+            "culprit_slot": self.culprit_slot,
+            "sentence": self.sentence,
+            "evidence": dict(self.evidence),
+            "logs": dict(self.logs),
+        }
+
+    @classmethod
+    def from_details(cls, details: dict[str, Any]) -> HangDetails:
+        return cls(
+            investigation=_int(details, "investigation") or 0,
+            verdict=_text(details, "verdict") or "",
+            rank=_int(details, "rank"),
+            culprit_slot=_text(details, "culprit_slot") or "",
+            sentence=_text(details, "sentence") or "",
+            evidence=_texts_by_key(details, "evidence"),
+            logs=_texts_by_key(details, "logs"),
         )
 
 
@@ -368,3 +422,10 @@ def _text(details: dict[str, Any], name: str) -> str | None:
 def _texts(details: dict[str, Any], name: str) -> tuple[str, ...]:
     value = details.get(name)
     return tuple(str(item) for item in value) if isinstance(value, list) else ()
+
+
+def _texts_by_key(details: dict[str, Any], name: str) -> dict[str, str]:
+    value = details.get(name)
+    if not isinstance(value, dict):
+        return {}
+    return {str(key): text for key, text in value.items() if isinstance(text, str)}

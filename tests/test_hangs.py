@@ -255,3 +255,38 @@ def test_a_hang_timeout_is_named_as_such() -> None:
     evidence["id0"] = replace(evidence["id0"], suspicion=set_by_hand)
     sentence = attribute(evidence, MEMBERS).sentence
     assert sentence.endswith("made no progress for 4.2 s in step (--hang-timeout 4.0 s).")
+
+
+def test_a_rank_stalled_on_its_own_is_not_excused_by_another_that_moves() -> None:
+    """Ranks that train without collectives (or of which nothing is known before their
+    stacks): rank 0 stopped beating while rank 1 goes on. The first look dismisses nothing,
+    and the stacks blame rank 0, never the rank still moving."""
+    members = (Member("id0", "n0", 0, 2),)
+    stalled = RankEvidence(0, state="S", age=61.0, deadline=60.0)
+    going = RankEvidence(1, state="R", age=0.2, deadline=60.0)
+    look = {"id0": NodeEvidence("id0", "n0", (stalled, going), 1, CAUGHT)}
+    assert first_look(look, members) is None
+    stacks = {
+        "id0": NodeEvidence(
+            "id0",
+            "n0",
+            (
+                replace(stalled, stack="worker.py:9 in main", dumped=True),
+                replace(going, stack="worker.py:12 in main", dumped=True),
+            ),
+            2,
+            CAUGHT,
+        )
+    }
+    verdict = attribute(stacks, members)
+    assert (verdict.kind, verdict.rank) == (CULPRIT, 0)
+
+
+def test_ranks_waiting_for_a_rank_still_moving_blame_nobody() -> None:
+    """DDP on a busy machine: the waiting ranks' markers say "out" (the gradient all-reduce
+    is not marked), so the first look cannot dismiss; their stacks say backward, and the rank
+    they wait for still moves: slow, not stuck. Nobody is blamed."""
+    slow = replace(own_code(2), age=12.0)
+    verdict = attribute(nodes(in_backward(0), in_backward(1), slow, in_backward(3)), MEMBERS)
+    assert verdict.kind == AMBIGUOUS
+    assert "rank 2 (12.0 s ago) still made progress" in verdict.sentence

@@ -519,7 +519,9 @@ def test_notes_shared_on_a_topic_are_read_by_node_and_one_answer_is_agreed() -> 
     assert b.sharers("hang-2-") == {"hang-2-1.1": frozenset({"a"})}
     b.share("hang-2-1.1", b"b saw that")
     assert a.shared("hang-2-1.1") == {"a": b"a saw this", "b": b"b saw that"}
+    assert a.agreed("hang-2-1.2") is None
     assert b.agree("hang-2-1.2", b"b's verdict") == b"b's verdict"
+    assert a.agreed("hang-2-1.2") == b"b's verdict"
     assert a.agree("hang-2-1.2", b"a's verdict") == b"b's verdict"
     assert a.sharers("hang-2-1.2") == {"hang-2-1.2": frozenset()}, "agreed, shared by nobody"
     assert a.shared("hang-2-1.2") == {}

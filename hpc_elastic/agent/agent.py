@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from hpc_elastic import events
-from hpc_elastic.agent import rootcause, watchdog
+from hpc_elastic.agent import hangs, investigation, proc, rootcause, watchdog
 from hpc_elastic.agent.api import AgentSpec, ExitCode, Phase
 from hpc_elastic.agent.rundir import RunDir
 from hpc_elastic.agent.standby import StandbyPool, may_import, standby_command
@@ -42,7 +42,7 @@ from hpc_elastic.agent.workers import (
 )
 from hpc_elastic.contract import ASSIGNMENT_FILE_ENV, LEASE_FILE_ENV, LEASE_TIMEOUT_ENV
 from hpc_elastic.errors import RendezvousClosedError, RendezvousError
-from hpc_elastic.events import FailedDetails, FailureDetails, Kind, RoundDetails
+from hpc_elastic.events import FailedDetails, FailureDetails, HangDetails, Kind, RoundDetails
 from hpc_elastic.rendezvous import state as rdzv_state
 from hpc_elastic.rendezvous.api import (
     Failure,
@@ -76,10 +76,6 @@ system), which the running job should not wait on forever."""
 
 WARM_UP_POLL = 0.05
 """Seconds between two looks at the standbys' ready files while warming up."""
-
-STACK_DUMP_DEADLINE = 5.0
-"""How long a hung group's ranks get to print their stacks after the SIGABRT: faulthandler
-takes milliseconds, but a rank that also writes a core file would hold the restart up."""
 
 FENCE_FRACTION = 1 / 3
 """A cut-off agent stops its workers once SUSPENDED has lasted this fraction of the session
@@ -332,6 +328,15 @@ class _Ended:
     outcome: Outcome
     failure: Failure | None = None
     hung: bool = False
+    """This node records a hang's failure: its culprit is here, or nobody can be blamed and
+    this node was chosen to say so (``hangs.Verdict.reporter``)."""
+    victim: bool = False
+    """A hang's culprit is on another node (or it is ambiguous and another node records it):
+    this node's ranks only waited, and the round ends as for an echo of a peer's failure."""
+    sentence: str = ""
+    """A hang's verdict, the one sentence the failure is read as."""
+    node_fault: bool = True
+    """Whether the failure counts against this node (never for a hang not blamed on it)."""
 
 
 @dataclass
@@ -342,6 +347,10 @@ class _RoundFacts:
     failure: Failure | None
     unfixable: str | None = None
     """The sentence of why no restart can fix the failure, once announced."""
+    hang: bool = False
+    """The failure is a hang's (``_Ended.hung`` or ``victim``)."""
+    sentence: str = ""
+    node_fault: bool = True
 
 
 def _told(end: RoundEnd) -> str:
@@ -464,6 +473,9 @@ class Agent:
         ``--hang-timeout`` overrides them."""
         self._watch: watchdog.RankWatch | None = None
         self._round_number: int | None = None
+        self._round: Round | None = None
+        self._hangs_answered: set[int] = set()
+        """The round's hang investigations this agent took part in (agent/investigation.py)."""
         self._breaker = watchdog.Breaker()
         self._acks: dict[int, tuple[int, float]] = {}
         """In-place mode: local rank -> (round, deadline) of each survivor yet to take it up."""
@@ -611,8 +623,15 @@ class Agent:
             ).to_details(),
         )
         self._renew_lease()
-        self._watch = watchdog.RankWatch(self._deadlines, watchdog.Stragglers(), time.time())
+        self._watch = watchdog.RankWatch(
+            self._deadlines,
+            watchdog.Stragglers(),
+            time.time(),
+            poll_interval=self.spec.poll_interval,
+        )
         self._round_number = rdzv_round.number
+        self._round = rdzv_round
+        self._hangs_answered = set()
         self._group = self._start_workers(rdzv_round)
         self._enter(Phase.RUNNING)
         self._event(
@@ -813,44 +832,121 @@ class Agent:
         return all(worker.heartbeat_age(now) is not None for worker in group.workers)
 
     def _hung_rank(self, group: WorkerGroup) -> _Ended | None:
-        """Kill the first rank past its phase's deadline; report new stragglers on the way."""
-        watch = self._watch
-        if watch is None:
+        """Report new stragglers; when a local rank is past its deadline, or another node
+        opened a hang's investigation, take part in it and end the round as its agreed
+        verdict says (docs/unattended.md, "Who hung")."""
+        watch, rdzv_round = self._watch, self._round
+        if watch is None or rdzv_round is None:
             return None
         running = {
             worker.rank: worker
             for worker in group.running()
             if not heartbeat.finished(worker.paths.heartbeat)  # its loop is over: not timed
         }
+        queued = {rank: proc.queued(w.process.pid) for rank, w in running.items()}
         verdict = watch.poll(
             time.time(),
             {rank: _reading(w) for rank, w in running.items()},
             # a rank writing a checkpoint cannot beat: time it by the checkpoint deadline
             checkpointing=any(heartbeat.checkpointing(w.paths.heartbeat) for w in running.values()),
+            queued={rank: seconds for rank, seconds in queued.items() if seconds is not None},
         )
         for rank in verdict.stragglers:
             score = round(verdict.scores.get(rank, 0.0), 2)
             self._event(Kind.STRAGGLER, round=self._round_number, rank=rank, score=score)
-        for hung in verdict.hung:
-            worker = running[hung.rank]
-            self._dump_stacks(group)
-            reason = " ".join(
-                (
-                    hung.sentence(overridden=self.spec.hang_timeout is not None),
-                    rootcause.hung_sentence(worker.rank, worker.paths.log),
-                )
-            )
-            return _Ended(Outcome.FAILED, self._failure(worker.rank, None, reason), hung=True)
-        return None
+        number = investigation.unanswered(self.rdzv, rdzv_round.number, self._hangs_answered)
+        if number is None and not verdict.hung:
+            return None
+        if number is None:
+            number = investigation.next_number(self.rdzv, rdzv_round.number)
+        return self._investigate(group, rdzv_round, number, verdict)
 
-    def _dump_stacks(self, group: WorkerGroup) -> None:
-        """Every local rank prints its stacks into its log, then dies (docs/unattended.md):
-        the hung rank's shows where it was, the others' what they were waiting for."""
-        self._say(
-            f"A hang was caught; asking every local rank for its stacks (up to "
-            f"{STACK_DUMP_DEADLINE:g} s) before killing them."
+    def _investigate(
+        self, group: WorkerGroup, rdzv_round: Round, number: int, verdict: watchdog.Verdict
+    ) -> _Ended | None:
+        """Take part in investigation ``number`` of the round (agent/investigation.py); None
+        while the round goes on (dismissed: the job still moves; or given up)."""
+        self._hangs_answered.add(number)
+        suspicion = None
+        if verdict.hung:
+            first = verdict.hung[0]
+            overridden = self.spec.hang_timeout is not None and first.phase is not (
+                watchdog.Phase.STARTUP
+            )
+            suspicion = hangs.Suspicion(
+                first.rank, first.phase.value, first.waited, first.deadline, overridden
+            )
+            log.debug("%s: %s", self._node, first.sentence(overridden))
+        log.debug("%s: taking part in hang investigation %d", self._node, number)
+        found = investigation.Investigation(
+            self.rdzv,
+            rdzv_round,
+            group,
+            number,
+            verdict.waits,
+            suspicion,
+            self.spec.poll_interval,
+            interrupted=lambda: self._stop_signal is not None,
+            say=self._say,
+        ).run()
+        if found is None:
+            return None
+        self._hang_event(found, group)
+        if found.verdict.kind == hangs.DISMISSED:
+            self._say(found.verdict.sentence)
+            assert self._watch is not None
+            self._watch.excuse(time.time())
+            return None
+        return self._hang_ended(found, group)
+
+    def _hang_event(self, found: investigation.Finding, group: WorkerGroup) -> None:
+        """This node's evidence and the agreed verdict: what ``events`` shows of a hang."""
+        verdict = found.verdict
+        self._event(
+            Kind.HANG,
+            round=self._round_number,
+            **HangDetails(
+                investigation=found.number,
+                verdict=verdict.kind,
+                rank=verdict.rank,
+                culprit_slot=verdict.slot,
+                sentence=verdict.sentence,
+                evidence=investigation.evidence_lines(found.evidence),
+                logs={str(worker.rank): str(worker.paths.log) for worker in group.workers},
+            ).to_details(),
         )
-        group.dump_stacks(STACK_DUMP_DEADLINE)
+
+    def _hang_ended(self, found: investigation.Finding, group: WorkerGroup) -> _Ended:
+        """The round's end for this node after a hang's verdict: its culprit is here (this
+        node records the failure, against itself), or it is ambiguous and this node was
+        chosen to record it (against nobody), or this node's ranks only waited."""
+        verdict, node = found.verdict, self.rdzv.node
+        if investigation.culprit_here(verdict, node.node_id):
+            assert verdict.rank is not None
+            worker = next(w for w in group.workers if w.rank == verdict.rank)
+            reason = f"{verdict.sentence}\n{rootcause.hung_sentence(worker.rank, worker.paths.log)}"
+            failure = self._failure(verdict.rank, None, reason)
+            return _Ended(Outcome.FAILED, failure, hung=True, sentence=verdict.sentence)
+        lines = "\n".join(f"rank {rank}: {line}" for rank, line in verdict.evidence.items())
+        failure = Failure(
+            node_id=node.node_id,
+            host=node.host,
+            rank=-1 if verdict.rank is None else verdict.rank,
+            exit_code=None,
+            signal=None,
+            message=f"{verdict.sentence}\n{lines}"[: investigation.MESSAGE_BOUND],
+            time=time.time(),
+            slot=node.slot,
+        )
+        here = verdict.reporter == node.node_id
+        return _Ended(
+            Outcome.FAILED,
+            failure,
+            hung=here,
+            victim=not here,
+            sentence=verdict.sentence,
+            node_fault=False,
+        )
 
     def _finish_round(self, rdzv_round: Round, ended: _Ended) -> ExitCode | None:
         """Act on how the round ended; None means: join the next round.
@@ -866,10 +962,18 @@ class Agent:
         end = RoundEnd(
             ended.outcome,
             hung=ended.hung,
-            echo=failure is not None and not ended.hung and rootcause.is_echo(failure),
+            # A hang's victim waited for a rank elsewhere: it hears of that rank's failure.
+            echo=failure is not None
+            and (ended.victim or (not ended.hung and rootcause.is_echo(failure))),
             takes_rounds=ended.outcome is not Outcome.SUCCEEDED and self._takes_rounds(group),
         )
-        facts = _RoundFacts(rdzv_round, failure)
+        facts = _RoundFacts(
+            rdzv_round,
+            failure,
+            hang=ended.hung or ended.victim,
+            sentence=ended.sentence,
+            node_fault=ended.node_fault,
+        )
         while True:
             end = replace(end, stop_signal=self._stop_signal is not None)
             action = after_round(end)
@@ -897,7 +1001,7 @@ class Agent:
         failure = facts.failure
         assert failure is not None, f"{action.value} needs the failure"
         if action is AfterRound.ANNOUNCE_FAILURE:
-            facts.unfixable = self._announce(number, failure, end.hung)
+            facts.unfixable = self._announce(number, failure, facts)
             return replace(end, announced=True, unfixable=facts.unfixable is not None)
         assert action in (AfterRound.REPORT_FAILURE, AfterRound.FAIL_JOB), action
         if action is AfterRound.FAIL_JOB:
@@ -969,19 +1073,27 @@ class Agent:
         self._event(Kind.WORKERS_STOPPED, round=round_number)
         self._group = None
 
-    def _announce(self, round_number: int, failure: Failure, hung: bool) -> str | None:
+    def _announce(self, round_number: int, failure: Failure, facts: _RoundFacts) -> str | None:
         """Say the root cause and record it; the sentence of why no restart can fix it, or
-        None. The failure event's observers may ask this node to leave (the bad-node watch)."""
-        self._say(f"Worker failure, root cause:\n{rootcause.summary(failure)}")
+        None. The failure event's observers may ask this node to leave (the bad-node watch),
+        unless it does not count against this node (``node_fault``: a hang blamed elsewhere
+        or on nobody)."""
+        hung = facts.hang
+        if facts.sentence:
+            self._say(f"Hang, root cause: {facts.sentence}")
+        else:
+            self._say(f"Worker failure, root cause:\n{rootcause.summary(failure)}")
         self._event(
             Kind.FAILURE,
             round=round_number,
             **FailureDetails(
-                rank=failure.rank,
+                rank=failure.rank if failure.rank >= 0 else None,
                 exit_code=failure.exit_code,
                 signal=failure.signal,
                 message=failure.message,
                 hung=hung,
+                sentence=facts.sentence,
+                node_fault=facts.node_fault,
             ).to_details(),
         )
         unfixable = self._unfixable(failure, hung)

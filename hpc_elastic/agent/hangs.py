@@ -236,15 +236,20 @@ DISMISSED = "dismissed"
 
 def first_look(evidence: Mapping[str, NodeEvidence], members: Sequence[Member]) -> Verdict | None:
     """After stage 1 (no rank touched yet): a ``DISMISSED`` verdict when some rank is still
-    moving (the machine is busy, the others wait for a rank that will come), else None: the
-    ranks' stacks are needed. Dismissing costs nothing, a wrong kill costs a restart."""
-    moving = [rank for rank in _ranks(evidence) if rank.moving]
-    if not moving:
+    moving and every rank that is not is known to wait in a collective (its marker says so):
+    they wait for a rank that will come, on a busy machine. Else None: the stacks are needed.
+    A rank that stalled outside any collective, or of which nothing is known yet, may be stuck
+    on its own, whatever the others do (ranks that train without collectives)."""
+    ranks = _ranks(evidence)
+    moving = [rank for rank in ranks if rank.moving]
+    stalled = [rank for rank in ranks if rank.timed and not rank.moving]
+    if not moving or any(rank.in_collective is not True for rank in stalled):
         return None
     slowest = moving[0]
     sentence = (
         f"No hang: rank {slowest.rank} still made progress {slowest.age:.1f} s ago (deadline "
-        f"{slowest.deadline:.1f} s); the others waited for it on a busy machine."
+        f"{slowest.deadline:.1f} s) while the others waited for it in a collective; the "
+        "machine is busy."
     )
     return Verdict(DISMISSED, sentence, _first_answering(evidence, members), rank=slowest.rank)
 
@@ -270,19 +275,22 @@ def attribute(evidence: Mapping[str, NodeEvidence], members: Sequence[Member]) -
     lines = {str(rank.rank): describe(rank) for rank in ranks}
     if stuck:
         return _blame(stuck, waiting, members, caught, lines, how="stuck", reporter=reporter)
+    # A rank still moving (it beat within half its deadline) is slow, not stuck: never blamed.
+    moving = [rank for rank in ranks if rank.moving]
     outside = [
         rank
         for rank in ranks
-        if rank.timed and rank.in_collective is False and rank.state != EXITED
+        if rank.timed and rank.in_collective is False and rank.state != EXITED and not rank.moving
     ]
     if outside and waiting:
         return _blame(outside, waiting, members, caught, lines, how="outside", reporter=reporter)
     if outside and not unanswered and not _unknown(ranks):
         # Nobody waits in a collective: the ranks are stuck in their own code.
         return _blame(outside, [], members, caught, lines, how="alone", reporter=reporter)
-    return Verdict(
-        AMBIGUOUS, _ambiguous(waiting, outside, ranks, unanswered, caught), reporter, evidence=lines
+    sentence = _ambiguous(
+        waiting, outside=outside, moving=moving, ranks=ranks, unanswered=unanswered, caught=caught
     )
+    return Verdict(AMBIGUOUS, sentence, reporter, evidence=lines)
 
 
 def _blame(
@@ -337,7 +345,9 @@ def _what(rank: RankEvidence, how: str) -> str:
 
 def _ambiguous(
     waiting: list[RankEvidence],
+    *,
     outside: list[RankEvidence],
+    moving: list[RankEvidence],
     ranks: list[RankEvidence],
     unanswered: list[int],
     caught: str,
@@ -352,7 +362,10 @@ def _ambiguous(
         parts.append(f"{_ranks_word(silent)} left no marker and no stack to tell")
     if outside:
         parts.append(f"{_ranks_word([rank.rank for rank in outside])} made no progress either")
-    if waiting and not unanswered and not silent and not outside:
+    if moving:
+        ages = _and([f"{rank.rank} ({rank.age:.1f} s ago)" for rank in moving])
+        parts.append(f"{'rank' if len(moving) == 1 else 'ranks'} {ages} still made progress")
+    if waiting and not unanswered and not silent and not outside and not moving:
         parts = [f"every rank waited in a collective its peers never joined ({_waiters(waiting)})"]
     if not parts:
         parts.append("no rank could be told apart")

@@ -6,6 +6,7 @@ import json
 import re
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from hpc_elastic.rendezvous.api import Failure
@@ -134,17 +135,12 @@ _THREAD_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+ .*:$")
 _FRAME_LINE = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<function>.+)$')
 
 
-def hung_frame(log_text: str) -> str | None:
-    """Where the main thread was in the last faulthandler dump of ``log_text``, as
-    ``train.py:42 in all_reduce_step``; None when the log holds no dump.
+def main_frames(log_text: str) -> list[re.Match[str]] | None:
+    """The main thread's frames in the last faulthandler dump of ``log_text``, innermost
+    first; None when the log holds no dump (an empty list: a dump without frames).
 
     faulthandler lists threads newest first, so the main thread (the first one started) is
-    the last block; its first ``File`` line is the innermost frame, the one that hung. When
-    that frame is in a library (torch's ``all_reduce``), the innermost frame of the user's
-    own code follows: ``distributed_c10d.py:3252 in all_reduce, called from train.py:42 in
-    step``. Only the file's base name is kept: the sentence names a place, the log holds the
-    full path.
-    """
+    the last block."""
     start = log_text.rfind(_FAULTHANDLER_HEADER)
     if start < 0:
         return None
@@ -156,8 +152,21 @@ def hung_frame(log_text: str) -> str | None:
             blocks[-1].append(frame)
         elif line.strip() and blocks and blocks[-1]:
             break  # the dump is over: what follows is the next thing the log holds
-    main = next((block for block in reversed(blocks) if block), None)
-    if main is None:
+    return next((block for block in reversed(blocks) if block), [])
+
+
+def hung_frame(log_text: str) -> str | None:
+    """Where the main thread was in the last faulthandler dump of ``log_text``, as
+    ``train.py:42 in all_reduce_step``; None when the log holds no dump.
+
+    The main thread's first ``File`` line is the innermost frame, the one that hung. When
+    that frame is in a library (torch's ``all_reduce``), the innermost frame of the user's
+    own code follows: ``distributed_c10d.py:3252 in all_reduce, called from train.py:42 in
+    step``. Only the file's base name is kept: the sentence names a place, the log holds the
+    full path.
+    """
+    main = main_frames(log_text)
+    if not main:
         return None
     where = _place(main[0])
     if _is_library(main[0]["file"]):
@@ -170,6 +179,70 @@ def hung_frame(log_text: str) -> str | None:
 
 _LIBRARY = re.compile(r"[/\\](site-packages|dist-packages|lib[/\\]python\d+(\.\d+)?)[/\\]")
 """Installed packages and the standard library: not the user's code."""
+
+_COLLECTIVE_CODE = re.compile(
+    r"[/\\]torch[/\\](distributed|autograd|nn[/\\]parallel)[/\\]|[/\\]torch[/\\]_tensor\.py$"
+)
+"""Where a rank waits for its peers: ``torch.distributed`` (a collective), and ``autograd``
+or ``Tensor.backward`` (DDP's gradient all-reduce runs inside ``backward()``; its reducer
+waits for the bucket's all-reduce before the backward returns)."""
+
+
+def waits_in(frames: list[re.Match[str]]) -> str | None:
+    """The collective a stack waits in (``all_reduce``, ``backward``): torch's distributed or
+    autograd code among its innermost frames, before any frame of the user's own code (other
+    libraries in between, such as a wrapper, are passed over); None when the user's code comes
+    first: the rank is not waiting for its peers there."""
+    for frame in frames:
+        if _COLLECTIVE_CODE.search(frame["file"]):
+            return (
+                "backward"
+                if "autograd" in frame["file"] or frame["file"].endswith("_tensor.py")
+                else str(frame["function"])
+            )
+        if not _is_library(frame["file"]):
+            return None
+    return None
+
+
+@dataclass(frozen=True)
+class StackDump:
+    """A faulthandler dump a rank printed: where its main thread was, and what it waits in."""
+
+    where: str | None
+    """``train.py:42 in step``, as ``hung_frame`` says it; None for a dump without frames."""
+    waits_in: str | None
+
+
+def dump_after(log: Path, offset: int) -> StackDump | None:
+    """The dump ``log`` got after byte ``offset`` (when the agent asked for it), or None."""
+    try:
+        with open(log, "rb") as file:
+            file.seek(offset)
+            text = file.read().decode(errors="replace")
+    except OSError:
+        return None
+    frames = main_frames(text)
+    if frames is None:
+        return None
+    return StackDump(hung_frame(text), waits_in(frames))
+
+
+def printed_a_dump(log: Path, offset: int) -> bool:
+    """Whether the rank started printing its dump into ``log`` after byte ``offset``."""
+    try:
+        with open(log, "rb") as file:
+            file.seek(offset)
+            return _FAULTHANDLER_HEADER.encode() in file.read()
+    except OSError:
+        return False
+
+
+def died_of_a_peer(error_file: Path, log: Path) -> bool:
+    """Whether a worker that exited says a peer vanished (``is_echo``'s rule on its own
+    error): it was waiting in a collective for that peer."""
+    message = error_file_message(error_file) or log_tail(log)
+    return _PEER_LOST.search(own_error(message)) is not None
 
 
 def _is_library(path: str) -> bool:

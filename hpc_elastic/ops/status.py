@@ -214,6 +214,7 @@ _AGENT_WORDS: dict[str, str] = {
     Kind.START: "training",
     Kind.RESTART: "rejoining",
     Kind.FAILURE: "reporting a failure",
+    Kind.HANG: "looked into a hang",
     Kind.LEAVE: "left",
     Kind.PREEMPT: "preempted",
     Kind.SPARE: "hot spare",

@@ -12,6 +12,7 @@ from hpc_elastic.events import (
     Event,
     FailedDetails,
     FailureDetails,
+    HangDetails,
     Kind,
     RoundDetails,
 )
@@ -110,12 +111,36 @@ def summarize(events: Iterable[Event]) -> Summary:
 
 
 def _failure_line(event: Event) -> str:
+    """A failure in one line: a hang's verdict as the sentence it is (the stack dump stays in
+    the message and the rank's log), any other failure by its rank, cause and last line."""
     failure = FailureDetails.from_details(event.details)
+    if failure.sentence:
+        return f"{failure.sentence} (round {event.round})"
     cause = f"signal {failure.signal}" if failure.signal else f"exit code {failure.exit_code}"
     message = failure.message.strip().splitlines()
     where = event.slot or event.node
     text = f"rank {failure.rank} on {where} ({cause}) in round {event.round}"
     return f"{text}: {message[-1]}" if message else text
+
+
+def _failure_or_hang(event: Event) -> str:
+    if event.kind == Kind.HANG:
+        return _hang_line(event)
+    hung = FailureDetails.from_details(event.details).hung
+    return f"{'hang' if hung else 'worker failure'}: {_failure_line(event)}"
+
+
+def _hang_line(event: Event) -> str:
+    """One agent's evidence of a hang: each of its ranks, then what was made of it."""
+    hang = HangDetails.from_details(event.details)
+    seen = "; ".join(f"rank {rank}: {line}" for rank, line in sorted(hang.evidence.items()))
+    if hang.verdict == "culprit":
+        verdict = f"rank {hang.rank} on {hang.culprit_slot} blamed"
+    elif hang.verdict == "dismissed":
+        verdict = f"dismissed: {hang.sentence}"
+    else:
+        verdict = "nobody blamed (ambiguous)"
+    return f"hang evidence ({seen or 'no rank of its own'}) -> {verdict}"
 
 
 def clock(timestamp: float) -> str:
@@ -138,8 +163,8 @@ def describe(event: Event) -> str:
         return f"workers started, ranks {d.get('ranks')}"
     if kind == Kind.RESTART:
         return f"workers stopped: {d.get('reason')}"
-    if kind == Kind.FAILURE:
-        return f"worker failure: {_failure_line(event)}"
+    if kind in (Kind.FAILURE, Kind.HANG):
+        return _failure_or_hang(event)
     if kind == Kind.FAILED:
         return f"job failed: {FailedDetails.from_details(d).reason}"
     if kind == Kind.CHECKPOINT:

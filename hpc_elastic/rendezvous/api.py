@@ -215,6 +215,10 @@ class Rendezvous(ABC):
         each at a different time) so act on one answer."""
 
     @abstractmethod
+    def agreed(self, topic: str) -> bytes | None:
+        """The answer agreed on ``topic``, or None while nobody proposed one."""
+
+    @abstractmethod
     def close(self) -> None:
         """Close the job for everyone: late agents exit cleanly; the job's state is removed."""
 

@@ -458,6 +458,10 @@ class StoreRendezvous(Rendezvous):
         )
         return answer
 
+    def agreed(self, topic: str) -> bytes | None:
+        key = _note_key(topic, "")
+        return self._store.notes(key).get(key)
+
     def suspended_since(self) -> float | None:
         return self._suspended_at
 
