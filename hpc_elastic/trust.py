@@ -1,6 +1,7 @@
 """Whom a file or directory on a shared filesystem lets in: one set of rules for everything we
-read and then act on (the config file, templates, job records, job directories, secrets, the
-node-local checkpoint tier).
+read and then act on (the config file, templates, job records, job directories, log
+directories, the node-local checkpoint tier; the secret file keeps its stricter rule of its
+own in ``rendezvous/secret.py``).
 
 Anyone who can write near our files is an attacker here: a file another user owns, or may
 rewrite, could make us run their code or load their weights, and a directory in which another

@@ -8,11 +8,13 @@ the environment. s3fs and moto[server] are in the dev extra: without them these 
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -121,6 +123,33 @@ def test_a_corrupt_object_falls_back_to_the_previous_checkpoint(
     assert checkpointer.load(restored) == checkpointer.directory / "step-00000001"
     assert torch.equal(model.weight, torch.full((4, 4), 1.0))
     assert "step-00000002' is unusable" in caplog.text
+
+
+def test_a_checkpoint_planted_in_the_bucket_without_the_jobs_seal_is_never_loaded(
+    bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Anyone who may write the bucket can upload a whole checkpoint; only the job's secret
+    makes a manifest that verifies (hpc_elastic.train._integrity)."""
+    checkpointer = ObjectCheckpointer.for_url(bucket, round=None)
+    state, _ = filled_state(666.0)
+    state.step = 190
+    checkpointer.save(state)  # no secret in the environment: an unsealed, planted checkpoint
+    secret = tmp_path / "job-secret"
+    secret.write_text("the-jobs-own-secret")
+    secret.chmod(0o600)
+    monkeypatch.setenv("HPC_ELASTIC_SECRET_FILE", str(secret))
+    state, _ = filled_state(1.0)
+    state.step = 10
+    checkpointer.save(state)  # the job's own: sealed
+    manifest = json.loads(
+        checkpointer.store.get(checkpointer.store.key("step-00000010", "manifest.json"))
+    )
+    assert set(manifest["seal"]) == {"hmac_sha256"}
+
+    restored, model = filled_state(0.0)
+    assert checkpointer.load(restored) == checkpointer.directory / "step-00000010"
+    assert restored.step == 10
+    assert torch.equal(model.weight, torch.full((4, 4), 1.0))
 
 
 def test_an_upload_without_its_manifest_is_never_trusted_and_is_cleaned_up(bucket: str) -> None:

@@ -8,11 +8,14 @@ them under "Attacks and their tests".
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,7 +26,7 @@ from unix_users import UnixUser, mallory, shared
 
 from hpc_elastic import cli
 from hpc_elastic.commands import submit as submit_command
-from hpc_elastic.errors import TemplateError, UsageError
+from hpc_elastic.errors import CheckpointError, TemplateError, UsageError
 from hpc_elastic.jobdir import make_private_dir, write_private
 from hpc_elastic.rendezvous.secret import read_secret_file
 
@@ -164,6 +167,210 @@ def test_run_refuses_a_job_directory_swapped_before_its_agents_start(
     with pytest.raises(UsageError, match=f"^Job directory '{job.job_dir}' is not trusted because"):
         job.execute()
     assert not (job.job_dir / "logs").exists(), "an agent was started in her directory"
+
+
+# --- 2. The node-local checkpoint tier ------------------------------------------------------
+
+
+def forged_checkpoint(directory: Path, step: int, value: float) -> Path:
+    """A checkpoint as anyone could make one: the real format, her own weights, no secret."""
+    import torch  # noqa: PLC0415
+
+    from hpc_elastic.train import Checkpointer, TrainState  # noqa: PLC0415
+
+    model = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        model.weight.fill_(value)
+    state = TrainState(model)
+    state.step = step
+    written = Checkpointer(directory, round=None).save(state)
+    assert written is not None
+    return written
+
+
+@pytest.fixture
+def job_secret(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> bytes:
+    """The job's secret, as the agent's workers find it."""
+    path = tmp_path / "job-secret"
+    write_private(path, secrets.token_hex(32))
+    monkeypatch.setenv("HPC_ELASTIC_SECRET_FILE", str(path))
+    monkeypatch.delenv("HPC_ELASTIC_JOB_DIR", raising=False)
+    return path.read_bytes().strip()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_local_tier_another_user_prepared_never_feeds_the_job_her_weights(
+    mallory: UnixUser,
+    shared: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch  # noqa: PLC0415
+
+    from hpc_elastic.train import Checkpointer, TrainState  # noqa: PLC0415
+
+    monkeypatch.delenv("HPC_ELASTIC_SECRET_FILE", raising=False)
+    monkeypatch.delenv("HPC_ELASTIC_JOB_DIR", raising=False)
+    forged = forged_checkpoint(shared / "forge", 190, 666.0)
+    (shared / "forge").chmod(0o755)
+    local_dir = shared / "project" / "local-checkpoints"
+    mallory.sh(f"mkdir -p {local_dir}/rank-0; cp -r {forged} {local_dir}/rank-0/")
+    secret = tmp_path / "job-secret"
+    write_private(secret, secrets.token_hex(32))
+    monkeypatch.setenv("HPC_ELASTIC_SECRET_FILE", str(secret))
+
+    model = torch.nn.Linear(2, 2)
+    state = TrainState(model)
+    fresh = Checkpointer(tmp_path / "shared-tier", round=None, local_directory=local_dir)
+    with pytest.raises(CheckpointError, match=f"'{local_dir}' is not trusted because") as refused:
+        fresh.load(state)
+    assert f"owned by user id {mallory.uid}" in str(refused.value)
+    assert state.step == 0
+    assert not torch.equal(model.weight, torch.full((2, 2), 666.0))
+
+
+@pytest.fixture(params=[0o000, 0o022], ids=["umask-000", "umask-022"])
+def loose_umask(request: pytest.FixtureRequest) -> Iterator[None]:
+    previous = os.umask(request.param)
+    yield
+    os.umask(previous)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.usefixtures("loose_umask", "job_secret")
+def test_the_local_tier_is_the_users_alone_whatever_the_umask(tmp_path: Path) -> None:
+    import torch  # noqa: PLC0415
+
+    from hpc_elastic.train import Checkpointer, TrainState  # noqa: PLC0415
+    from hpc_elastic.train.sharded import save_sharded  # noqa: PLC0415
+
+    local_dir = tmp_path / "node-local" / "ckpt"
+    saver = Checkpointer(tmp_path / "shared", round=None, local_directory=local_dir)
+    state = TrainState(torch.nn.Linear(2, 2))
+    state.step = 3
+    saver.save(state)
+    save_sharded({"weight": torch.arange(4.0)}, 4, checkpointer=saver)
+    written = [local_dir, *local_dir.rglob("*")]
+    assert {path.name for path in written} >= {"rank-0", "shard-0", "state.pt", "manifest.json"}
+    for path in written:
+        mode = path.stat().st_mode & 0o777
+        assert mode == (0o700 if path.is_dir() else 0o600), f"{path} has mode {mode:04o}"
+
+
+def test_a_local_tier_of_ours_others_may_write_is_refused(tmp_path: Path) -> None:
+    from hpc_elastic.train import Checkpointer  # noqa: PLC0415
+
+    local_dir = tmp_path / "ckpt"
+    local_dir.mkdir(mode=0o777)
+    local_dir.chmod(0o777)
+    local = Checkpointer(tmp_path / "shared", round=None, local_directory=local_dir)._local()
+    with pytest.raises(CheckpointError, match=r"group or others may write it \(mode 0777\)"):
+        local.prepare_staging(1)
+
+
+def manifest_of(checkpoint: Path) -> dict[str, object]:
+    loaded: dict[str, object] = json.loads((checkpoint / "manifest.json").read_text())
+    return loaded
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_every_manifest_is_sealed_with_the_jobs_secret_and_one_that_does_not_verify_is_refused(
+    tmp_path: Path, job_secret: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch  # noqa: PLC0415
+
+    from hpc_elastic.train import Checkpointer, TrainState, _integrity  # noqa: PLC0415
+
+    shared_tier = tmp_path / "shared"
+    ours = forged_checkpoint(shared_tier, 10, 1.0)  # with the secret in the environment: ours
+    assert _integrity.manifest_problem(manifest_of(ours), job_secret) is None
+    monkeypatch.delenv("HPC_ELASTIC_SECRET_FILE")
+    forged_checkpoint(shared_tier, 190, 666.0)  # anyone's: no secret, no seal
+    monkeypatch.setenv("HPC_ELASTIC_SECRET_FILE", str(tmp_path / "job-secret"))
+
+    model = torch.nn.Linear(2, 2)
+    state = TrainState(model)
+    assert Checkpointer(shared_tier, round=None).load(state) == ours
+    assert state.step == 10
+    assert torch.equal(model.weight, torch.full((2, 2), 1.0))
+
+    forged = manifest_of(shared_tier / "step-00000190")
+    problems = {
+        "unsealed": forged,
+        "sealed by another job": _integrity.seal_manifest(forged, b"another job's secret"),
+        "ours, edited": {**manifest_of(ours), "world_size": 2},
+        "ours, under another step": manifest_of(ours),
+    }
+    reasons = {
+        "unsealed": "its manifest is not sealed with this job's secret",
+        "sealed by another job": "its manifest's seal does not match this job's secret",
+        "ours, edited": "its manifest's seal does not match this job's secret",
+        "ours, under another step": "its manifest is of step 10, not 190",
+    }
+    from hpc_elastic.train.checkpoint import verify  # noqa: PLC0415
+
+    for name, manifest in problems.items():
+        (shared_tier / "step-00000190" / "manifest.json").write_text(json.dumps(manifest))
+        assert verify(shared_tier / "step-00000190") == reasons[name], name
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_local_copy_without_the_jobs_seal_is_never_loaded(
+    tmp_path: Path, job_secret: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch  # noqa: PLC0415
+
+    from hpc_elastic.train import Checkpointer, TrainState  # noqa: PLC0415
+
+    del job_secret  # in the environment: the job's workers hold it
+    local_dir = tmp_path / "local"
+    saver = Checkpointer(tmp_path / "shared", round=None, local_directory=local_dir)
+    state = TrainState(torch.nn.Linear(2, 2))
+    state.step = 5
+    saver.save(state)
+    monkeypatch.delenv("HPC_ELASTIC_SECRET_FILE")
+    forged = forged_checkpoint(tmp_path / "forge", 190, 666.0)
+    shutil.copytree(forged, local_dir / "rank-0" / forged.name)
+    monkeypatch.setenv("HPC_ELASTIC_SECRET_FILE", str(tmp_path / "job-secret"))
+
+    model = torch.nn.Linear(2, 2)
+    restored = TrainState(model)
+    assert saver.load(restored) == local_dir / "rank-0" / "step-00000005"
+    assert restored.step == 5
+
+
+SAVER = """\
+import torch
+from hpc_elastic.train import Checkpointer, TrainState
+state = TrainState(torch.nn.Linear(2, 2))
+state.step = 3
+Checkpointer.at().save(state)
+"""
+
+
+def test_a_local_run_has_a_secret_and_its_workers_seal_every_tier_with_it(tmp_path: Path) -> None:
+    from hpc_elastic.train import _integrity  # noqa: PLC0415
+
+    (tmp_path / "saver.py").write_text(SAVER)
+    local_dir = tmp_path / "node-local"
+    result = subprocess.run(
+        [sys.executable, "-m", "hpc_elastic", "run", "--nodes=1", "--no-prewarm",
+         f"--local-checkpoint-dir={local_dir}", "saver.py"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    [job] = (tmp_path / "hpc-elastic-runs").iterdir()
+    secret = job / "secret"
+    assert secret.stat().st_mode & 0o777 == 0o600
+    key = read_secret_file(secret).encode()
+    for checkpoint in (
+        job / "checkpoints" / "step-00000003",
+        local_dir / "rank-0" / "step-00000003",
+    ):
+        manifest = json.loads((checkpoint / "manifest.json").read_text())
+        assert _integrity.manifest_problem(manifest, key) is None, checkpoint
+        assert _integrity.manifest_problem(manifest, b"another job's secret") is not None
 
 
 # --- 3. Templates planted beside the user's, or named by the user's config ------------------

@@ -359,8 +359,20 @@ def job_secret_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.mark.usefixtures("job_secret_file")
-@pytest.mark.parametrize("plant", ["metadata", "rank-local metadata"])
-def test_a_planted_sharded_checkpoint_cannot_run_code(tmp_path: Path, plant: str) -> None:
+@pytest.mark.parametrize(
+    ("plant", "refusal"),
+    [
+        # Her manifest cannot carry the job's seal: refused before its .metadata is looked at.
+        ("metadata", r"^No intact checkpoint in '.*' \(1 unusable; the newest, step-00000003: "
+         r"its manifest's seal does not match this job's secret\)"),
+        # Our sealed manifest does not list her file: refused before torch reads it.
+        ("rank-local metadata", r"^Sharded checkpoint '.*' is not trusted because it holds "
+         r"files its manifest does not list \(__0.metadata\)"),
+    ],
+)  # fmt: skip
+def test_a_planted_sharded_checkpoint_cannot_run_code(
+    tmp_path: Path, plant: str, refusal: str
+) -> None:
     import pickle  # noqa: PLC0415
 
     import torch  # noqa: PLC0415
@@ -375,7 +387,7 @@ def test_a_planted_sharded_checkpoint_cannot_run_code(tmp_path: Path, plant: str
         _forge_metadata(checkpoint, pickle.dumps(_Canary(canary)))
     else:
         (checkpoint / "__0.metadata").write_bytes(pickle.dumps(_Canary(canary)))
-    with pytest.raises(CheckpointError, match=r"^Sharded checkpoint '.*' is not trusted because"):
+    with pytest.raises(CheckpointError, match=refusal):
         load_sharded({"weight": torch.zeros(4), "step": 0}, tmp_path / "ckpt")
     assert not canary.exists()
 
@@ -435,7 +447,7 @@ def test_non_tensor_values_in_sharded_data_load_without_pickle(tmp_path: Path) -
 
     import torch  # noqa: PLC0415
 
-    from hpc_elastic.train._integrity import SafeLoadPlanner  # noqa: PLC0415
+    from hpc_elastic.train.sharded import SafeLoadPlanner  # noqa: PLC0415
 
     canary = tmp_path / "canary"
     planted = io.BytesIO()

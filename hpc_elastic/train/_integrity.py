@@ -1,35 +1,45 @@
-"""Seal a sharded checkpoint's ``.metadata`` at save time; check the seal before torch reads it.
+"""Seal what a checkpoint is at save time with the job's secret; check the seal before anything
+reads it. The one sealing module: every checkpoint manifest (shared tier, node-local tier,
+peer copies, object storage) and a sharded checkpoint's ``.metadata``.
 
-torch's distributed checkpoint loader unpickles ``.metadata`` (and, as a fallback, any
-``__<rank>.metadata``), so a file planted in the checkpoint directory would run code in every
-rank. Rank 0 records a digest of ``.metadata`` in the manifest when it commits; every rank
-checks it, and that nothing unlisted lies beside it, before calling the loader.
+**Manifests.** Every manifest carries ``seal``: an HMAC-SHA256, keyed by the job's secret,
+over the rest of the manifest (step, world size, round, and each file's size; for a sharded
+checkpoint, the digest of ``.metadata`` below). A reader that holds the secret refuses a
+manifest without a seal or with one that does not match, so a whole checkpoint planted where
+the job looks (a node-local directory another user made first, a shared or object-storage
+tier others may write) is never loaded: nobody else can make a manifest that verifies. A
+reader without a secret (plain torchrun, outside the agent) has nothing to check a seal with
+and accepts any manifest, as before seals existed. What a seal does not cover is said in
+docs/security.md: the files' bytes beyond their sizes.
 
-The digest is an HMAC-SHA256 keyed by the job's secret when the workers can read one
-(``HPC_ELASTIC_SECRET_FILE``, else ``$HPC_ELASTIC_JOB_DIR/secret``): then a whole planted
-checkpoint, manifest included, is refused, because nobody else knows the key. Without a secret
-it is a plain SHA-256, which still refuses a ``.metadata`` swapped under a manifest we wrote.
-A reader that holds a secret accepts only the keyed kind, so a forger cannot downgrade to it.
+**Sharded ``.metadata``.** torch's distributed checkpoint loader unpickles ``.metadata`` (and,
+as a fallback, any ``__<rank>.metadata``), so a file planted in the checkpoint directory would
+run code in every rank. Rank 0 records a digest of ``.metadata`` in the manifest when it
+commits; every rank checks it, and that nothing unlisted lies beside it, before calling the
+loader. The digest is an HMAC-SHA256 keyed by the job's secret when the workers can read one;
+without a secret it is a plain SHA-256, which still refuses a ``.metadata`` swapped under a
+manifest we wrote. A reader that holds a secret accepts only the keyed kind, so a forger
+cannot downgrade to it. Non-tensor values in the data files load with ``weights_only=True``
+(``sharded.SafeLoadPlanner``).
 
-Non-tensor values in the data files are unpickled too; ``SafeLoadPlanner`` reads them with
-``torch.load(weights_only=True)`` instead, so a data file can hold only tensors and plain values.
+The secret is ``HPC_ELASTIC_SECRET_FILE``, else ``$HPC_ELASTIC_JOB_DIR/secret`` (which
+``submit`` and ``hpc-elastic run`` write). Each use keys the HMAC with its own context string,
+so one seal can never stand in for another use of the secret.
+
+This module imports no torch (``SafeLoadPlanner`` lives in ``sharded``, with DCP), so the
+replicated checkpoints' import stays as light as it was.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import io
 import json
 import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-
-import torch
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.planner import ReadItem
 
 from hpc_elastic import contract
 from hpc_elastic.errors import CheckpointError, HpcElasticError
@@ -41,8 +51,11 @@ METADATA_FILE = ".metadata"
 MANIFEST_FILE = "manifest.json"
 KEYED = "hmac_sha256"
 PLAIN = "sha256"
+MANIFEST_SEAL = "seal"
 _CONTEXT = b"hpc-elastic sharded checkpoint metadata v1\0"
 """Prefixed to what is keyed, so this HMAC can never be replayed as another use of the secret."""
+_MANIFEST_CONTEXT = b"hpc-elastic checkpoint manifest v1\0"
+"""The same for a manifest's seal."""
 
 _log = logging.getLogger(__name__)
 
@@ -123,16 +136,32 @@ def metadata_entry(staging: Path) -> dict[str, Any]:
     return {"size": len(data), **seal(data, job_secret())}
 
 
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner, but non-tensor values load with ``weights_only=True``.
+def seal_manifest(manifest: Mapping[str, Any], secret: bytes | None) -> dict[str, Any]:
+    """``manifest`` with its ``seal``; without a secret, as it is (nothing could check one)."""
+    if secret is None:
+        return dict(manifest)
+    return {**manifest, MANIFEST_SEAL: {KEYED: _manifest_digest(manifest, secret)}}
 
-    The base class would ``torch.load`` them with ``weights_only=False``; it gets the value
-    re-saved after the safe load instead, which can hold only plain values by then.
-    """
 
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        safe = torch.load(value, weights_only=True)
-        resaved = io.BytesIO()
-        torch.save(safe, resaved)
-        resaved.seek(0)
-        super().load_bytes(read_item, resaved)
+def manifest_problem(manifest: Mapping[str, Any], secret: bytes | None) -> str | None:
+    """Why a reader holding ``secret`` must not trust ``manifest``, or None. Without a
+    secret there is nothing to check a seal with: None."""
+    if secret is None:
+        return None
+    sealed = manifest.get(MANIFEST_SEAL)
+    digest = sealed.get(KEYED) if isinstance(sealed, dict) else None
+    if not isinstance(digest, str):
+        return "its manifest is not sealed with this job's secret"
+    body = {key: value for key, value in manifest.items() if key != MANIFEST_SEAL}
+    expected = _manifest_digest(body, secret).encode()
+    if not hmac.compare_digest(expected, digest.encode(errors="replace")):
+        return "its manifest's seal does not match this job's secret"
+    return None
+
+
+def _manifest_digest(body: Mapping[str, Any], secret: bytes) -> str:
+    """The HMAC of ``body`` in one canonical JSON form (sorted keys, no spaces), so the writer
+    and every reader key the same bytes whatever order the JSON file holds them in. A value
+    JSON cannot write (NaN from a forged file) raises ValueError: a reason, for the caller."""
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hmac.new(secret, _MANIFEST_CONTEXT + canonical.encode(), hashlib.sha256).hexdigest()

@@ -39,7 +39,16 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from hpc_elastic import contract, events
 from hpc_elastic.errors import CheckpointError, CheckpointFencedError, UsageError
-from hpc_elastic.train import _dist, background, lease, local_tier, preemption, rng, storage
+from hpc_elastic.train import (
+    _dist,
+    _integrity,
+    background,
+    lease,
+    local_tier,
+    preemption,
+    rng,
+    storage,
+)
 from hpc_elastic.train.sampler import ElasticSampler
 
 CHECKPOINT_DIR_ENV = contract.CHECKPOINT_DIR_ENV
@@ -217,6 +226,12 @@ class Checkpointer:
     ranks_per_node: int = field(default_factory=lambda: _env_count(LOCAL_WORLD_ENV, 1))
     """Sharded local tier: a rank's peer copy goes to the same local rank on the next node
     (torchrun's ``$LOCAL_WORLD_SIZE``); tests that stand ranks for nodes set 1."""
+    private_root: Path | None = None
+    """Set on the node-local tier's own checkpointers (``_local``): ``directory`` lies under
+    this root (``local_directory``), which must be ours and writable by no one else, every
+    directory from it down is ours, 0700 and no link, and every file is 0600
+    (``local_tier.private_tree``). Node-local disks (/tmp, NVMe) are shared by every user of
+    the node: a root another user made first, holding a forged newest step, is refused."""
     _saves: list[int] = field(default_factory=lambda: [0], init=False, repr=False, compare=False)
     _built_in_round: int | None = field(
         default_factory=round_from_environment, init=False, repr=False, compare=False
@@ -291,6 +306,10 @@ class Checkpointer:
 
     def committed(self) -> list[Path]:
         """Committed checkpoints, newest (highest step, then latest re-save) first."""
+        if self.private_root is not None and not local_tier.private_tree(
+            self.private_root, self.directory, create=False
+        ):
+            return []
         try:
             names = [entry.name for entry in self.directory.iterdir()]
         except FileNotFoundError:
@@ -333,7 +352,13 @@ class Checkpointer:
         """This rank's node-local tier: one writer (this rank), so no round to fence."""
         assert self.local_directory is not None
         directory = local_tier.rank_directory(self.local_directory)
-        return Checkpointer(directory, keep=local_tier.LOCAL_KEEP, round=None, local_directory=None)
+        return Checkpointer(
+            directory,
+            keep=local_tier.LOCAL_KEEP,
+            round=None,
+            local_directory=None,
+            private_root=self.local_directory,
+        )
 
     def _persisting(self) -> bool:
         """Count this save (every rank counts alike); True when it goes to the shared tier."""
@@ -430,7 +455,12 @@ class Checkpointer:
     def _load_with_local_tier(self, state: TrainState, shared: str | None) -> Path | None:
         """Load from this rank's local copy, else a peer's over the process group, else the
         shared tier; every rank emits ``checkpoint_loaded`` with the tier it used."""
-        mine = self._local().newest_intact()
+        found: list[Path | str | None] = []
+        everyone(  # a local tier refused on one rank stops every rank, not just that one
+            lambda: found.append(self._local().newest_intact()),
+            f"read the local tier '{self.local_directory}'",
+        )
+        mine = found[0]
         my_step = _step_and_version(mine)[0] if isinstance(mine, Path) else None
         local_steps = _dist.gather_to_all(my_step)
         shared_step = _step_and_version(Path(shared))[0] if shared is not None else None
@@ -488,7 +518,7 @@ class Checkpointer:
     def choose(self) -> str | None:
         """Rank 0's part of a load: claim the directory for this round, pick the newest."""
         if self.fencing_round is not None:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            self._make_directory()
             with self._exclusive():
                 self._claim_round("load a checkpoint")
         return self.newest_or_raise()
@@ -511,7 +541,7 @@ class Checkpointer:
         staging = self.prepare_staging(step)
         path = staging / STATE_FILE
         try:
-            _write_synced(path, data)
+            _write_synced(path, data, self._file_mode)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -545,6 +575,8 @@ class Checkpointer:
 
             writer_process.write(payload, path)
             return
+        if self.private_root is not None:  # made 0600 first; torch.save keeps the mode
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, self._file_mode))
         torch.save(payload, path)
         _fsync_file(path)
 
@@ -555,7 +587,7 @@ class Checkpointer:
         to a writer that is alive and current. Claiming the round here (under the directory's
         lock) is what fences any older writer still running.
         """
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self._make_directory()
         with self._exclusive():
             self._claim_round(f"commit step {step}")
         for leftover in self.directory.glob(".step-*"):
@@ -563,7 +595,7 @@ class Checkpointer:
                 log.debug("removing leftover %s", leftover)
                 shutil.rmtree(leftover, ignore_errors=True)
         staging = self.directory / self._hidden(step, "tmp")
-        staging.mkdir()
+        staging.mkdir(mode=0o700 if self.private_root is not None else 0o777)
         log.debug("staging step %d in %s", step, staging)
         return staging
 
@@ -577,6 +609,7 @@ class Checkpointer:
         """
         manifest: dict[str, Any] = {"format": FORMAT_VERSION, "step": step}
         manifest.update(world_size=world_size, round=self.fencing_round, files=files)
+        manifest = _integrity.seal_manifest(manifest, _integrity.job_secret())
         lease.check(force=True)
         with self._exclusive():
             try:
@@ -584,7 +617,7 @@ class Checkpointer:
             except CheckpointFencedError:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise
-            _write_synced(staging / MANIFEST_FILE, json.dumps(manifest).encode())
+            _write_synced(staging / MANIFEST_FILE, json.dumps(manifest).encode(), self._file_mode)
             _fsync_directory(staging)
             final = self._install(staging, step)
         log.debug("committed step %d as %s (round %s)", step, final, self.fencing_round)
@@ -595,19 +628,27 @@ class Checkpointer:
     def newest_intact(self) -> Path | str | None:
         """Rank 0's choice: a path, None for a fresh start, or why nothing can be trusted."""
         candidates = self.committed()
+        newest_problem = ""
         for candidate in candidates:
             problem = self._verify(candidate)
             if problem is None:
                 return candidate
+            newest_problem = newest_problem or f"{candidate.name}: {problem}"
             log.warning(
                 "Checkpoint '%s' is unusable (%s); falling back to the previous one.",
                 candidate,
                 problem,
             )
         if candidates:
+            another_job = ""
+            if _integrity.job_secret() is not None:
+                another_job = (
+                    f", or set {_integrity.SECRET_FILE_ENV} to the secret file of the job "
+                )
+                another_job += "that wrote them"
             return (
-                f"No intact checkpoint in '{self.where}' ({len(candidates)} corrupt); move "
-                f"them aside to start from scratch."
+                f"No intact checkpoint in '{self.where}' ({len(candidates)} unusable; the newest, "
+                f"{newest_problem}); move them aside to start from scratch{another_job}."
             )
         return None
 
@@ -720,6 +761,18 @@ class Checkpointer:
             [_step_and_version(path)[0] for path in committed], self.keep, self.keep_every
         )
         return [path for path in committed if _step_and_version(path)[0] not in kept]
+
+    def _make_directory(self) -> None:
+        """``directory`` and the directories above it that are missing, before writing."""
+        if self.private_root is None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        else:
+            local_tier.private_tree(self.private_root, self.directory, create=True)
+
+    @property
+    def _file_mode(self) -> int:
+        """The mode files are created with (the umask narrows it): the local tier's are 0600."""
+        return 0o600 if self.private_root is not None else 0o666
 
     def _exclusive(self) -> AbstractContextManager[None]:
         """The directory's commit lock, needed only where rounds are fenced (under the agent)."""
@@ -967,7 +1020,8 @@ def _shared(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def verify(checkpoint: Path) -> str | None:
-    """Why ``checkpoint`` cannot be trusted, or None when every file is whole and intact.
+    """Why ``checkpoint`` cannot be trusted, or None when its manifest's seal holds and every
+    file is whole and intact.
 
     Sizes catch truncation; for ``torch.save`` files the CRC-32 that torch already stores for
     every record in the zip catches corruption, so saving pays for no checksum of its own.
@@ -976,6 +1030,7 @@ def verify(checkpoint: Path) -> str | None:
         (checkpoint / MANIFEST_FILE).read_bytes,
         lambda name: (checkpoint / name).stat().st_size,
         lambda name: checkpoint / name,
+        step=_step_and_version(checkpoint)[0] if _parse_committed(checkpoint.name) else None,
     )
 
 
@@ -983,13 +1038,20 @@ def verify_files(
     manifest: Callable[[], bytes],
     size_of: Callable[[str], int],
     zip_of: Callable[[str], Path | IO[bytes]],
+    step: int | None = None,
 ) -> str | None:
     """The rule behind ``verify``, wherever the files live (a directory, an object store):
-    the manifest's format, then every file's size and, for zips, every record's CRC-32."""
+    the manifest's format, its seal (with the job's secret, ``_integrity.manifest_problem``)
+    and its step (``step``: the one its name says), then every file's size and, for zips,
+    every record's CRC-32."""
     try:
         found = json.loads(manifest())
         if found.get("format") != FORMAT_VERSION:
             return f"format {found.get('format')!r} is not {FORMAT_VERSION}"
+        if (unsealed := _integrity.manifest_problem(found, _integrity.job_secret())) is not None:
+            return unsealed
+        if step is not None and found.get("step") != step:
+            return f"its manifest is of step {found.get('step')!r:.40}, not {step}"
         for name, expected in found["files"].items():
             size = size_of(name)
             if size != expected["size"]:
@@ -1089,8 +1151,9 @@ def _locked(directory: Path) -> Iterator[None]:
         os.close(descriptor)  # closing releases the lock
 
 
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as file:
+def _write_synced(path: Path, data: bytes, mode: int = 0o666) -> None:
+    """``data`` in ``path``, fsynced; a new file gets ``mode`` (less the umask)."""
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "wb") as file:
         file.write(data)
         file.flush()
         os.fsync(file.fileno())

@@ -17,23 +17,34 @@ another: rank R writes its own shard locally and sends a copy to its ring neighb
 next node (``ring_neighbour``), which commits it on its own disk. A restart loads each shard
 from the rank that owns it when that rank still has it, else from the neighbour's copy, else
 from the shared tier (``choose_shard_sources``; see ``hpc_elastic.train.sharded_local``).
+
+Node-local disks are shared by every user of the node, so the tier is the user's alone: its
+root must be the user's own directory that no one else may write (one another user made
+first is refused, ``private_tree``), every directory in it is 0700 and every file 0600,
+whatever the umask, and every manifest is sealed with the job's secret like the shared
+tier's (``hpc_elastic.train._integrity``), so a copy the job did not write never loads.
 """
 
 from __future__ import annotations
 
 import io
 import logging
+import os
+import stat
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from hpc_elastic import contract
+from hpc_elastic import contract, trust
+from hpc_elastic.errors import CheckpointError
 from hpc_elastic.train import _dist
 
 LOCAL_DIR_ENV = contract.LOCAL_CHECKPOINT_DIR_ENV
 PERSIST_EVERY_ENV = contract.PERSIST_EVERY_ENV
 LOCAL_KEEP = 2
+PRIVATE_DIR_MODE = 0o700
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +64,62 @@ def choose_source(
         holders = [rank for rank, step in enumerate(local_steps) if step == newest]
         return "local", newest, holders
     return "shared", shared_step, []
+
+
+def private_tree(root: Path, directory: Path, *, create: bool) -> bool:
+    """Check the node-local tier from ``root`` down to ``directory``, which lies under it,
+    and with ``create`` make what is missing; False when something is missing and nothing
+    was to be made (nothing to read yet). Raises ``CheckpointError`` for what is not ours.
+
+    Node-local disks are shared by every user of the node, and the root is often a fixed path
+    (``/tmp/ckpt``) that another user can make first, with a forged newest step in it. So the
+    root must be our own directory that no one else may write (it may be a link to one: what
+    is checked is where it leads); we make it 0700. Below it every directory must be ours and
+    no link; we make them 0700, and narrow one of ours that is wider (an older hpc-elastic
+    made them 0755).
+    """
+    uid = os.geteuid()
+    try:
+        info = os.stat(root)
+    except FileNotFoundError:
+        if not create:
+            return False
+        root.parent.mkdir(parents=True, exist_ok=True)
+        with suppress(FileExistsError):  # another rank of this node, at the same moment
+            root.mkdir(mode=PRIVATE_DIR_MODE)
+        info = os.stat(root)
+    reason = trust.unsafe_file_reason(info.st_uid, info.st_mode, uid)
+    if reason is None and not stat.S_ISDIR(info.st_mode):
+        reason = "it is not a directory"
+    if reason is not None:
+        raise untrusted_local_directory(root, reason)
+    current = root
+    for part in directory.relative_to(root).parts:
+        current = current / part
+        try:
+            info = os.lstat(current)
+        except FileNotFoundError:
+            if not create:
+                return False
+            with suppress(FileExistsError):
+                current.mkdir(mode=PRIVATE_DIR_MODE)
+            info = os.lstat(current)
+        reason = trust.private_dir_reason(info.st_uid, info.st_mode, uid)
+        if reason is not None and stat.S_ISDIR(info.st_mode) and info.st_uid == uid:
+            log.debug("narrowing %s (mode %04o) to 0700", current, stat.S_IMODE(info.st_mode))
+            current.chmod(PRIVATE_DIR_MODE)
+            reason = None
+        if reason is not None:
+            raise untrusted_local_directory(current, reason)
+    return True
+
+
+def untrusted_local_directory(path: Path, reason: str) -> CheckpointError:
+    return CheckpointError(
+        f"Local checkpoint directory '{path}' is not trusted because {reason}; another user "
+        f"may have made it, so nothing in it is loaded or written: remove it, or give "
+        f"--local-checkpoint-dir ({LOCAL_DIR_ENV}) a directory of yours that only you can write."
+    )
 
 
 def rank_directory(root: Path) -> Path:

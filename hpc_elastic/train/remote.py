@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from hpc_elastic.errors import CheckpointError
-from hpc_elastic.train import lease
+from hpc_elastic.train import _integrity, lease
 from hpc_elastic.train.checkpoint import (
     _ROUND_MARK,
     FORMAT_VERSION,
@@ -105,6 +105,7 @@ class ObjectCheckpointer(Checkpointer):
         manifest.update(
             round=self.fencing_round, files={STATE_FILE: {"size": len(data), "zip_crc32": True}}
         )
+        manifest = _integrity.seal_manifest(manifest, _integrity.job_secret())
         lease.check(force=True)
         self._refuse_if_stale(doing)
         self.store.put(self.store.key(name, MANIFEST_FILE), json.dumps(manifest).encode())
@@ -124,12 +125,14 @@ class ObjectCheckpointer(Checkpointer):
                 self.store.remove(self.store.key(name))
 
     def _verify(self, checkpoint: Path) -> str | None:
-        """As ``verify``: the manifest's format, every object's size, the zip's CRC-32s."""
+        """As ``verify``: the manifest's format, seal and step, every object's size, the
+        zip's CRC-32s."""
         key = self.store.key
         return verify_files(
             lambda: self.store.get(key(checkpoint.name, MANIFEST_FILE)),
             lambda name: self.store.size(key(checkpoint.name, name)),
             lambda name: io.BytesIO(self.store.get(key(checkpoint.name, name))),
+            step=_step_and_version(checkpoint)[0],
         )
 
     def _load_payload(self, path: Path, state: TrainState) -> dict[str, Any]:

@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import atexit
 import gc
+import io
 import logging
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -197,7 +201,22 @@ def load_sharded(
         return None
     _integrity.verify_before_load(Path(chosen))  # DCP unpickles .metadata: check its seal first
     with reading(Path(chosen)):
-        dcp_load(state_dict, checkpoint_id=Path(chosen), planner=_integrity.SafeLoadPlanner())
+        dcp_load(state_dict, checkpoint_id=Path(chosen), planner=SafeLoadPlanner())
     if _dist.rank() == 0:
         emit_loaded(_step_and_version(Path(chosen))[0], checkpointer.tier)
     return Path(chosen)
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, but non-tensor values load with ``weights_only=True``.
+
+    The base class would ``torch.load`` them with ``weights_only=False``; it gets the value
+    re-saved after the safe load instead, which can hold only plain values by then.
+    """
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        safe = torch.load(value, weights_only=True)
+        resaved = io.BytesIO()
+        torch.save(safe, resaved)
+        resaved.seek(0)
+        super().load_bytes(read_item, resaved)

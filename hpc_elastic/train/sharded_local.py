@@ -80,7 +80,13 @@ def shard_directory(checkpointer: Checkpointer, shard: int) -> Checkpointer:
     """The local tier's checkpointer for one shard's copies on this node (one writer each)."""
     assert checkpointer.local_directory is not None
     directory = checkpointer.local_directory / SHARDED_DIR / f"shard-{shard}"
-    return Checkpointer(directory, keep=local_tier.LOCAL_KEEP, round=None, local_directory=None)
+    return Checkpointer(
+        directory,
+        keep=local_tier.LOCAL_KEEP,
+        round=None,
+        local_directory=None,
+        private_root=checkpointer.local_directory,
+    )
 
 
 def commit(
@@ -122,10 +128,9 @@ def holdings(checkpointer: Checkpointer) -> dict[int, dict[int, Path]]:
     assert checkpointer.local_directory is not None
     root = checkpointer.local_directory / SHARDED_DIR
     found: dict[int, dict[int, Path]] = {}
-    try:
-        entries = sorted(root.iterdir())
-    except FileNotFoundError:
+    if not local_tier.private_tree(checkpointer.local_directory, root, create=False):
         return found
+    entries = sorted(root.iterdir())
     for entry in entries:
         match = _SHARD.match(entry.name)
         if match is None:
@@ -160,7 +165,12 @@ def load(
     """Collective: fill ``state_dict`` from the local tier, a peer's copy for a shard whose
     node is gone; None when the shared tier must be read instead (nothing newer here)."""
     rank = _dist.rank()
-    mine = holdings(checkpointer)
+    found: list[dict[int, dict[int, Path]]] = []
+    everyone(  # a local tier refused on one rank stops every rank, not just that one
+        lambda: found.append(holdings(checkpointer)),
+        f"read the local tier '{checkpointer.local_directory}'",
+    )
+    mine = found[0]
     held = _dist.gather_to_all({shard: sorted(steps) for shard, steps in mine.items()})
     shared_step = _step_and_version(Path(shared))[0] if shared is not None else None
     step, sources = local_tier.choose_shard_sources(held, shared_step)
