@@ -300,6 +300,13 @@ class FailureDetails:
         )
 
 
+def charges_node(event: Event) -> bool:
+    """Whether an agent's event counts against its node (the bad-node watch of
+    ``agent/command.py``, and so ``ExcNodeList``): a worker failure, unless it is a hang
+    whose culprit is on another node or unknown (``FailureDetails.node_fault``)."""
+    return event.kind == Kind.FAILURE and FailureDetails.from_details(event.details).node_fault
+
+
 @dataclass(frozen=True)
 class HangDetails:
     """``Kind.HANG``: one agent's evidence of a hang and the verdict agreed for the job."""

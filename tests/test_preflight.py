@@ -175,6 +175,30 @@ def test_a_straggling_node_is_left_like_a_bad_one_only_when_asked(
     assert said == ["exclude", "requeue"]
 
 
+def test_a_hang_blamed_elsewhere_or_on_nobody_never_counts_against_this_node(
+    tmp_path: Path,
+) -> None:
+    """The soak's hang blamed the waiting ranks' node, and the bad-node memory could then
+    exclude a healthy node: only a failure that is this node's own counts towards its
+    exclusion (``--exclude-after``, 2 by default)."""
+    slot = array_slot(tmp_path)
+    slot.arrive()
+    runner = Runner()
+    watch = command._bad_node_watch(slot, runner, spec(tmp_path))  # type: ignore[arg-type]
+    elsewhere = events.FailureDetails(
+        rank=2, hung=True, sentence="Rank 2 on n1 ...", node_fault=False
+    )
+    for _ in range(5):
+        watch(events.Event(kind=events.Kind.FAILURE, details=elsewhere.to_details()))
+    assert runner.stops == []
+    assert not slot.placed_badly()
+    own = events.FailureDetails(rank=0, hung=True, sentence="Rank 0 on n3 ...")
+    for _ in range(2):
+        watch(events.Event(kind=events.Kind.FAILURE, details=own.to_details()))
+    assert runner.stops == [signal.SIGUSR2]
+    assert slot.placed_badly()
+
+
 def test_a_task_slurm_holds_raises_one_alert_from_the_lowest_running_slot(
     tmp_path: Path,
 ) -> None:

@@ -318,12 +318,13 @@ def _fan_out(observers: list[Callable[[events.Event], None]]) -> Callable[[event
 def _bad_node_watch(
     array_slot: ElasticSlot, runner: Agent, spec: AgentSpec
 ) -> Callable[[events.Event], None]:
-    """Count this slot's worker failures on its node; at the limit, stop and move elsewhere.
+    """Count this slot's worker failures on its node (never a hang blamed on another node or
+    on nobody: ``events.charges_node``); at the limit, stop and move elsewhere.
     With ``--exclude-stragglers`` a straggling rank here makes the node bad at once: the
     slot drains (its workers save) and ``settle`` requeues it away, as after failures."""
 
     def observe(event: events.Event) -> None:
-        if event.kind == Kind.FAILURE and array_slot.count_failure():
+        if events.charges_node(event) and array_slot.count_failure():
             runner.request_stop(spec.preempt_signal)
         elif event.kind == Kind.STRAGGLER and spec.exclude_stragglers:
             array_slot.mark_bad()
