@@ -315,6 +315,39 @@ def test_a_node_marked_down_shrinks_the_job_and_its_slot_comes_back(
     assert cluster.wait_queue_empty(60), cluster.squeue()
 
 
+def test_a_job_that_ends_after_a_node_crash_cancels_the_task_slurm_still_shows_running_there(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """A node crashes and its slurmd comes back without a reboot: Slurm keeps showing the
+    task RUNNING there until it notices the task missing, and when the job ends first, the
+    end of the job must cancel that task too, not leave it to Slurm.
+
+    Slurm notices a missing task only when the node registers (at its restart, or every
+    20 pings: about 200 s here) and the task is older than ``BatchStartTimeout`` + 5 s; the
+    test raises ``BatchStartTimeout`` for its own duration so that Slurm never does, and only
+    the job's own cancel can empty the queue."""
+    log = tmp_path / "steps.log"
+    with cluster.slurm_conf_lines("BatchStartTimeout=3600"):
+        # Steps enough that the job still trains at world 4 when the node goes, and after.
+        job, job_dir = submit_training(cluster, tmp_path, "1:2", 150, "--session-timeout=4")
+        assert training_at(job_dir, log, 4, 120), story(cluster, job_dir, log)
+        node = slot_node(cluster, job, 1)
+        cluster.node_kill(node)
+        cluster.node_start(node)
+        assert wait_until(lambda: "done" in kinds(job_dir), 300), story(cluster, job_dir, log)
+        assert cluster.wait_queue_empty(60), story(cluster, job_dir, log)
+    history = list(events.read(job_dir / "events.jsonl"))
+    lost = [event.details["nodes"] for event in history if event.kind == "node_lost"]
+    assert ["1"] in lost, [event.kind for event in history]
+    cancels = [event.details for event in history if event.kind == "cancel_pending"]
+    assert [details for details in cancels if 1 in details["running"]], cancels
+    crashed = cluster.run(["scontrol", "-o", "show", "job", f"{job}_1"]).stdout
+    assert "JobState=CANCELLED" in crashed, crashed
+    finished = cluster.run(["scontrol", "-o", "show", "job", f"{job}_0"]).stdout
+    assert "JobState=COMPLETED" in finished, finished
+    assert "ExitCode=0:0" in finished, finished
+
+
 def test_a_slot_whose_agent_is_killed_leaves_and_the_rest_train_on(
     cluster: Cluster, tmp_path: Path
 ) -> None:
