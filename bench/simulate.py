@@ -42,11 +42,9 @@ def main() -> int:
         done = 0
         for report in pool.imap_unordered(_chunk_of, chunks):
             done += report.schedules
-            total.failures.extend(report.failures)
+            total.merge(report)
             for failure in report.failures:  # at once: an hour-long run shows its seeds early
                 print(failure.summary(), file=sys.stderr, flush=True)
-            for outcome, count in report.outcomes.items():
-                total.outcomes[outcome] = total.outcomes.get(outcome, 0) + count
             print(
                 f"{done} schedules, {len(total.failures)} violations, "
                 f"{time.monotonic() - began:.0f} s",

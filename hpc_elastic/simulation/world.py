@@ -9,9 +9,15 @@ and the agent's reaction to how a round ended (``agent.after_round``: drain, bar
 report, leave or rejoin), looked up on the module at every call so that a test can break
 it for both. ``SimAgent`` only executes the actions in the simulated world; it holds no
 rule of its own. What is simulated is only what surrounds them: time, the delivery of
-watches (late, twice), worker processes (a stale lease makes one exit ``FENCED_EXIT_CODE``,
-as train/lease.py does), agent processes (crash, freeze, partition), and Slurm (start,
-preempt, requeue).
+watches (late, twice), worker processes, one to three per node (a stale lease makes one exit
+``FENCED_EXIT_CODE``, as train/lease.py does), agent processes (crash, freeze, partition),
+and Slurm (start, preempt, requeue).
+
+The world checks the properties of docs/reliability.md as it goes: every state the server
+accepts is compared with the one before it (``World._written``), every round a node starts
+with what the others started (``World.check_start``), every failure report with what it
+must spend (``World.check_report``), and the job's end with the faults that were injected
+(``World._check_end``).
 
 One schedule is one seed: ``simulate(seed)`` is reproducible bit for bit, and a violated
 property prints the command that replays it. See docs/reliability.md for the properties.
@@ -22,6 +28,7 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
+import json
 import logging
 import math
 import random
@@ -32,9 +39,16 @@ from hpc_elastic.agent import agent as production
 from hpc_elastic.agent.agent import AfterRound, Outcome, RoundEnd, fence_after, poll_decision
 from hpc_elastic.errors import RendezvousClosedError, RendezvousError
 from hpc_elastic.rendezvous import state as st
-from hpc_elastic.rendezvous.api import Failure, JobFailedError, NodeInfo, RendezvousSettings
+from hpc_elastic.rendezvous.api import (
+    Failure,
+    JobFailedError,
+    NodeInfo,
+    RendezvousSettings,
+    Round,
+)
+from hpc_elastic.rendezvous.backend import ABSENT
 from hpc_elastic.rendezvous.handler import StoreRendezvous
-from hpc_elastic.rendezvous.memory import ManualClock, MemoryServer, MemoryStore
+from hpc_elastic.rendezvous.memory import Deliver, ManualClock, MemoryServer, MemoryStore, View
 from hpc_elastic.spec import NodeRange
 from hpc_elastic.train.exitcodes import FENCED_EXIT_CODE
 
@@ -61,6 +75,34 @@ FAULT_KINDS = ("worker_fail", "hang", "crash", "freeze", "partition", "preempt",
 """``stuck``: the agent hangs for good on an unkillable worker while its ZooKeeper client
 keeps the session alive: the others must go on without it (``straggler_timeout``, the exit
 barrier's deadline). The job's end is then judged without it; Slurm's time limit ends it."""
+PROPERTIES = frozenset(
+    {"liveness", "ranks", "rounds", "budget", "closure", "success", "state", "cause", "crash"}
+)
+"""The properties a violation names first (``violated_property``)."""
+WORKERS_PER_NODE = (1, 2, 3)
+"""Each slot's node runs one of these many workers (LOCAL_WORLD_SIZE), drawn per slot: a node
+is done only when every one of its workers exited 0."""
+FAILING = frozenset({"worker_fail", "hang", "stuck"})
+"""Faults that make a worker really fail (a stuck node counts as one, see ``World.fault``):
+the only ones that may spend a restart."""
+NODE_LOSS = frozenset({"crash", "freeze", "partition", "preempt", "stuck"})
+"""Faults that take a node away from the rendezvous (for a while, or for good)."""
+CAUSES = {
+    "restarts are spent": "budget",
+    "nodes needed joined within": "below_min",
+    "before its workers finished": "member_lost",
+    "did not finish round": "unfinished",
+}
+"""The job's failure summaries (``rendezvous/state.py``, ``handler.py``) by the cause they
+name; a failure with none of them is a violation."""
+EXPLAINED_BY = {
+    "budget": FAILING,
+    "below_min": NODE_LOSS,
+    "member_lost": NODE_LOSS,
+    "unfinished": NODE_LOSS,
+}
+"""Which injected faults can explain each cause of a failed job: at least one of them must
+have hit the job (and for ``budget``, more rounds really failed than the budget allows)."""
 
 
 @dataclass
@@ -74,6 +116,7 @@ class Worker:
     exited: bool = False
     echo: bool = False
     """It died of a peer's death (its collective broke): an echo, never to be charged."""
+    local_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -110,6 +153,15 @@ class Result:
     """The faults that ran: the seed's own, or those given in place of them."""
     chosen: bool = False
     """Whether ``faults`` replaced the seed's own (a shrunk schedule's replay needs them)."""
+    cause: str | None = None
+    """For a failed job, what its failure names (``CAUSES``): budget, below_min, ..."""
+    rounds: int = 0
+    """Rounds formed."""
+
+    @property
+    def kind(self) -> str:
+        """The outcome with the failure's cause: ``failed (budget)``, ``succeeded``."""
+        return self.outcome if self.cause is None else f"{self.outcome} ({self.cause})"
 
     def replay(self) -> str:
         """The command that runs this schedule again, trace and all."""
@@ -120,7 +172,7 @@ class Result:
 
     def summary(self) -> str:
         if self.violation is None:
-            return f"seed {self.seed}: ok, {self.outcome} at t={self.end_time:.1f} s"
+            return f"seed {self.seed}: ok, {self.kind} at t={self.end_time:.1f} s"
         return f"seed {self.seed}: VIOLATION: {self.violation}\nreplay: {self.replay()}"
 
 
@@ -130,12 +182,39 @@ class Report:
     schedules: int
     failures: list[Result] = field(default_factory=list)
     outcomes: dict[str, int] = field(default_factory=dict)
+    """Schedules per outcome and cause (``Result.kind``)."""
+    restarts: int = 0
+    """Restarts spent, over all schedules."""
+    rounds: int = 0
+    """Rounds formed, over all schedules."""
+
+    def add(self, result: Result) -> None:
+        self.outcomes[result.kind] = self.outcomes.get(result.kind, 0) + 1
+        self.restarts += result.restarts_used
+        self.rounds += result.rounds
+
+    def merge(self, other: Report) -> None:
+        """Add a report of other seeds (``bench/simulate.py``'s chunks)."""
+        self.failures.extend(other.failures)
+        for kind, count in other.outcomes.items():
+            self.outcomes[kind] = self.outcomes.get(kind, 0) + count
+        self.restarts += other.restarts
+        self.rounds += other.rounds
+
+    def figures(self) -> dict[str, object]:
+        """What a behaviour change shows up in: outcomes by cause, restarts and rounds."""
+        return {
+            "outcomes": dict(sorted(self.outcomes.items())),
+            "restarts": self.restarts,
+            "rounds": self.rounds,
+        }
 
     def summary(self) -> str:
         lines = [
             f"{self.schedules} schedules from seed {self.first_seed}: "
             f"{len(self.failures)} violated a property; "
-            f"outcomes {dict(sorted(self.outcomes.items()))}"
+            f"outcomes {dict(sorted(self.outcomes.items()))}; "
+            f"{self.restarts} restarts spent in {self.rounds} rounds"
         ]
         lines += [failure.summary() for failure in self.failures[:5]]
         return "\n".join(lines)
@@ -152,7 +231,8 @@ class SimAgent:
     def __init__(self, world: World, slot: int, incarnation: int) -> None:
         self.world = world
         self.slot = slot
-        self.node = NodeInfo(f"n{slot}.{incarnation}", f"host{slot}", 1, str(slot))
+        nproc = world.nprocs[slot]
+        self.node = NodeInfo(f"n{slot}.{incarnation}", f"host{slot}", nproc, str(slot))
         self.store: MemoryStore = world.server.connect("job", SESSION)
         self.handler = StoreRendezvous(
             world.settings,
@@ -162,7 +242,10 @@ class SimAgent:
             pick_port=lambda: 29500,
         )
         self.phase = "joining"
-        self.worker: Worker | None = None
+        self.workers: list[Worker] = []
+        """The workers of the latest round this node started (one per local rank)."""
+        self.last_started = 0
+        """The latest round this incarnation started workers in."""
         self.lease = 0.0
         self.seen_generation = -1
         self.frozen_until = 0.0
@@ -173,6 +256,8 @@ class SimAgent:
         self.stuck = False
         self.ending = RoundEnd(Outcome.SUCCEEDED)
         """The facts of the round being wound up while the exit barrier or an echo waits."""
+        self.reported = False
+        """Whether this round's failure was reported (``World.check_reaction``)."""
         self.wait_started = 0.0
         """When an echo's wait for the peer's news began (``production.echo_deadline``)."""
         self.cut_off_before = 0.0
@@ -220,10 +305,10 @@ class SimAgent:
             if not step.again:
                 break
         else:
-            raise Violation(f"{self.node.node_id}: round_step never settles")
+            raise Violation(f"liveness: {self.node.node_id}: round_step never settles")
         self.seen_generation = self.handler.generation
         if step.round is not None:
-            self._start_worker(step.round.number, [m.node_id for m in step.round.members])
+            self._start_workers(step.round)
         elif step.wake_at is not None:
             self.world.at(step.wake_at, self.step)
 
@@ -233,9 +318,12 @@ class SimAgent:
         if self.stop_signal:  # the real barrier wait is interruptible
             self._after_round(self.ending)
             return
-        step = self.handler.barrier_step()
-        while step.again:
+        for _ in range(100):
             step = self.handler.barrier_step()
+            if not step.again:
+                break
+        else:
+            raise Violation(f"liveness: {self.node.node_id}: barrier_step never settles")
         self.seen_generation = self.handler.generation
         if step.done is not None:
             self._after_round(replace(self.ending, barrier=step.done))
@@ -266,9 +354,14 @@ class SimAgent:
 
     # --- workers -------------------------------------------------------------------------------
 
-    def _start_worker(self, number: int, members: list[str]) -> None:
+    def _start_workers(self, started: Round) -> None:
+        """One worker per local rank. The drawn fate (fail, hang or finish) is one rank's; the
+        others finish a little after a finishing one (training ends at the same step on every
+        rank), or die of the failing one (an echo). Their draws come from the world's
+        ``workers_rng``, so a one-worker node draws from ``rng`` exactly as before."""
         world = self.world
         now = world.now
+        number = started.number
         if self.hang_next:
             self.hang_next = False
             exit_at, code = now + HANG_TIMEOUT, 1
@@ -285,11 +378,29 @@ class SimAgent:
                     f"two groups train at once: {self.node.node_id} starts round {number} while "
                     f"{other.rank_node} still trains round {other.round}"
                 )
-        self.worker = Worker(number, self.node.node_id, exit_at, code)
+        world.check_start(self, started)
+        nproc = self.node.nproc
+        drawn = world.workers_rng.randrange(nproc) if nproc > 1 else 0
+        self.workers = []
+        for local in range(nproc):
+            if local == drawn:
+                when, fate = exit_at, code
+            elif code == 0:
+                when, fate = exit_at + world.workers_rng.uniform(0.0, 2.0), 0
+            else:
+                when, fate = now + world.workers_rng.uniform(5.0, 25.0), 0
+            self.workers.append(Worker(number, self.node.node_id, when, fate, local_rank=local))
+        self.last_started = number
         self.phase = "running"
         self.lease = now
+        self.reported = False
+        members = [member.node_id for member in started.members]
         world.log(f"{self.node.node_id} runs round {number} with {members}")
-        world.at(exit_at, self._worker_exits(self.worker))
+        for worker in self.workers:
+            world.at(worker.exit_at, self._worker_exits(worker))
+
+    def running(self) -> list[Worker]:
+        return [worker for worker in self.workers if not worker.exited]
 
     def _worker_exits(self, worker: Worker) -> Callable[[], None]:
         def exits() -> None:
@@ -297,8 +408,10 @@ class SimAgent:
                 worker.exited = True
                 worker.training = False
                 echo = " (echo of a peer)" if worker.echo else ""
+                rank = f" rank {worker.local_rank}" if self.node.nproc > 1 else ""
                 self.world.log(
-                    f"{self.node.node_id} worker of round {worker.round} exits {worker.code}{echo}"
+                    f"{self.node.node_id} worker{rank} of round {worker.round} exits "
+                    f"{worker.code}{echo}"
                 )
                 self.world.at(self.world.now, self.step)
                 self.world.peers_echo(worker)
@@ -315,29 +428,42 @@ class SimAgent:
 
         return dies
 
-    def _stop_worker(self) -> None:
-        if self.worker is not None and not self.worker.exited:
-            self.worker.exited = True
-            self.worker.training = False
-            self.worker.code = -15
-            self.world.peers_echo(self.worker)
+    def fail_a_worker(self) -> None:
+        """One running worker (drawn among them) fails now: a real failure of its round."""
+        running = self.running()
+        if not running:
+            return
+        drawn = self.world.workers_rng.randrange(len(running)) if len(running) > 1 else 0
+        worker = running[drawn]
+        worker.exit_at = self.world.now
+        worker.code = 1
+        self.world.real_failure_rounds.add(worker.round)
+        self.world.at(self.world.now, self._worker_exits(worker))
+
+    def _stop_workers(self) -> None:
+        for worker in self.running():
+            worker.exited = True
+            worker.training = False
+            worker.code = -15
+            self.world.peers_echo(worker)
 
     def check_lease(self) -> None:
-        """The worker's side of the lease: it stops on its own once the lease went stale."""
-        worker = self.worker
-        if worker is not None and worker.training and self.world.now - self.lease > LEASE:
-            self.world.log(f"{self.node.node_id} worker fences itself (lease stale)")
-            worker.training = False
-            worker.exited = True
-            worker.code = FENCED_EXIT_CODE  # as train/lease.py exits: the round is not ours
-            self.world.peers_echo(worker)
+        """The workers' side of the lease: they stop on their own once it went stale."""
+        if self.world.now - self.lease <= LEASE:
+            return
+        for worker in self.workers:
+            if worker.training:
+                self.world.log(f"{self.node.node_id} worker fences itself (lease stale)")
+                worker.training = False
+                worker.exited = True
+                worker.code = FENCED_EXIT_CODE  # as train/lease.py exits: the round is not ours
+                self.world.peers_echo(worker)
 
     def _poll(self) -> None:
         world = self.world
-        worker = self.worker
-        assert worker is not None
+        workers = self.workers
         decision = poll_decision(
-            [worker.code if worker.exited else None],
+            [worker.code if worker.exited else None for worker in workers],
             stop_requested=self.stop_signal,
             changed=self.handler.changed.is_set(),
             suspended_since=self.handler.suspended_since(),
@@ -350,11 +476,11 @@ class SimAgent:
         if decided is None:
             return
         outcome, failed = decided
-        world.log(f"{self.node.node_id} round {worker.round} ends: {outcome.value}")
+        world.log(f"{self.node.node_id} round {self.last_started} ends: {outcome.value}")
         # The sim's workers have no in-place loop, and there are no user errors or breaker:
         # those inputs are False. An echo is known from how the worker died, as the agent
         # reads it from the worker's own error (``rootcause.is_echo``).
-        end = RoundEnd(outcome, echo=failed is not None and worker.echo)
+        end = RoundEnd(outcome, echo=failed is not None and workers[failed].echo)
         self._guard(lambda: self._after_round(end))
 
     def _after_round(self, end: RoundEnd) -> None:
@@ -366,6 +492,7 @@ class SimAgent:
             end = replace(end, stop_signal=self.stop_signal)
             action = production.after_round(end)
             self.world.log(f"{self.node.node_id} after the round: {action.value}")
+            self.world.check_reaction(self, end, action)
             if action in (AfterRound.DRAIN, AfterRound.DRAIN_PREEMPTED, AfterRound.LEAVE):
                 # The simulated stop signal is always the preemption signal: exit 75.
                 self._exit_requeue(f"{action.value} on the preemption signal")
@@ -401,7 +528,7 @@ class SimAgent:
     def _act(self, action: AfterRound, end: RoundEnd) -> RoundEnd:
         """One action that does not end the round, in the simulated world."""
         if action in (AfterRound.STOP_WORKERS, AfterRound.KEEP_WORKERS):
-            self._stop_worker()  # no in-place loop here: kept survivors would only wait
+            self._stop_workers()  # no in-place loop here: kept survivors would only wait
             return replace(end, workers_stopped=True)
         if action is AfterRound.ANNOUNCE_FAILURE:
             return replace(end, announced=True)
@@ -410,22 +537,25 @@ class SimAgent:
         else:
             assert action is AfterRound.REPORT_FAILURE, action
             node = self.node
+            before = self.world.server_state()
             self.handler.report_failure(
                 Failure(node.node_id, node.host, 0, 1, None, "boom", self.world.now)
             )
+            self.reported = True
+            self.world.check_report(before, self.handler.last_round, node.node_id)
         return replace(end, reported=True)
 
     # --- endings ---------------------------------------------------------------------------------
 
     def _finish(self, how: str, reason: str) -> None:
-        self._stop_worker()
+        self._stop_workers()
         self.world.log(f"{self.node.node_id} done: {how} {reason}")
         self.gone = True
         self.world.endings.append((how, reason))
         self.store.release()
 
     def _exit_requeue(self, why: str) -> None:
-        self._stop_worker()
+        self._stop_workers()
         self.world.log(f"{self.node.node_id} exits for requeue: {why}")
         self.gone = True
         if self.store.connected:
@@ -436,10 +566,38 @@ class SimAgent:
 
     def crash(self) -> None:
         """The node dies: workers die with it (PDEATHSIG); the session expires on its own."""
-        self._stop_worker()
+        self._stop_workers()
         self.gone = True
         self.store.disconnect()
         self.world.requeue(self.slot)
+
+
+def decoded(data: bytes) -> st.JobState:
+    """A state the server holds, which every agent must be able to read."""
+    try:
+        return st.decode(data)
+    except RendezvousError as error:
+        raise Violation(f"state: the server holds a state no agent can read: {error}") from error
+
+
+class _Server(MemoryServer):
+    """The in-memory ZooKeeper, showing the world every state it accepts (``World._written``)
+    the moment it accepts it, before any watch fires on it: the checks see each write, not
+    only what is left once an agent's step is over."""
+
+    def __init__(
+        self, clock: ManualClock, deliver: Deliver, written: Callable[[bytes], None]
+    ) -> None:
+        super().__init__(clock=clock, deliver=deliver)
+        self._written = written
+        self._shown = ABSENT
+
+    def _changed(self) -> View:
+        state, version = self.state
+        if state is not None and version != self._shown:
+            self._shown = version
+            self._written(state)
+        return super()._changed()
 
 
 class World:
@@ -454,9 +612,15 @@ class World:
         self.echo_rng = random.Random(f"{seed}:echo")
         """Echo delays have a generator of their own, so that they shift none of the draws
         of the schedule (its faults, deliveries, partitions) from what they were without."""
+        self.workers_rng = random.Random(f"{seed}:workers")
+        """So have the workers beyond one per node: how many, which one fails, when the others
+        end. A schedule whose nodes all run one worker is the schedule it was before."""
         self.clock = ManualClock()
         self.nodes = rng.choice(
             [NodeRange(1, 1), NodeRange(1, 2), NodeRange(2, 2), NodeRange(2, 3)]
+        )
+        self.nprocs = tuple(
+            self.workers_rng.choice(WORKERS_PER_NODE) for _ in range(self.nodes.max)
         )
         self.settings = RendezvousSettings(
             run_id="job",
@@ -468,19 +632,27 @@ class World:
             stop_grace=2.0,
             exit_barrier_timeout=60.0,
         )
-        self.server = MemoryServer(clock=self.clock, deliver=self._deliver)
+        self.server = _Server(self.clock, self._deliver, self._written)
         self._queue: list[tuple[float, int, Callable[[], None]]] = []
         self._due: dict[int, float] = {}
         """Per connection: when its latest queued notification arrives (FIFO delivery)."""
         self._seq = itertools.count()
         self.trace: list[str] = []
         self.agents: list[SimAgent] = []
+        self.by_id: dict[str, SimAgent] = {}
         self.incarnations = itertools.count(1)
         self.pending_requeues = 0
         self.requeues_left = 6
         self.endings: list[tuple[str, str]] = []
         self.real_failure_rounds: set[int] = set()
+        self.charged: set[int] = set()
+        """Rounds whose failure spent a restart (or, the budget spent, failed the job)."""
+        self.injected: list[str] = []
+        """The kinds of the faults that hit an agent (a fault on a slot with none is void)."""
+        self.started: dict[int, dict[str, tuple[str, ...]]] = {}
+        """Per round, the members each node that started it was told of."""
         self.last_fault = 0.0
+        self.rounds = 0
         self.last_round = 0
         self.last_members: tuple[str, ...] = ()
         self.last_state: st.JobState | None = None
@@ -514,24 +686,21 @@ class World:
 
     def peers_echo(self, worker: Worker) -> None:
         """A worker that died (not one that finished: exit 0) breaks its round's collectives:
-        every other member's worker still in that round dies of it soon after, an echo, as
-        gloo/NCCL raise "Connection closed by peer". A stuck worker breaks nothing: it hangs."""
+        every other worker still in that round, on its node or another, dies of it soon
+        after, an echo, as gloo/NCCL raise "Connection closed by peer". A stuck worker breaks
+        nothing: it hangs."""
         if worker.code == 0:
             return
         for agent in self.agents:
-            peer = agent.worker
-            if peer is None or peer is worker or peer.exited or peer.round != worker.round:
-                continue
             if agent.stuck:
                 continue
-            self.at(self.now + self.echo_rng.uniform(0.05, 3.0), agent.echo(peer))
+            for peer in agent.workers:
+                if peer is worker or peer.exited or peer.round != worker.round:
+                    continue
+                self.at(self.now + self.echo_rng.uniform(0.05, 3.0), agent.echo(peer))
 
     def training(self) -> list[Worker]:
-        return [
-            agent.worker
-            for agent in self.agents
-            if agent.worker is not None and agent.worker.training
-        ]
+        return [worker for agent in self.agents for worker in agent.workers if worker.training]
 
     def requeue(self, slot: int) -> None:
         if self.requeues_left <= 0:
@@ -548,6 +717,7 @@ class World:
     def spawn(self, slot: int) -> None:
         agent = SimAgent(self, slot, next(self.incarnations))
         self.agents.append(agent)
+        self.by_id[agent.node.node_id] = agent
         agent.start()
 
     # --- faults -------------------------------------------------------------------------------
@@ -580,28 +750,25 @@ class World:
         if agent is None:
             return
         self.last_fault = self.now
+        self.injected.append(kind)
         self.log(f"FAULT {kind} on {agent.node.node_id}")
         if kind == "worker_fail":
             agent.fail_next = True
-            if agent.worker is not None and not agent.worker.exited:
-                agent.worker.exit_at = self.now
-                agent.worker.code = 1
-                self.real_failure_rounds.add(agent.worker.round)
-                self.at(self.now, agent._worker_exits(agent.worker))
+            agent.fail_a_worker()
         elif kind == "hang":
             agent.hang_next = True
         elif kind == "crash":
             agent.crash()
         elif kind == "stuck":
             agent.stuck = True
-            if agent.worker is not None:
-                agent.worker.training = False  # In uninterruptible sleep: no more steps.
+            for worker in agent.workers:
+                worker.training = False  # In uninterruptible sleep: no more steps.
                 # A node that hangs for good is a real failure of its round, as a hung worker
                 # is: its session lives on, so its peers, whose workers died with it, hear
                 # nothing and charge the round once their echo wait runs out (seeds 1421113,
                 # 1467254). They cannot tell it from a node whose workers failed and whose
                 # agent cannot report, and a charge is what bounds echoes with no originator.
-                self.real_failure_rounds.add(agent.worker.round)
+                self.real_failure_rounds.add(worker.round)
         elif kind == "preempt":
             agent.stop_signal = True
             self.at(self.now, agent.step)
@@ -619,7 +786,7 @@ class World:
 
             self.at(self.now + duration, back)
 
-    # --- the loop and the properties ------------------------------------------------------------
+    # --- the loop --------------------------------------------------------------------------------
 
     def tick(self) -> None:
         self.server.tick()
@@ -647,9 +814,14 @@ class World:
                 if spins > 10_000:
                     raise Violation(f"liveness: a loop spins at t={when:.2f} s without waiting")
                 self.clock.now = when
-                action()
+                try:
+                    action()
+                except Violation:
+                    raise
+                except Exception as error:  # a watch or a step of production code failed
+                    raise Violation(f"crash: {type(error).__name__}: {error}") from error
                 self._wake_changed()
-                self._check_state()
+                self._check_closure()
                 if self.agents and self.ended():
                     break
                 if self.now > self.last_fault + LIVENESS_BOUND or self.now > HORIZON:
@@ -673,6 +845,8 @@ class World:
             self.now,
             self.faults,
             chosen=self.chosen_faults is not None,
+            cause=self.cause() if outcome == "failed" else None,
+            rounds=self.rounds,
         )
 
     def _wake_changed(self) -> None:
@@ -686,7 +860,22 @@ class World:
                 agent.seen_generation = agent.handler.generation
                 self.at(self.now, agent.step)
 
-    def _check_state(self) -> None:
+    # --- the properties --------------------------------------------------------------------------
+
+    def server_state(self) -> st.JobState | None:
+        """The state as the server holds it now (None once closed, or before the first)."""
+        data, _ = self.server.state
+        return decoded(data) if data is not None else None
+
+    def cause(self) -> str:
+        """What the failure of a failed job names (``CAUSES``); a violation if nothing."""
+        summary = self.last_state.failure_summary if self.last_state is not None else ""
+        for words, cause in CAUSES.items():
+            if words in summary:
+                return cause
+        raise Violation(f"cause: the job failed with no known cause: {summary!r}")
+
+    def _check_closure(self) -> None:
         data, token = self.server.state
         if self.server.closed:
             self.was_closed = True
@@ -695,34 +884,233 @@ class World:
         self._checked_token = token
         if self.was_closed:
             raise Violation("closure: a closed job has a state again")
-        state = st.decode(data)
-        self.last_state = state
-        if state.round != self.last_round:
-            members = tuple(member.node_id for member in state.members)
-            survivors = [node for node in self.last_members if node in members]
-            # Only consecutive rounds compare: one agent's step may form two in a row.
-            consecutive = state.round == self.last_round + 1
-            if consecutive and list(members[: len(survivors)]) != survivors:
-                raise Violation(
-                    f"ranks: round {state.round} {list(members)} does not keep the survivors "
-                    f"{survivors} of round {self.last_round} first, in order"
-                )
-            self.last_round, self.last_members = state.round, members
-            self.log(f"round {state.round} formed: {list(members)}")
-        if state.restarts_used > len(self.real_failure_rounds):
+
+    def _written(self, data: bytes) -> None:
+        """Every state the server accepts, checked against the one before it."""
+        raw = json.loads(data)  # before decoding, which refuses a state beyond its budget
+        if raw["restarts_used"] > raw["max_restarts"]:
             raise Violation(
-                f"budget: {state.restarts_used} restarts spent for "
-                f"{len(self.real_failure_rounds)} rounds with a real worker failure"
+                f"budget: {raw['restarts_used']} restarts spent of a budget of "
+                f"{raw['max_restarts']}"
             )
+        new = decoded(data)
+        old, self.last_state = self.last_state, new
+        if new.max_restarts != self.settings.max_restarts:
+            raise Violation(f"budget: the state's budget became {new.max_restarts}")
+        if old is None:
+            if new.round or new.restarts_used or new.failed or new.closed:
+                raise Violation(f"state: the job's first state is not a fresh one: {new}")
+            return
+        if old.closed:
+            raise Violation("closure: a closed job's state was written again")
+        if old.failed and new.failure_summary != old.failure_summary:
+            raise Violation(
+                f"state: the job's failure {old.failure_summary!r} became {new.failure_summary!r}"
+            )
+        if new.round == old.round + 1:
+            self._new_round(old, new)
+        elif new.round != old.round:
+            raise Violation(f"rounds: round {new.round} follows round {old.round}")
+        else:
+            self._same_round(old, new)
+        self._spent(old, new)
+        self._succeeded(old, new)
+        if new.failed and not old.failed:
+            self._failed(new)
+        if new.closed and not (st.all_succeeded(new) and not new.failed):
+            raise Violation(
+                f"closure: the job closed in round {new.round} while {sorted(st.unfinished(new))} "
+                "had not succeeded"
+            )
+
+    def _new_round(self, old: st.JobState, new: st.JobState) -> None:
+        """Round ``new.round`` formed: members unique, MIN to MAX of them, survivors first."""
+        members = tuple(member.node_id for member in new.members)
+        if len(set(members)) != len(members):
+            raise Violation(f"ranks: round {new.round} has a member twice: {list(members)}")
+        if not self.nodes.min <= len(members) <= self.nodes.max:
+            raise Violation(
+                f"ranks: round {new.round} has {len(members)} members {list(members)}, outside "
+                f"{self.nodes.min}:{self.nodes.max}"
+            )
+        for member in new.members:
+            agent = self.by_id.get(member.node_id)
+            if agent is None or member != agent.node:
+                raise Violation(f"ranks: round {new.round} names a node nobody runs: {member}")
+        fresh = not (new.succeeded or new.ready or new.master_port is not None)
+        if not fresh or new.restarts_used != old.restarts_used:
+            raise Violation(f"state: round {new.round} does not start afresh: {new}")
+        survivors = [node for node in self.last_members if node in members]
+        if list(members[: len(survivors)]) != survivors:
+            raise Violation(
+                f"ranks: round {new.round} {list(members)} does not keep the survivors "
+                f"{survivors} of round {self.last_round} first, in order"
+            )
+        self.rounds += 1
+        self.last_round, self.last_members = new.round, members
+        self.log(f"round {new.round} formed: {list(members)}")
+
+    def _same_round(self, old: st.JobState, new: st.JobState) -> None:
+        """Within a round, members stay, the port is published once, and who succeeded or
+        came back only grows, among the members."""
+        number = new.round
+        if new.members != old.members:
+            raise Violation(f"state: the members of round {number} changed: {new.members}")
+        if old.master_port is not None and new.master_port != old.master_port:
+            raise Violation(f"state: round {number}'s master port changed")
+        members = new.member_ids
+        for name in ("succeeded", "ready"):
+            before, after = set(getattr(old, name)), set(getattr(new, name))
+            if not before <= after or not after <= members or len(after) != len(getattr(new, name)):
+                raise Violation(f"state: round {number}'s {name} went from {before} to {after}")
+        if set(new.succeeded) - set(old.succeeded) and st.round_over(old):
+            raise Violation(f"state: a success was recorded in round {number}, which had ended")
+
+    def _spent(self, old: st.JobState, new: st.JobState) -> None:
+        """A restart is spent (or, the budget spent, the job failed) once per round, on the
+        current round, and only for a round in which a worker really failed."""
+        spent = new.restarts_used - old.restarts_used
+        budget = not old.failed and "restarts are spent" in new.failure_summary
+        charged = new.failed_round != old.failed_round
+        if spent < 0 or spent > 1:
+            raise Violation(
+                f"budget: {old.restarts_used} restarts spent became {new.restarts_used}"
+            )
+        if charged != bool(spent or budget) or (budget and spent):
+            raise Violation(
+                f"budget: round {new.failed_round} recorded as failed, {spent} restart(s) spent, "
+                f"restarts {old.restarts_used} -> {new.restarts_used} of {new.max_restarts}"
+            )
+        if budget and new.restarts_used != new.max_restarts:
+            raise Violation(
+                f"budget: the job failed for its budget with {new.restarts_used} of "
+                f"{new.max_restarts} restarts spent"
+            )
+        if not charged:
+            return
+        if new.failed_round != new.round or new.failed_round in self.charged:
+            raise Violation(
+                f"budget: round {new.failed_round} charged in round {new.round} "
+                f"(charged before: {sorted(self.charged)})"
+            )
+        if new.failed_round not in self.real_failure_rounds:
+            raise Violation(
+                f"budget: round {new.failed_round} spent the budget, but no worker really failed "
+                f"in it (rounds with a real failure: {sorted(self.real_failure_rounds)})"
+            )
+        self.charged.add(new.failed_round)
+
+    def _succeeded(self, old: st.JobState, new: st.JobState) -> None:
+        """A node counts as done only when every one of its workers exited 0."""
+        for node in set(new.succeeded) - set(old.succeeded):
+            agent = self.by_id.get(node)
+            if agent is None:
+                raise Violation(f"success: {node}, which no agent runs, recorded a success")
+            codes = [
+                worker.code if worker.exited else None
+                for worker in agent.workers
+                if worker.round == new.round
+            ]
+            if len(codes) != agent.node.nproc or any(code != 0 for code in codes):
+                raise Violation(
+                    f"success: {node} recorded a success of round {new.round} while its "
+                    f"{agent.node.nproc} workers exited {codes}"
+                )
+
+    def _failed(self, new: st.JobState) -> None:
+        """The job failed: its summary names a known cause, and a node it blames for not
+        finishing really had not finished (by the state the failure was written on)."""
+        cause = self.cause()
+        if cause not in ("member_lost", "unfinished"):
+            return
+        named = new.failure_summary.split("'")[1]
+        if named not in new.member_ids or named in new.succeeded:
+            raise Violation(
+                f"cause: the job failed naming node {named}, which had finished round "
+                f"{new.round} or was no member of it: {new.failure_summary}"
+            )
+
+    def check_start(self, agent: SimAgent, started: Round) -> None:
+        """Rounds a node starts only go up, and every node of a round is told the same
+        members, so that the ranks of a round are unique and contiguous."""
+        number = started.number
+        if number <= agent.last_started:
+            raise Violation(
+                f"rounds: {agent.node.node_id} starts round {number} after round "
+                f"{agent.last_started}"
+            )
+        members = tuple(member.node_id for member in started.members)
+        told = self.started.setdefault(number, {})
+        for other, seen in told.items():
+            if seen != members:
+                raise Violation(
+                    f"ranks: {agent.node.node_id} starts round {number} with {list(members)}, "
+                    f"{other} with {list(seen)}"
+                )
+        told[agent.node.node_id] = members
+        ranks = [
+            rank
+            for member in started.members
+            for rank in range(
+                started.first_rank(member.node_id),
+                started.first_rank(member.node_id) + member.nproc,
+            )
+        ]
+        first = started.first_rank(agent.node.node_id)
+        mine = range(first, first + agent.node.nproc)
+        if agent.node.node_id not in members or ranks != list(range(started.world_size)):
+            raise Violation(
+                f"ranks: {agent.node.node_id} starts round {number} as ranks {list(mine)} of "
+                f"{started.world_size} with {list(members)}"
+            )
+
+    def check_report(self, before: st.JobState | None, number: int, node: str) -> None:
+        """A failure report spends one restart for its round when that round is the job's
+        current one and not charged yet (the budget spent, it fails the job), else nothing."""
+        after = self.server_state()
+        if before is None:
+            return  # no state yet: nothing to charge, and the report cannot make one
+        current = not (before.closed or before.failed) and before.round == number
+        if not current or before.failed_round == number:
+            if after is not None and after.failed_round != before.failed_round:
+                raise Violation(
+                    f"budget: {node}'s report of round {number} charged round "
+                    f"{after.failed_round}, though round {before.round} was current"
+                )
+            return
+        if after is None or after.failed_round != number:
+            raise Violation(f"budget: {node}'s report of round {number} was not recorded")
+        if before.restarts_used < before.max_restarts:
+            if after.restarts_used != before.restarts_used + 1 or after.failed:
+                raise Violation(
+                    f"budget: {node}'s report of round {number} left {after.restarts_used} of "
+                    f"{after.max_restarts} restarts spent (before: {before.restarts_used})"
+                )
+        elif not after.failed or after.restarts_used != before.restarts_used:
+            raise Violation(
+                f"budget: {node}'s report of round {number}, with all {before.max_restarts} "
+                f"restarts spent, left the job running with {after.restarts_used}"
+            )
+
+    def check_reaction(self, agent: SimAgent, end: RoundEnd, action: AfterRound) -> None:
+        """A node whose own worker really failed (no echo) reports it before it rejoins,
+        unless a stop signal made it leave: otherwise a failure never spends a restart."""
+        if action is not AfterRound.REJOIN or end.outcome is not Outcome.FAILED:
+            return
+        if end.echo or end.stop_signal or agent.reported:
+            return
+        raise Violation(
+            f"budget: {agent.node.node_id} rejoins after a real worker failure of round "
+            f"{agent.last_started} without reporting it"
+        )
 
     def check_success(self, node_id: str) -> None:
         """A node exits 0 only when the job succeeded: every member of its last round
         succeeded (the last one closes the job, which only a success does here). A node that
         exits 0 while the others rerun is never requeued, and the job runs on without it."""
-        data, _ = self.server.state
-        if self.server.closed or (data is not None and st.all_succeeded(st.decode(data))):
+        state = self.server_state()
+        if self.server.closed or (state is not None and st.all_succeeded(state)):
             return
-        state = st.decode(data) if data is not None else None
         round_number = state.round if state is not None else 0
         raise Violation(
             f"success: {node_id} exits 0 while round {round_number} of the job has not "
@@ -734,9 +1122,47 @@ class World:
             raise Violation("liveness: agents still wait with nothing left to happen")
         if not self.endings and not any(agent.stuck for agent in self.agents):
             raise Violation("liveness: every agent left for requeue and none ever came back")
+        hows = {how for how, _ in self.endings}
         for how, reason in self.endings:
             if how == "failed" and not reason:
                 raise Violation("liveness: the job failed without a reason")
+        if {"succeeded", "failed"} <= hows:
+            raise Violation("success: one node succeeded and another failed the same job")
+        if "succeeded" in hows and not self.server.closed:
+            raise Violation("success: a node exited 0 and the job never closed")
+        self._check_explained(hows)
+
+    def _check_explained(self, hows: set[str]) -> None:
+        """Every way a job ends is explained by the faults injected into it."""
+        injected = set(self.injected)
+        restarts = self.last_state.restarts_used if self.last_state is not None else 0
+        # Without faults every node succeeds; one that came after the end finds it closed.
+        if not injected and (hows - {"closed"} != {"succeeded"} or restarts):
+            raise Violation(
+                f"cause: a job with no fault ended {sorted(hows)} with {restarts} restarts spent"
+            )
+        if "failed" in hows:
+            cause = self.cause()
+            if not injected & EXPLAINED_BY[cause]:
+                raise Violation(
+                    f"cause: the job failed ({cause}) but no fault that explains it hit it: "
+                    f"{sorted(injected)}"
+                )
+            if cause == "budget" and len(self.charged) <= self.settings.max_restarts:
+                raise Violation(
+                    f"cause: the job failed for its budget of {self.settings.max_restarts} "
+                    f"after {len(self.charged)} charged rounds"
+                )
+        if not self.endings and "stuck" not in injected:
+            raise Violation("cause: only stuck agents are left, but no agent was stuck")
+
+
+def drawn_faults(seed: int) -> tuple[Fault, ...]:
+    """The faults the schedule of ``seed`` draws, without running it (a test that keeps only
+    some of them passes the rest to ``simulate``)."""
+    world = World(seed)
+    world.plan()
+    return world.faults
 
 
 def simulate(seed: int, faults: tuple[Fault, ...] | None = None) -> Result:
@@ -746,12 +1172,13 @@ def simulate(seed: int, faults: tuple[Fault, ...] | None = None) -> Result:
 
 
 def violated_property(violation: str) -> str:
-    """The property a violation message names (``liveness``, ``ranks``, ``budget``,
-    ``closure``, ``success``, ``split brain``), so that shrinking keeps to the same bug."""
+    """The property a violation message names (``liveness``, ``ranks``, ``rounds``,
+    ``budget``, ``closure``, ``success``, ``state``, ``cause``, ``split brain``), so that
+    shrinking keeps to the same bug."""
     if violation.startswith("two groups train at once"):
         return "split brain"
     head, _, _ = violation.partition(":")
-    return head if head in {"liveness", "ranks", "budget", "closure", "success"} else violation
+    return head if head in PROPERTIES else violation
 
 
 def shrink(result: Result) -> Result:
@@ -813,7 +1240,7 @@ def run_many(first_seed: int, schedules: int) -> Report:
     report = Report(first_seed, schedules)
     for seed in range(first_seed, first_seed + schedules):
         result = simulate(seed)
-        report.outcomes[result.outcome] = report.outcomes.get(result.outcome, 0) + 1
+        report.add(result)
         if result.violation is not None:
             shrunk = len(report.failures) < SHRUNK_IN_REPORT
             report.failures.append(shrink(result) if shrunk else result)
