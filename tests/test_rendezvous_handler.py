@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 
 import pytest
 
@@ -12,7 +13,7 @@ from hpc_elastic.errors import RendezvousClosedError, RendezvousError
 from hpc_elastic.rendezvous import state as st
 from hpc_elastic.rendezvous.api import Failure, JobFailedError, NodeInfo, RendezvousSettings, Round
 from hpc_elastic.rendezvous.backend import ABSENT, Store
-from hpc_elastic.rendezvous.handler import StoreRendezvous
+from hpc_elastic.rendezvous.handler import Step, StoreRendezvous
 from hpc_elastic.rendezvous.memory import ManualClock, MemoryServer, MemoryStore
 from hpc_elastic.spec import NodeRange
 
@@ -593,3 +594,81 @@ def test_a_member_that_wakes_after_the_barrier_failed_the_job_neither_closes_nor
     with pytest.raises(JobFailedError, match="node 'b' left round 1"):
         b.barrier_step()
     assert not world.server.closed
+
+
+class StateHook(MemoryStore):
+    """A memory store that runs ``after_state`` once, just after it next reads the state:
+    what another node does between one decision's read and its write."""
+
+    after_state: Callable[[], object] | None = None
+
+    def get_state(self) -> tuple[bytes | None, int]:
+        read = super().get_state()
+        hook, self.after_state = self.after_state, None
+        if hook is not None:
+            hook()
+        return read
+
+
+def barrier_with_a_late_peer(names: str) -> tuple[Stepped, StoreRendezvous, StoreRendezvous]:
+    """Round 1 of ``names``; a (reading through a ``StateHook``) waits in the exit barrier,
+    and b's session has expired while its agent lives on (it still writes the state)."""
+    world = Stepped(RendezvousSettings(run_id="job", nodes=NodeRange(len(names), len(names))))
+    store = StateHook(world.server, "job", world.config.session_timeout)
+    a = StoreRendezvous(world.config, NodeInfo("a", "host-a", 1), store, clock=world.clock)
+    others = [world.handler(name) for name in names[1:]]
+    world.rounds([a, *others])
+    assert not a.begin_barrier()
+    b_store = others[0]._store
+    assert isinstance(b_store, MemoryStore)
+    b_store.expire_session()
+    return world, a, others[0]
+
+
+def old_fail_barrier(
+    self: StoreRendezvous, decision: st.Barrier, state: st.JobState, token: int, summary: str
+) -> Step:
+    """The exit barrier's failure before the fix: applied to whatever state is newest."""
+    self._update(partial(st.fail, summary=summary))
+    return Step(decision, again=True)
+
+
+def test_a_peer_that_closes_the_job_between_the_barriers_read_and_write_is_not_lost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """a's barrier read b as gone and unfinished (b's session had expired); before a wrote
+    the failure, b recorded the last success and closed the job. Written by compare-and-set
+    on the state it read, a's failure is dropped and a decides again: done. Applied to the
+    newest state, as before, it found none and raised: "closed; nothing to update", and the
+    agent exited 1 after every worker had finished (CI run ci6)."""
+    _, a, b = barrier_with_a_late_peer("ab")
+    store = a._store
+    assert isinstance(store, StateHook)
+    store.after_state = b.report_success
+    step = a.barrier_step()
+    assert step.action is st.Barrier.MEMBER_LOST
+    assert store.after_state is None, "b finished between a's read and its write"
+    assert a.barrier_step().done is True
+
+    _, a, b = barrier_with_a_late_peer("ab")
+    monkeypatch.setattr(StoreRendezvous, "_fail_barrier", old_fail_barrier)
+    store = a._store
+    assert isinstance(store, StateHook)
+    store.after_state = b.report_success
+    with pytest.raises(RendezvousClosedError, match=r"closed .*nothing to update"):
+        a.barrier_step()
+
+
+def test_the_exit_barrier_fails_the_job_only_on_the_state_it_decided_from() -> None:
+    """The same race with a third member still running: b's success lands between a's read
+    and its write, and the job must not fail naming b, which finished."""
+    world, a, b = barrier_with_a_late_peer("abc")
+    store = a._store
+    assert isinstance(store, StateHook)
+    store.after_state = b.begin_barrier
+    assert a.barrier_step().action is st.Barrier.MEMBER_LOST
+    assert a.barrier_step().action is st.Barrier.WAIT, "b finished; c is alive and running"
+    state = world.server.state[0]
+    assert state is not None
+    assert not st.decode(state).failed
+    assert set(st.decode(state).succeeded) == {"a", "b"}
