@@ -290,3 +290,32 @@ def test_ranks_waiting_for_a_rank_still_moving_blame_nobody() -> None:
     verdict = attribute(nodes(in_backward(0), in_backward(1), slow, in_backward(3)), MEMBERS)
     assert verdict.kind == AMBIGUOUS
     assert "rank 2 (12.0 s ago) still made progress" in verdict.sentence
+
+
+def test_ddp_ranks_blocked_on_an_event_may_wait_for_a_moving_rank_once() -> None:
+    """Their markers say "out" (DDP's all-reduce is not marked), but the kernel says they
+    sleep until an event (a futex): they may be waiting for the moving rank, and the first
+    look dismisses. Not a second time: past ``EXCUSES`` deadlines their stacks are asked for.
+    Nor for a rank asleep in ``sleep``: that one waits for nobody."""
+
+    def blocked(rank: int, waited: float = 61.0, wchan: str = "futex_do_wait") -> RankEvidence:
+        return RankEvidence(
+            rank,
+            state="S",
+            age=61.0,
+            waited=waited,
+            wchan=wchan,
+            deadline=60.0,
+            marker="out all_reduce #12",
+            inside=False,
+        )
+
+    slow = RankEvidence(1, state="R", age=10.0, waited=40.0, deadline=60.0)
+    look = nodes(blocked(0), slow, blocked(2), blocked(3), stage=1)
+    dismissed = first_look(look, MEMBERS)
+    assert dismissed is not None
+    assert dismissed.kind == DISMISSED
+    again = nodes(blocked(0, waited=121.0), slow, blocked(2), blocked(3), stage=1)
+    assert first_look(again, MEMBERS) is None
+    asleep = nodes(blocked(0, wchan="hrtimer_nanosleep"), slow, blocked(2), blocked(3), stage=1)
+    assert first_look(asleep, MEMBERS) is None

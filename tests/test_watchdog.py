@@ -365,7 +365,9 @@ def test_an_investigation_that_found_the_job_moving_excuses_the_wait_so_far() ->
     still = {0: (11.0, 11), 1: (11.0, 11)}
     assert rank_watch.poll(11.0 + RULE.floor + 1.0, still).hung
     rank_watch.excuse(11.0 + RULE.floor + 1.0)
-    assert rank_watch.poll(11.0 + 2 * RULE.floor, still).hung == []
+    verdict = rank_watch.poll(11.0 + 2 * RULE.floor, still)
+    assert verdict.hung == []
+    assert verdict.waits[0].waited == 2 * RULE.floor, "the evidence counts from the last beat"
     assert rank_watch.poll(11.0 + 2 * RULE.floor + 2.0, still).hung
 
 

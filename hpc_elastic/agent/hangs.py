@@ -37,6 +37,13 @@ still moving (slow, on a busy machine), and the investigation is dismissed: the 
 for a rank that will come. A rank frozen in a collective's lockstep stopped beating at most a
 step before the others, far less than half a deadline (at least five steps)."""
 
+EXCUSES = 2.0
+"""A stalled rank is waited for at most this many deadlines (wall) before its stack is asked
+for: one investigation may be dismissed for a slow rank, not every one."""
+
+BLOCKING = ("futex", "poll", "select", "sk_wait", "recv", "wait_woken", "unix_stream", "pipe")
+"""Kernel functions (``/proc/PID/wchan``) a thread sleeps in until an event comes."""
+
 STOPPED = "T"
 TRACED = "t"
 DISK = "D"
@@ -58,6 +65,10 @@ class RankEvidence:
     age: float = 0.0
     """Seconds since it last made progress (its heartbeat), less the time it waited for a CPU
     and the time its agent was not scheduled: what the deadline is compared with."""
+    waited: float = 0.0
+    """Wall seconds since it last made progress."""
+    wchan: str | None = None
+    """The kernel function its main thread slept in (``/proc/PID/wchan``), None if running."""
     deadline: float = 0.0
     phase: str = "step"
     marker: str | None = None
@@ -110,6 +121,13 @@ class RankEvidence:
         if self.dumped is False:
             return "silent to the stack-dump signal"
         return None
+
+    @property
+    def blocked_on_an_event(self) -> bool:
+        """Asleep in the kernel until something happens (a lock, a socket): as a rank waiting
+        in a collective is, and unlike one in ``sleep`` or one that runs. Its marker may still
+        say "out": DDP's gradient all-reduce is waited for, unmarked, in ``backward()``."""
+        return self.state == "S" and any(word in (self.wchan or "") for word in BLOCKING)
 
     @property
     def timed(self) -> bool:
@@ -235,23 +253,31 @@ DISMISSED = "dismissed"
 
 
 def first_look(evidence: Mapping[str, NodeEvidence], members: Sequence[Member]) -> Verdict | None:
-    """After stage 1 (no rank touched yet): a ``DISMISSED`` verdict when some rank is still
-    moving and every rank that is not is known to wait in a collective (its marker says so):
-    they wait for a rank that will come, on a busy machine. Else None: the stacks are needed.
-    A rank that stalled outside any collective, or of which nothing is known yet, may be stuck
-    on its own, whatever the others do (ranks that train without collectives)."""
+    """After stage 1 (no rank touched yet): a ``DISMISSED`` verdict when the job is still
+    moving, else None: the stacks are needed. It is moving when some rank still makes
+    progress, and every rank that does not may be waiting for it: inside a collective by its
+    marker, or blocked on an event in the kernel (``blocked_on_an_event``; a rank in ``sleep``
+    or spinning in its own code is not), and none has stalled ``EXCUSES`` deadlines (one
+    dismissal for a slow rank, not one per deadline for ever). A rank stalled outside any
+    collective may be stuck on its own, whatever the others do (ranks that train without
+    collectives): only its stack can tell."""
     ranks = _ranks(evidence)
     moving = [rank for rank in ranks if rank.moving]
     stalled = [rank for rank in ranks if rank.timed and not rank.moving]
-    if not moving or any(rank.in_collective is not True for rank in stalled):
+    if not moving or not all(_may_wait(rank) for rank in stalled):
         return None
     slowest = moving[0]
     sentence = (
         f"No hang: rank {slowest.rank} still made progress {slowest.age:.1f} s ago (deadline "
-        f"{slowest.deadline:.1f} s) while the others waited for it in a collective; the "
-        "machine is busy."
+        f"{slowest.deadline:.1f} s) while the others waited; the machine is busy."
     )
     return Verdict(DISMISSED, sentence, _first_answering(evidence, members), rank=slowest.rank)
+
+
+def _may_wait(rank: RankEvidence) -> bool:
+    """Whether a stalled rank may be waiting for a slow peer, and may be waited for more."""
+    waiting = rank.in_collective is True or rank.blocked_on_an_event
+    return waiting and rank.stuck is None and rank.waited < EXCUSES * rank.deadline
 
 
 def attribute(evidence: Mapping[str, NodeEvidence], members: Sequence[Member]) -> Verdict:

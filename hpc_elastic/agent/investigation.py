@@ -188,6 +188,8 @@ class Investigation:
             worker.rank,
             state=proc.state(worker.process.pid) or hangs.UNKNOWN,
             age=0.0 if wait is None else (wait.waited if wait.counted is None else wait.counted),
+            waited=0.0 if wait is None else wait.waited,
+            wchan=proc.wchan(worker.process.pid),
             deadline=0.0 if wait is None else wait.deadline,
             phase="startup" if wait is None else wait.phase.value,
             marker=None if marker is None else _marker_words(marker),

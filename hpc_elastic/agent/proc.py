@@ -28,6 +28,18 @@ def state(pid: int) -> str | None:
     return fields[0] if fields else None
 
 
+def wchan(pid: int) -> str | None:
+    """The kernel function the process's main thread sleeps in (``/proc/PID/wchan``):
+    ``futex_do_wait`` for a lock or a condition (a collective's wait), ``hrtimer_nanosleep``
+    for a ``sleep``; None when it runs, or when unknown."""
+    try:
+        with open(f"/proc/{pid}/wchan", "rb") as file:
+            name = file.read().decode(errors="replace").strip()
+    except OSError:
+        return None
+    return name if name and name != "0" else None
+
+
 def cpu_times(pid: int) -> tuple[float, float] | None:
     """Seconds the process's main thread ran on a CPU and waited in a run queue for one, from
     ``/proc/PID/schedstat``; None if unknown. A process that wants a CPU and cannot get one

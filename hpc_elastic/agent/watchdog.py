@@ -389,16 +389,20 @@ class RankWatch:
                 # heartbeat must never be killed for silence.
                 continue
             waits[rank] = wait = self._waiting(rank, reading, now, checkpointing)
-            if wait.past_deadline:
+            if wait.past_deadline and (
+                self._excused_at == -math.inf
+                or self._waiting(rank, reading, now, checkpointing, self._excused_at).past_deadline
+            ):
                 hung.append(wait)
         paced = paced_step_times(self._step_times, self._arrivals, self._queued_per_step)
         newly = self.stragglers.observe(paced) if moved else []
         return Verdict(hung, newly, self.stragglers.score(paced), waits)
 
     def excuse(self, now: float) -> None:
-        """Time every rank afresh from ``now``: a hang's investigation found the job still
-        moving (agent/hangs.py, ``first_look``), so the ranks that waited waited for a peer
-        that was slow, not stuck."""
+        """Time every rank afresh from ``now`` before calling it hung again: a hang's
+        investigation found the job still moving (agent/hangs.py, ``first_look``), so the ranks
+        that waited waited for a peer that was slow, not stuck. The waits reported as
+        evidence still count from each rank's last progress."""
         self._excused_at = now
         logger.debug("watchdog: waits excused at %.3f", now)
 
@@ -435,12 +439,21 @@ class RankWatch:
                 self._queued_per_step[rank] = max(0.0, queued - queued_before) / advanced
         return True
 
-    def _waiting(self, rank: int, reading: Reading | None, now: float, checkpointing: bool) -> Hung:
+    def _waiting(
+        self,
+        rank: int,
+        reading: Reading | None,
+        now: float,
+        checkpointing: bool,
+        excused_at: float = -math.inf,
+    ) -> Hung:
+        """How long the rank has waited since its last progress (or since ``excused_at``,
+        when later)."""
         if reading is None:
             phase, since = Phase.STARTUP, self.started
         else:
             phase, since = (Phase.CHECKPOINT if checkpointing else Phase.STEP), reading[0]
-        since = max(since, self._excused_at)
+        since = max(since, excused_at)
         waited = now - since
         queued = self._queued.get(rank, 0.0) - self._queued_at_move.get(rank, 0.0)
         counted = waited - self._stalled_since(since) - max(0.0, queued)
