@@ -25,6 +25,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, cast
 
+from hpc_elastic import contract
 from hpc_elastic.errors import UsageError, WaitTimeoutError
 from hpc_elastic.events import Event
 from hpc_elastic.jobdir import JobRecord
@@ -181,6 +182,7 @@ def plan_settings(
     """A plan from resolved option values (``options.resolve``); the CLI's way in."""
     interpreter = str(settings.pop("python") or sys.executable)
     settings["job_name"] = settings["job_name"] or default_job_name(script)
+    _read_secret_files(settings)
     spec = JobSpec(script=script, script_args=tuple(script_args), **cast("Any", settings))
     line = tuple(command_line) if command_line is not None else _python_call(spec)
     return plan(spec, line, interpreter, datetime.now())
@@ -211,6 +213,29 @@ def jobs(log_dir: Path | str | None = None) -> list[Job]:
 
 
 # --- helpers ---------------------------------------------------------------------------------
+
+
+def _read_secret_files(settings: dict[str, object]) -> None:
+    """``env_file`` and ``notify_file`` (paths) become what they hold: variables under the
+    ones ``env`` already has (a key given by ``--env`` or the config's ``env`` wins), and the
+    ``notify`` URL, which must then come from nowhere else (``hpc_elastic.sensitive``)."""
+    env_file = cast("Path | None", settings.pop("env_file", None))
+    notify_file = cast("Path | None", settings.pop("notify_file", None))
+    if env_file is None and notify_file is None:
+        return
+    from hpc_elastic import sensitive  # noqa: PLC0415 (only for a job that names such a file)
+
+    if env_file is not None:
+        given = dict(cast("tuple[tuple[str, str], ...]", settings.get("env") or ()))
+        settings["env"] = tuple({**dict(sensitive.read_env_file(env_file)), **given}.items())
+    if notify_file is not None:
+        if settings.get("notify") is not None:
+            raise UsageError(
+                f"--notify-file '{notify_file}' and a --notify URL (from the flag, "
+                f"${contract.NOTIFY_URL_ENV} or the config file) both name the webhook; give "
+                "only one."
+            )
+        settings["notify"] = sensitive.read_notify_file(notify_file)
 
 
 def _option(name: str) -> Option:

@@ -687,6 +687,16 @@ SUBMIT_OPTIONS: tuple[Option, ...] = (
         combine=_merge_env,
     ),
     Option(
+        "env_file",
+        Path | None,
+        "A file of KEY=VALUE lines to export for the job, for secrets: a flag's value is shown "
+        "to every user by ps. Yours, mode 0600; --env and the config's env win for a key.",
+        read=read_path,
+        metavar="FILE",
+        show_default="none",
+        in_spec=False,
+    ),
+    Option(
         "log_dir",
         Path,
         "Where each run gets its own directory (script, secret, Slurm logs).",
@@ -756,11 +766,22 @@ SUBMIT_OPTIONS: tuple[Option, ...] = (
     _text(
         "notify",
         str | None,
-        "Web hook the agents post JSON to when the job fails or finishes.",
+        "Web hook the agents post JSON to when the job fails or finishes. Often a secret "
+        f"itself: prefer ${contract.NOTIFY_URL_ENV} or --notify-file to this flag.",
         parse_notify_url,
         metavar="URL",
         show_default="none",
         environment=_exported(contract.NOTIFY_URL_ENV),
+        envvar=contract.NOTIFY_URL_ENV,
+    ),
+    Option(
+        "notify_file",
+        Path | None,
+        "A file holding the --notify URL on its first line (yours, mode 0600).",
+        read=read_path,
+        metavar="FILE",
+        show_default="none",
+        in_spec=False,
     ),
     Option(
         "python",

@@ -6,14 +6,14 @@ The options come from the option table (``hpc_elastic.options``); the domain is
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, cast
 
 import typer
 
-from hpc_elastic import api
+from hpc_elastic import api, sensitive
 from hpc_elastic._click_compat import ParameterSource
 from hpc_elastic.config import load_config
 from hpc_elastic.jobdir import CodeSnapshot
@@ -87,10 +87,23 @@ def submit_command(
     settings = resolve(SUBMIT_OPTIONS, values, typed_in(ctx), load_config(Path.cwd()).values)
     argv = cast(Invocation, ctx.find_root().obj).argv
     job = api.plan_settings(script, script_args or (), settings, ("hpc-elastic", *argv))
+    warn_of_secrets(argv, f"hpc-elastic {ctx.info_name}")
     if dry_run or ctx.info_name == "render":
         typer.echo(job.script.text, nl=False, color=True)  # the exact script, escapes and all
         return
     _submit(job)
+
+
+VALUE_FLAGS = tuple(option.cli_flag for option in SUBMIT_OPTIONS if option.type is not bool)
+"""The flags that take a value, so that the word after one is known to be its value."""
+
+
+def warn_of_secrets(argv: Sequence[str], command: str) -> None:
+    """One ``warning:`` line for each value on the command line that looks like a token:
+    ``ps`` shows the command line to every user (``hpc_elastic.sensitive``). After the plan,
+    so that a command with a bad flag still says one ``error:`` line and nothing else."""
+    for finding in sensitive.command_line_findings(argv, VALUE_FLAGS):
+        typer.echo(f"warning: {sensitive.warning(finding, command)}", err=True)
 
 
 def _submit(job: Plan) -> None:
