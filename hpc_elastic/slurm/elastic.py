@@ -510,17 +510,23 @@ def load_ledger(path: Path) -> SlotLedger:
     try:
         raw = json.loads(path.read_text())
         leaving_for = raw.get("leaving_for")
+        running_on = raw.get("running_on")
+        excluded = raw.get("excluded", ())
+        # A node name must be text: a list there made the next start crash on it, unhashable
+        # (tests/test_hostile.py, once its examples named the ledger's fields).
+        if not isinstance(running_on, str | None) or not isinstance(excluded, list | tuple):
+            raise TypeError(f"running_on {running_on!r} or excluded {excluded!r} is no name")
         return SlotLedger(
             preemptions=int(raw.get("preemptions", 0)),
             time_limits=int(raw.get("time_limits", 0)),
             node_failures={str(k): int(v) for k, v in raw.get("node_failures", {}).items()},
-            excluded=tuple(str(node) for node in raw.get("excluded", ())),
-            running_on=raw.get("running_on"),
+            excluded=tuple(str(node) for node in excluded),
+            running_on=running_on,
             leaving_for=None if leaving_for is None else Departure(leaving_for).value,
         )
     except FileNotFoundError:
         return SlotLedger()
-    except (OSError, ValueError, TypeError, AttributeError) as error:
+    except (OSError, ValueError, TypeError, AttributeError, OverflowError) as error:
         raise SlurmError(
             f"'{path}' is not a readable slot record ({error}); "
             "its counts start afresh, delete it if this keeps happening."
