@@ -135,3 +135,6 @@ DEFAULT_PERSIST_EVERY = 1
 DEFAULT_SNAPSHOT_MAX_MB = 100
 """The largest code snapshot ``submit`` copies without being told: a project past it holds
 data or checkpoints, which belong in .gitignore, not in every job directory."""
+DEFAULT_SNAPSHOT_MAX_FILES = 10_000
+"""The most files a code snapshot copies without being told: a project of code has hundreds;
+tens of thousands are a dataset, a ``node_modules`` or a home directory."""

@@ -719,6 +719,21 @@ SUBMIT_OPTIONS: tuple[Option, ...] = (
         contract.DEFAULT_SNAPSHOT_MAX_MB,
         metavar="MB",
     ),
+    _count(
+        "snapshot_max_files",
+        "The most files a code snapshot copies; a project with more is refused.",
+        contract.DEFAULT_SNAPSHOT_MAX_FILES,
+        metavar="N",
+    ),
+    Option(
+        "snapshot_root",
+        Path | None,
+        "The directory to snapshot instead of the script's project: it must hold the script "
+        "(git's rules apply if it is a work tree's top). Never a home directory.",
+        read=read_path,
+        metavar="DIR",
+        show_default="the script's project",
+    ),
     Option(
         "template",
         Path | None,

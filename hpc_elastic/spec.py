@@ -464,11 +464,14 @@ class JobSpec:
     container_python: str = contract.DEFAULT_CONTAINER_PYTHON
     snapshot: bool = True
     snapshot_max_mb: int = contract.DEFAULT_SNAPSHOT_MAX_MB
+    snapshot_max_files: int = contract.DEFAULT_SNAPSHOT_MAX_FILES
+    snapshot_root: Path | None = None
 
     def __post_init__(self) -> None:
         parse_positive("--nproc-per-node", self.nproc_per_node)
         parse_positive("--spares", self.spares, zero_ok=True)
         parse_positive("--max-restarts", self.max_restarts, zero_ok=True)
+        parse_positive("--snapshot-max-files", self.snapshot_max_files)
         parse_job_name(self.job_name)
         parse_zk(self.zk)
         for option, count in (

@@ -123,7 +123,13 @@ def plan(
     paths = JobDir.under(spec.log_dir, run_id)
     code = None
     if spec.snapshot:
-        code = snapshot.survey(spec.script, spec.log_dir, spec.snapshot_max_mb)
+        code = snapshot.survey(
+            spec.script,
+            spec.log_dir,
+            spec.snapshot_max_mb,
+            max_files=spec.snapshot_max_files,
+            root=spec.snapshot_root,
+        )
         spec = run_from_copy(spec, code, paths.code, Path.cwd() if cwd is None else cwd)
     context = RenderContext(
         version=__version__,

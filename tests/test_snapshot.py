@@ -379,3 +379,176 @@ def test_outside_git_the_walk_never_enters_the_log_directory(
     code = snapshot.survey(folder / "train.py", folder / "hpc-elastic-runs", max_mb=100)
     assert [entry.path for entry in code.entries] == ["train.py"]
     assert entered == [str(folder)]
+
+
+# --- secrets, homes and the file count (a script outside git) ---------------------------------
+
+
+def plant_secrets(folder: Path) -> set[str]:
+    """Keys, credentials and an earlier job's directory as a home or a scripts folder holds
+    them; returns their paths relative to ``folder``."""
+    secrets = {
+        ".ssh/id_ed25519": "-----BEGIN OPENSSH PRIVATE KEY-----",
+        ".ssh/config": "Host *",
+        ".aws/credentials": "[default]\naws_secret_access_key = x",
+        ".config/gcloud/application_default_credentials.json": "{}",
+        ".gnupg/private-keys-v1.d/key.key": "k",
+        ".hpc-elastic/user-secret": "user secret",
+        ".local/state/hpc-elastic/jobs": "/old/job\n",
+        ".netrc": "machine example.com password x",
+        "deploy/server.pem": "-----BEGIN PRIVATE KEY-----",
+        "id_rsa": "-----BEGIN RSA PRIVATE KEY-----",
+        "old-runs/train-20250101-000000-ab/secret": "their job secret",
+        "old-runs/train-20250101-000000-ab/job.json": "{}",
+        "old-runs/train-20250101-000000-ab/sbatch.sh": "export TOKEN=x",
+        "old-runs/train-20250101-000000-ab/code/train.py": "",
+    }
+    for name, text in secrets.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+    return set(secrets)
+
+
+def test_outside_git_keys_credentials_and_other_jobs_are_never_copied(tmp_path: Path) -> None:
+    """The attack: a script in a folder of the home directory, outside any repository, copied
+    ~/.ssh, ~/.aws, the user secret and earlier jobs' secrets into every job directory."""
+    folder = tmp_path / "scripts"
+    (folder / "lib").mkdir(parents=True)
+    (folder / "train.py").write_text("import lib.util\n")
+    (folder / "lib" / "util.py").write_text("")
+    planted = plant_secrets(folder)
+    code = snapshot.survey(folder / "train.py", folder / "hpc-elastic-runs", max_mb=100)
+    snapshot.take(code, tmp_path / "copy")
+    assert copied(tmp_path / "copy") == {"train.py", "lib/util.py"}
+    assert not planted & {entry.path for entry in code.entries}
+    assert set(code.left_out) == {
+        ".ssh/",
+        ".aws/",
+        ".config/gcloud/",
+        ".gnupg/",
+        ".hpc-elastic/",
+        ".local/state/hpc-elastic/",
+        ".netrc",
+        "deploy/server.pem",
+        "id_rsa",
+        "old-runs/train-20250101-000000-ab/",
+    }
+
+
+def test_in_a_work_tree_secrets_that_git_does_not_ignore_stay_out_too(
+    project: Path, tmp_path: Path
+) -> None:
+    planted = plant_secrets(project)
+    code = snapshot.survey(project / "train.py", project / "runs", max_mb=100)
+    snapshot.take(code, tmp_path / "copy")
+    assert copied(tmp_path / "copy") == {".gitignore", "train.py", "models/net.py"}
+    assert not planted & {entry.path for entry in code.entries}
+    assert "old-runs/train-20250101-000000-ab/" in code.left_out
+    assert ".ssh/id_ed25519" in code.left_out
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A home directory of the user's, with keys and an earlier job in it, as ``$HOME``."""
+    folder = tmp_path / "home" / "ada"
+    folder.mkdir(parents=True)
+    plant_secrets(folder)
+    (folder / "train.py").write_text("")
+    monkeypatch.setenv("HOME", str(folder))
+    return folder.resolve()
+
+
+def test_a_script_lying_in_the_home_directory_is_never_snapshotted(home: Path) -> None:
+    with pytest.raises(SnapshotError) as caught:
+        snapshot.survey(home / "train.py", home / "hpc-elastic-runs", max_mb=100)
+    message = str(caught.value)
+    assert message.startswith(f"The code snapshot would copy the whole home directory '{home}'")
+    assert "give --snapshot-root DIR" in message
+    assert message.endswith("or submit with --no-snapshot.")
+    assert message.count(". ") == 0
+
+
+def test_the_snapshot_root_may_name_neither_a_home_nor_a_place_without_the_script(
+    home: Path, tmp_path: Path
+) -> None:
+    with pytest.raises(SnapshotError, match="--snapshot-root names"):
+        snapshot.survey(home / "train.py", home / "runs", max_mb=100, root=home)
+    with pytest.raises(SnapshotError, match="whole home directory"):
+        snapshot.survey(home / "train.py", home / "runs", max_mb=100, root=Path("/"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    with pytest.raises(SnapshotError, match="does not hold the script"):
+        snapshot.survey(home / "train.py", home / "runs", max_mb=100, root=elsewhere)
+
+
+def test_the_snapshot_root_names_the_directory_to_copy(home: Path, tmp_path: Path) -> None:
+    project = home / "work" / "llm"
+    (project / "src").mkdir(parents=True)
+    (project / "src" / "train.py").write_text("import model\n")
+    (project / "model.py").write_text("")
+    (project / ".netrc").write_text("machine x password y")
+    code = snapshot.survey(project / "src" / "train.py", home / "runs", max_mb=100, root=project)
+    assert {entry.path for entry in code.entries} == {"src/train.py", "model.py"}
+    assert code.left_out == (".netrc",)
+
+
+def test_through_the_cli_a_home_directory_is_one_error_line_and_nothing_written(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from typer.testing import CliRunner  # noqa: PLC0415
+
+    from hpc_elastic import cli  # noqa: PLC0415
+
+    monkeypatch.chdir(home)
+    result = CliRunner().invoke(cli.app, ["submit", "train.py"], env={"HOME": str(home)})
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: The code snapshot would copy the whole home ")
+    assert "--snapshot-root" in result.stderr
+    assert "--no-snapshot" in result.stderr
+    assert result.stderr.count("\n") == 1
+    assert not (home / "hpc-elastic-runs").exists()
+
+
+def test_too_many_files_are_refused_naming_where_most_of_them_are(project: Path) -> None:
+    (project / "cache").mkdir()
+    for index in range(60):
+        (project / "cache" / f"{index}.json").write_text("{}")
+    with pytest.raises(SnapshotError) as caught:
+        snapshot.survey(project / "train.py", project / "runs", max_mb=100, max_files=50)
+    message = str(caught.value)
+    assert "would hold 63 files, over the 50-file cap; most are in 'cache/' (60)" in message
+    assert "raise --snapshot-max-files" in message
+
+
+def test_a_plain_directory_of_many_small_files_stops_the_walk_at_the_cap(
+    tmp_path: Path,
+) -> None:
+    folder = tmp_path / "plain"
+    (folder / "data").mkdir(parents=True)
+    (folder / "train.py").write_text("")
+    for index in range(200):
+        (folder / "data" / f"{index}.txt").write_text("")
+    with pytest.raises(SnapshotError, match="would hold more than 100 files, over the 100-file"):
+        snapshot.survey(folder / "train.py", folder / "runs", max_mb=100, max_files=100)
+
+
+def test_submit_says_what_it_left_out_as_secrets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from typer.testing import CliRunner  # noqa: PLC0415
+
+    from hpc_elastic import cli  # noqa: PLC0415
+    from hpc_elastic.commands import submit as submit_command  # noqa: PLC0415
+
+    folder = tmp_path / "scripts"
+    folder.mkdir()
+    (folder / "train.py").write_text("")
+    plant_secrets(folder)
+    monkeypatch.setattr(submit_command, "slurm", Sbatch())
+    monkeypatch.chdir(folder)
+    result = CliRunner().invoke(cli.app, ["submit", "train.py"])
+    assert result.exit_code == 0, result.stderr
+    assert (
+        "Left out of the snapshot as secrets: .aws/, .config/gcloud/, .gnupg/, "
+        ".hpc-elastic/, .local/state/hpc-elastic/ and 5 more\n"
+    ) in result.stdout

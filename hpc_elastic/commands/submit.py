@@ -118,6 +118,8 @@ def _submit(job: Plan) -> None:
     logs = job.paths.slurm_output(str(submitted.job_id), elastic=job.spec.is_array)
     typer.echo(f"Logs: {logs}")
     typer.echo(f"Code: {describe_snapshot(submitted.record.snapshot)}")
+    if job.code is not None and job.code.left_out:
+        typer.echo(f"Left out of the snapshot as secrets: {describe_left_out(job.code.left_out)}")
 
 
 def describe_snapshot(code: CodeSnapshot | None) -> str:
@@ -130,6 +132,17 @@ def describe_snapshot(code: CodeSnapshot | None) -> str:
     if not code.git:
         return f"snapshot of {code.source} ({code.version()}), {size}"
     return f"snapshot of {code.version()}, {size}"
+
+
+def describe_left_out(left_out: tuple[str, ...]) -> str:
+    """The first few paths the snapshot left out as secrets, and how many more."""
+    shown = ", ".join(left_out[:SHOWN_LEFT_OUT])
+    more = len(left_out) - SHOWN_LEFT_OUT
+    return f"{shown} and {more} more" if more > 0 else shown
+
+
+SHOWN_LEFT_OUT = 5
+"""Paths named on submit's "Left out" line; the debug log has them all."""
 
 
 def _count(number: int, noun: str) -> str:
