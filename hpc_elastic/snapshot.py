@@ -295,17 +295,19 @@ def _refuse_a_home(project: Path, script: Path, root: Path | None) -> None:
 
 
 def _private_dirs(log_dir: Path) -> tuple[Path, ...]:
-    """Absolute directories never copied: the log directory (earlier jobs' checkpoints, logs
-    and secrets), and where hpc-elastic keeps the user's secret and state."""
+    """Absolute places never copied: the log directory (earlier jobs' checkpoints, logs and
+    secrets), hpc-elastic's own directories of the user's state and secret, and the index and
+    user secret files wherever the environment puts them (those files only: a variable that
+    names one in the project must not hide the rest of it)."""
     without_index = {name: value for name, value in os.environ.items() if name != INDEX_ENV}
     places = [
         log_dir.absolute(),
-        index_file().parent,
         index_file(without_index).parent,
+        index_file(),
         DEFAULT_USER_SECRET_FILE.expanduser().parent,
     ]
     if os.environ.get(USER_SECRET_FILE_ENV):
-        places.append(Path(os.environ[USER_SECRET_FILE_ENV]).expanduser().parent)
+        places.append(Path(os.environ[USER_SECRET_FILE_ENV]).expanduser())
     return tuple(dict.fromkeys(Path(os.path.realpath(place)) for place in places))
 
 

@@ -552,3 +552,17 @@ def test_submit_says_what_it_left_out_as_secrets(
         "Left out of the snapshot as secrets: .aws/, .config/gcloud/, .gnupg/, "
         ".hpc-elastic/, .local/state/hpc-elastic/ and 5 more\n"
     ) in result.stdout
+
+
+def test_an_index_or_user_secret_the_environment_puts_in_the_project_leaves_only_itself_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    (folder / "train.py").write_text("")
+    (folder / "index").write_text("/old/job\n")
+    (folder / "my-secret").write_text("user secret")
+    monkeypatch.setenv("HPC_ELASTIC_INDEX", str(folder / "index"))
+    monkeypatch.setenv("HPC_ELASTIC_USER_SECRET_FILE", str(folder / "my-secret"))
+    code = snapshot.survey(folder / "train.py", folder / "runs", max_mb=100)
+    assert [entry.path for entry in code.entries] == ["train.py"]
