@@ -12,6 +12,7 @@ waits for the event it expects, with a generous deadline, and never sleeps.
 from __future__ import annotations
 
 import re
+import socket
 import threading
 import time
 import uuid
@@ -30,7 +31,12 @@ from hpc_elastic.rendezvous.backend import ABSENT, ConnectionState, Store
 from hpc_elastic.rendezvous.handler import StoreRendezvous
 from hpc_elastic.rendezvous.local_store import LocalStore, LocalStoreServer
 from hpc_elastic.rendezvous.memory import ManualClock, MemoryServer, MemoryStore
-from hpc_elastic.rendezvous.zookeeper import ZooKeeperAddress, ZooKeeperStore, open_client
+from hpc_elastic.rendezvous.zookeeper import (
+    ZooKeeperAddress,
+    ZooKeeperStore,
+    answer_wait,
+    open_client,
+)
 from hpc_elastic.spec import NodeRange
 
 DEADLINE = 20.0
@@ -519,4 +525,47 @@ def test_a_zookeeper_restart_suspends_and_reconnects_every_agent_without_disturb
     finally:
         for agent in agents:
             agent.leave()
+        server.stop()
+
+
+def test_a_connect_attempt_waits_briefly_for_its_answer_and_longer_after_each_miss() -> None:
+    waits = [answer_wait(missed, session_timeout=60.0, hosts=1) for missed in range(6)]
+    assert waits == [2.0, 4.0, 8.0, 16.0, 32.0, 60.0], "doubled, up to kazoo's own wait"
+    assert answer_wait(0, session_timeout=3.0, hosts=3) == 1.0, "never longer than kazoo's"
+
+
+def test_a_connect_attempt_the_server_never_answers_is_tried_again_long_before_the_session_ends(
+    tmp_path: Path, private_zookeeper: str
+) -> None:
+    """ZooKeeper 3.8.0 leaves a connect request that it reads while starting, before its
+    database is loaded, without a reply and its connection open (closing it fails on a null
+    database), and kazoo waits the session timeout for that reply: the restart test above saw
+    a client come back 20 s after the server (ci13). Here a listener takes the client's next
+    attempt once the server is down and never answers it, then the real server starts on the
+    port. With a 60 s session, the client is back within the contract's deadline only if it
+    gave the silent attempt up by itself."""
+    del private_zookeeper  # Only for its skip-or-fail when ZooKeeper is missing.
+    server = testing.ZooKeeperServer(tmp_path / "zk")
+    server.start()
+    address = ZooKeeperAddress.parse(f"{server.hosts}/silent")
+    stores: list[ZooKeeperStore] = []
+    silent: socket.socket | None = None
+    try:
+        stores.append(ZooKeeperStore(open_client(address, SECRET, 60.0), address, "job", SECRET))
+        recorder = Recorder(stores[0])
+        server.stop()
+        eventually(partial(told_states, recorder, 1), "SUSPENDED")
+        with socket.create_server(("127.0.0.1", server.port)) as hole:
+            hole.settimeout(DEADLINE)
+            silent, _ = hole.accept()
+        assert silent.recv(1024), "the client sent its connect request to the silent listener"
+        server.start()
+        eventually(partial(told_states, recorder, 2), "the connection come back")
+        assert recorder.states == [ConnectionState.SUSPENDED, ConnectionState.CONNECTED]
+        assert not recorder.lost.is_set()
+    finally:
+        for store in stores:
+            store.release()
+        if silent is not None:
+            silent.close()
         server.stop()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -47,7 +48,7 @@ from kazoo.exceptions import (
     NoNodeError,
     SessionExpiredError,
 )
-from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.handlers.threading import KazooTimeoutError, SequentialThreadingHandler
 from kazoo.protocol.states import WatchedEvent
 from kazoo.recipe.watchers import DataWatch
 from kazoo.retry import RetryFailedError
@@ -71,6 +72,8 @@ RETRY_DEADLINE = 60.0
 """Seconds one operation keeps retrying through connection losses (e.g. a server restart)."""
 COALESCE = 0.02
 """Seconds a membership change waits for others before the member list is fetched again."""
+ANSWER_WAIT = 2.0
+"""Seconds a connect attempt first waits for the server's answer (``answer_wait``)."""
 
 _SHARED_ACL = [ACL(Permissions.CREATE, Id("world", "anyone"))]
 """For the common prefix (and the chroot above it) when we are the ones to create it: anyone
@@ -132,6 +135,87 @@ def _converted(address: ZooKeeperAddress, run_id: str) -> Iterator[None]:
         ) from error
 
 
+def answer_wait(given_up: int, session_timeout: float, hosts: int) -> float:
+    """Seconds the next connect attempt waits for the server's answer (the TCP handshake, then
+    the reply to its connect request), after ``given_up`` attempts in a row went unanswered:
+    ``ANSWER_WAIT``, doubled after each, never more than kazoo's own wait (the session timeout
+    over the number of hosts). A server that answers at all answers a reconnection at once
+    and a new session within a commit; doubling still lets a slow one get through."""
+    return min(session_timeout / hosts, ANSWER_WAIT * 2.0**given_up)
+
+
+class _BoundedHandler(SequentialThreadingHandler):  # type: ignore[misc]
+    """kazoo's threading handler (its public ``handler`` option), except that a connect
+    attempt that gets no answer is given up after ``answer_wait`` seconds; kazoo's connection
+    retry then tries again within a second.
+
+    kazoo waits the session timeout over the number of hosts for the reply to a connect
+    request (``ConnectionHandler._connect``: ``_invoke(session_timeout / len(hosts), ...)``),
+    and its retry backoff only starts after that. ZooKeeper 3.8.0 leaves some requests
+    without a reply and their connection open: one read while the server starts, before its
+    database is loaded, is refused ("ZooKeeperServer not running"), and closing it then fails
+    on a NullPointerException (``zkDb`` is null) before the socket is closed. With a 20 s
+    session a client whose attempt fell into that window came back 20 s after the server did,
+    or found its session expired meanwhile (tests/test_store_contract.py, ci13).
+
+    The trick: every socket kazoo asks for goes through ``create_connection``, so a timer armed
+    there shuts the socket down when the attempt is still unanswered at the deadline; kazoo
+    then reads the end of the stream, drops the attempt ("socket connection broken") and
+    retries. The client's CONNECTED state (``on_state``, a listener added before ``start``)
+    disarms it: kazoo reports CONNECTED as soon as it has read the reply.
+    """
+
+    def __init__(self, session_timeout: float, hosts: int) -> None:
+        super().__init__()
+        self._session_timeout = session_timeout
+        self._hosts = hosts
+        self._lock = threading.Lock()
+        self._pending: tuple[socket.socket, threading.Timer] | None = None
+        """The socket of the attempt waiting for its answer, and the timer that gives it up."""
+        self._given_up = 0
+
+    def create_connection(self, *args: Any, **kwargs: Any) -> socket.socket:
+        wait = answer_wait(self._given_up, self._session_timeout, self._hosts)
+        if kwargs.get("timeout") is not None:  # kazoo's: the session timeout, for the handshake
+            kwargs["timeout"] = min(float(kwargs["timeout"]), wait)
+        try:
+            sock: socket.socket = super().create_connection(*args, **kwargs)
+        except TimeoutError:
+            with self._lock:
+                self._given_up += 1
+            raise
+        timer = threading.Timer(wait, self._give_up, (sock, wait))
+        timer.daemon = True
+        with self._lock:
+            self._disarm()
+            self._pending = (sock, timer)
+        timer.start()
+        return sock
+
+    def on_state(self, state: str) -> None:
+        """The client's state listener: CONNECTED means the pending attempt was answered."""
+        if state == KazooState.CONNECTED:
+            with self._lock:
+                self._disarm()
+                self._given_up = 0
+
+    def _disarm(self) -> None:
+        """Forget the pending attempt (under ``_lock``)."""
+        if self._pending is not None:
+            self._pending[1].cancel()
+            self._pending = None
+
+    def _give_up(self, sock: socket.socket, wait: float) -> None:
+        with self._lock:
+            if self._pending is None or self._pending[0] is not sock:
+                return  # answered, or a newer attempt replaced it
+            self._pending = None
+            self._given_up += 1
+        logger.debug("zookeeper: no answer to a connect attempt within %g s; trying again", wait)
+        with suppress(OSError):  # kazoo closed it meanwhile
+            sock.shutdown(socket.SHUT_RDWR)
+
+
 def open_client(
     address: ZooKeeperAddress,
     secret: str | None,
@@ -142,11 +226,15 @@ def open_client(
     """A started client, or a clear error once ``connect_timeout`` has passed.
 
     ``client_id`` (session id, password) resumes an existing session instead of opening one:
-    tests use it to expire a session for real.
+    tests use it to expire a session for real. A connect attempt that the server leaves
+    unanswered is tried again after ``answer_wait`` seconds, not after kazoo's session
+    timeout (``_BoundedHandler``).
     """
+    handler = _BoundedHandler(session_timeout, len(address.hosts.split(",")))
     client = KazooClient(
         hosts=address.hosts,
         timeout=session_timeout,
+        handler=handler,
         client_id=client_id,
         auth_data=[("digest", f"{DIGEST_USER}:{secret}")] if secret else None,
         connection_retry={"max_tries": -1, "delay": 0.1, "max_delay": 1.0},
@@ -157,6 +245,8 @@ def open_client(
             "deadline": RETRY_DEADLINE,
         },
     )
+    client.add_listener(handler.on_state)
+    logger.debug("zookeeper: connecting to %s (session %g s)", address, session_timeout)
     try:
         client.start(timeout=connect_timeout)
     except KazooTimeoutError as error:
@@ -876,3 +966,51 @@ def clear_bad_nodes(
         chosen = known if hosts is None else sorted(set(hosts) & set(known))
         book.forget(chosen)
         return chosen
+
+
+ACL_CHECK = ".acl-check-"
+"""Ephemeral znodes under the prefix that ``acls_enforced`` makes: gone with its session."""
+
+
+def acls_enforced(zk: str, connect_timeout: float = CONNECT_TIMEOUT) -> bool | None:
+    """Whether the ensemble enforces the digest ACLs every job's nodes rely on (``doctor``):
+    a node readable only with a fresh secret is made, then read by a client without it. True
+    when that client is refused; False when it may read (the server runs with ``skipACL``, or
+    gives everyone a superuser's rights); None when no such node may be made under the prefix
+    (the site's ACL on it), so that nothing could be told. The node is ephemeral: it goes with
+    the session, which is closed at once, so the check leaves nothing behind."""
+    import secrets  # noqa: PLC0415 (only doctor asks)
+
+    address = ZooKeeperAddress.parse(zk)
+    secret = secrets.token_urlsafe(16)
+    owner = open_client(address, secret, session_timeout=10.0, connect_timeout=connect_timeout)
+    stranger: KazooClient | None = None
+    try:
+        _ensure_shared(owner, f"{address.chroot}{PREFIX}")
+        try:
+            path = owner.create(
+                f"{address.chroot}{PREFIX}/{ACL_CHECK}",
+                b"",
+                acl=[make_digest_acl(DIGEST_USER, secret, all=True)],
+                ephemeral=True,
+                sequence=True,
+            )
+        except (NoNodeError, NoAuthError):
+            logger.debug("zookeeper: no ACL check possible under %s%s", address.chroot, PREFIX)
+            return None
+        stranger = open_client(address, None, session_timeout=10.0, connect_timeout=connect_timeout)
+        try:
+            stranger.get(path)
+        except NoAuthError:
+            return True
+        return False
+    except KazooException as error:
+        raise RendezvousError(
+            f"ZooKeeper at '{address}' failed the ACL check ({type(error).__name__}); check the "
+            "server's log."
+        ) from error
+    finally:
+        for client in (stranger, owner):
+            if client is not None:
+                client.stop()
+                client.close()
