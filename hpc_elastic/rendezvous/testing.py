@@ -15,6 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ZOOKEEPER_JAR = Path(os.environ.get("HPC_ELASTIC_ZOOKEEPER_JAR", "/usr/share/java/zookeeper.jar"))
+SLF4J_SIMPLE = Path("/usr/share/java/slf4j-simple.jar")
+"""slf4j's simple logger (Debian's libslf4j-java), put on the server's class path where it is
+installed: without a binding ZooKeeper 3.8 logs nothing at all, and the ``zk.out`` a failed
+test shows was empty. With it the server's INFO log, timestamped, goes to ``zk.out``."""
+LOGGER_FLAGS = (
+    "-Dorg.slf4j.simpleLogger.showDateTime=true",
+    "-Dorg.slf4j.simpleLogger.dateTimeFormat=HH:mm:ss.SSS",
+)
 
 
 def free_ports(count: int) -> list[int]:
@@ -85,9 +93,10 @@ class ZooKeeperServer:
             if self.peers
             else "org.apache.zookeeper.server.ZooKeeperServerMain"
         )
+        classpath = [str(ZOOKEEPER_JAR), *([str(SLF4J_SIMPLE)] if SLF4J_SIMPLE.exists() else [])]
         with (self.data_dir / "zk.out").open("ab") as log:
             self.process = subprocess.Popen(
-                ["java", "-Xmx256m", "-cp", str(ZOOKEEPER_JAR), main, str(config)],
+                ["java", "-Xmx256m", *LOGGER_FLAGS, "-cp", ":".join(classpath), main, str(config)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
