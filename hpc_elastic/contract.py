@@ -98,6 +98,12 @@ FENCED_EXIT_CODE = 77
 worker's round may already have been replaced by one formed without it, so it no longer has the
 right to train or to write checkpoints. Not a failure of the worker: its node lost the job."""
 
+UNREACHABLE_EXIT_CODE = 69
+"""The agent's exit when every server of the rendezvous stayed out of reach for longer than
+``--zk-outage-limit`` (EX_UNAVAILABLE): its slot is not requeued, since the next incarnation
+would only join the same dead ensemble, and the job is not failed for the other nodes, which
+may still reach it (a partition of this node looks the same from here)."""
+
 # --- defaults ------------------------------------------------------------------------------
 
 DEFAULT_RUNS_DIR = Path("hpc-elastic-runs")
@@ -116,6 +122,10 @@ DEFAULT_GRACE = 30.0
 DEFAULT_LAST_CALL = 2.0
 DEFAULT_SESSION_TIMEOUT = 6.0
 DEFAULT_MIN_WAIT = 600.0
+DEFAULT_ZK_OUTAGE_LIMIT = 300.0
+"""Seconds an agent cut off from every ZooKeeper server waits for one to come back before it
+leaves the job (``UNREACHABLE_EXIT_CODE``): far longer than a server restart or a leader
+election, far shorter than the time limit a dead ensemble would otherwise hold the node for."""
 DEFAULT_MAX_PREEMPTIONS = 100
 DEFAULT_MAX_TIME_LIMITS = 10
 DEFAULT_EXCLUDE_AFTER = 2

@@ -5,6 +5,8 @@ Third-party errors (kazoo, jinja2, subprocess) are converted at the module that 
 library, with ``raise ... from``, so nothing above that module sees a foreign exception.
 """
 
+from hpc_elastic.contract import UNREACHABLE_EXIT_CODE
+
 
 def one_line(text: str) -> str:
     """``text`` with every unprintable character escaped (a newline as ``\\n``), so a quoted
@@ -46,6 +48,13 @@ class RendezvousError(HpcElasticError):
 
 class RendezvousAccessError(RendezvousError):
     """The job's rendezvous node is not guarded by the job's secret: refused, never used."""
+
+
+class RendezvousUnreachableError(RendezvousError):
+    """Every server of the rendezvous stayed out of reach for longer than the outage limit
+    (``--zk-outage-limit``): the agent leaves the job and its slot is not requeued."""
+
+    exit_code = UNREACHABLE_EXIT_CODE
 
 
 class RendezvousClosedError(RendezvousError):

@@ -5,11 +5,16 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from functools import partial
 
 import pytest
 
-from hpc_elastic.errors import RendezvousClosedError, RendezvousError
+from hpc_elastic.errors import (
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousUnreachableError,
+)
 from hpc_elastic.rendezvous import state as st
 from hpc_elastic.rendezvous.api import Failure, JobFailedError, NodeInfo, RendezvousSettings, Round
 from hpc_elastic.rendezvous.backend import ABSENT, Store
@@ -468,6 +473,31 @@ def test_a_handler_cut_off_decides_nothing_and_gives_up_after_min_wait() -> None
     world.clock.now = cut_at + 30.0
     with pytest.raises(RendezvousError, match="stayed out of reach for 30 s"):
         a.round_step()
+
+
+def test_a_handler_cut_off_for_the_outage_limit_gives_up_naming_the_store_and_the_bound() -> None:
+    world = Stepped(replace(settings(min_wait=30.0), outage_limit=12.0))
+    a, b = world.handler("a"), world.handler("b")
+    world.rounds([a, b])
+    store = a._store
+    assert isinstance(store, MemoryStore)
+    cut_at = world.clock.now
+    store.disconnect()
+    step = a.round_step()
+    assert (step.action, step.wake_at) == (st.Action.WAIT, cut_at + 12.0), "not min_wait's 30"
+    a.check_reach()  # not yet
+    world.clock.now = cut_at + 12.0
+    sentence = (
+        "the in-memory rendezvous stayed out of reach for 12 s (--zk-outage-limit), so this "
+        "node leaves job 'job'; check that the ensemble runs and that this node reaches it, "
+        "then submit the job again."
+    )
+    for check in (a.check_reach, a.round_step):
+        with pytest.raises(RendezvousUnreachableError) as raised:
+            check()
+        assert str(raised.value) == sentence
+    store.reconnect()
+    a.check_reach()  # back: nothing to give up on
 
 
 def test_a_hot_spare_is_announced_once_per_round_and_joins_when_a_member_is_lost() -> None:

@@ -8,7 +8,7 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc_elastic.contract import PREEMPTED_EXIT_CODE
+from hpc_elastic.contract import PREEMPTED_EXIT_CODE, UNREACHABLE_EXIT_CODE
 from hpc_elastic.errors import UsageError
 from hpc_elastic.jobdir import JobDir
 
@@ -37,6 +37,10 @@ class ExitCode(enum.IntEnum):
     FAILED = 1
     """The job failed: restart budget spent, or fewer than MIN nodes for ``--min-wait``."""
     USAGE = 2
+    UNREACHABLE = UNREACHABLE_EXIT_CODE
+    """Every server of the rendezvous stayed out of reach for ``--zk-outage-limit``: the
+    slot is not requeued (``slurm/elastic.py: settle`` requeues 75 only) and the job is not
+    failed for the others."""
     PREEMPTED = PREEMPTED_EXIT_CODE
     """Workers saved and stopped on the preemption signal: requeue the job. The same code as a
     worker's, so a plain ``srun`` exit status already tells the sbatch script to requeue."""

@@ -40,6 +40,10 @@ class RendezvousSettings:
     exit_barrier_timeout: float = 300.0
     """Seconds a node whose workers finished waits for the others (torchrun's default) before
     it fails the job, naming a node that never finished."""
+    outage_limit: float | None = None
+    """Seconds the store may stay out of reach before a wait on it gives up with
+    ``RendezvousUnreachableError`` (``--zk-outage-limit``); None: ``min_wait``, as before the
+    agent had the option (the simulation and the torchrun plugin)."""
 
     def __post_init__(self) -> None:
         if not self.run_id or "/" in self.run_id:
@@ -61,6 +65,16 @@ class RendezvousSettings:
             raise RendezvousError(
                 f"--max-restarts '{self.max_restarts}' is negative; give 0 or more."
             )
+        if self.outage_limit is not None and self.outage_limit <= 0:
+            raise RendezvousError(
+                f"--zk-outage-limit '{self.outage_limit:g}' is not positive; give the seconds an "
+                "agent may stay cut off from ZooKeeper before it leaves the job."
+            )
+
+    @property
+    def give_up_after(self) -> float:
+        """Seconds cut off from the store after which a wait on it gives up."""
+        return self.min_wait if self.outage_limit is None else self.outage_limit
 
 
 @dataclass(frozen=True)
@@ -168,6 +182,12 @@ class Rendezvous(ABC):
         JobFailedError if the job failed, a member vanished, or a member did not finish
         within ``exit_barrier_timeout``.
         """
+
+    def check_reach(self) -> None:
+        """Raise ``RendezvousUnreachableError`` once the store has been out of reach for
+        ``settings.give_up_after`` seconds, with the sentence that names it; a rendezvous that
+        cannot be cut off never raises."""
+        return None
 
     def suspended_since(self) -> float | None:
         """Monotonic time since which the connection to the store is down (None: it is up).

@@ -144,6 +144,11 @@ class Store(ABC):
     def release(self) -> None:
         """Close the connection; memberships made through it vanish."""
 
+    @property
+    def where(self) -> str:
+        """Where the job's rendezvous lives, for a sentence ("ZooKeeper at 'zk1:2181/team'")."""
+        return "the rendezvous store"
+
 
 class CachedStore(Store):
     """A store whose state, membership and subscribers are kept here, fed by the server's pushes.

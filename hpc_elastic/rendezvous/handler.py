@@ -18,7 +18,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 
-from hpc_elastic.errors import RendezvousClosedError, RendezvousError
+from hpc_elastic.errors import (
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousUnreachableError,
+)
 from hpc_elastic.rendezvous import state as st
 from hpc_elastic.rendezvous.api import (
     Failure,
@@ -51,6 +55,22 @@ def _note_key(topic: str, node_id: str) -> str:
             "node id; choose a topic without it."
         )
     return f"{topic}{NOTE_SEPARATOR}{node_id}"
+
+
+def out_of_reach(suspended_since: float | None, now: float, limit: float) -> bool:
+    """Whether a connection down since ``suspended_since`` (None: up) has been down for
+    ``limit`` seconds at ``now``: every wait on the store then gives up."""
+    return suspended_since is not None and now - suspended_since >= limit
+
+
+def unreachable_sentence(where: str, settings: RendezvousSettings) -> str:
+    """Why a node gives up on a store out of reach, naming the store and the bound."""
+    flag = "--min-wait" if settings.outage_limit is None else "--zk-outage-limit"
+    return (
+        f"{where} stayed out of reach for {settings.give_up_after:g} s ({flag}), so this node "
+        f"leaves job '{settings.run_id}'; check that the ensemble runs and that this node "
+        "reaches it, then submit the job again."
+    )
 
 
 def free_port(environ: Mapping[str, str] = os.environ) -> int:
@@ -201,14 +221,9 @@ class StoreRendezvous(Rendezvous):
         if self._suspended_at is not None:
             # Cut off: our view may be stale (a round may have formed without us), so
             # nothing is decided on it; the reconnection wakes us, or we give up.
-            giving_up = self._suspended_at + self.settings.min_wait
-            if self._clock() >= giving_up:
-                raise RendezvousError(
-                    f"The rendezvous of job '{self.settings.run_id}' stayed out of reach for "
-                    f"{self.settings.min_wait:g} s (--min-wait); check the ZooKeeper ensemble."
-                )
+            self.check_reach()
             log.debug("%s: connection down, waiting for it", self.node.node_id)
-            return Step(st.Action.WAIT, wake_at=giving_up)
+            return Step(st.Action.WAIT, wake_at=self._suspended_at + self.settings.give_up_after)
         if self._rejoin.is_set():
             self._join()
         data, token = self._store.get_state()
@@ -461,6 +476,11 @@ class StoreRendezvous(Rendezvous):
     def agreed(self, topic: str) -> bytes | None:
         key = _note_key(topic, "")
         return self._store.notes(key).get(key)
+
+    def check_reach(self) -> None:
+        if out_of_reach(self._suspended_at, self._clock(), self.settings.give_up_after):
+            log.debug("%s: out of reach for %g s", self.node.node_id, self.settings.give_up_after)
+            raise RendezvousUnreachableError(unreachable_sentence(self._store.where, self.settings))
 
     def suspended_since(self) -> float | None:
         return self._suspended_at

@@ -281,6 +281,10 @@ class LocalStore(CachedStore):
         view = (reply["seq"], reply["alive"], reply["notes"])
         self._remember(_unb64(reply["data"]), reply["token"], view)
 
+    @property
+    def where(self) -> str:
+        return f"the local rendezvous at '{self._path}'"
+
     def set_state(self, data: bytes, token: int) -> tuple[bytes | None, int, bool]:
         reply = self._call("cas", data=_b64(data), token=token)
         current = _unb64(reply["data"])

@@ -318,6 +318,10 @@ class MemoryStore(CachedStore):
 
     # --- the Store protocol -------------------------------------------------------------------
 
+    @property
+    def where(self) -> str:
+        return "the in-memory rendezvous"
+
     def set_state(self, data: bytes, token: int) -> tuple[bytes | None, int, bool]:
         self._heard()
         view, won = self.server._compare_and_set(data, token)

@@ -27,6 +27,7 @@ longer than the session timeout, since the others may have re-formed without it 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import socket
@@ -145,9 +146,17 @@ def answer_wait(given_up: int, session_timeout: float, hosts: int) -> float:
 
 
 class _BoundedHandler(SequentialThreadingHandler):  # type: ignore[misc]
-    """kazoo's threading handler (its public ``handler`` option), except that a connect
-    attempt that gets no answer is given up after ``answer_wait`` seconds; kazoo's connection
-    retry then tries again within a second.
+    """kazoo's threading handler (its public ``handler`` option) with two waits bounded.
+
+    First, its ``start`` registers an ``atexit`` hook that joins its callback threads, and
+    one of them can be blocked for good: on a lost connection kazoo calls every watch, and a
+    ``DataWatch`` then reads its node again, a request that kazoo holds until the connection
+    comes back. With the ensemble gone, an agent that had decided to exit hung in that hook
+    for ever. The threads are daemons, so nothing is lost by not joining them at exit; a
+    ``client.stop()`` still stops them.
+
+    Second, a connect attempt that gets no answer is given up after ``answer_wait`` seconds;
+    kazoo's connection retry then tries again within a second.
 
     kazoo waits the session timeout over the number of hosts for the reply to a connect
     request (``ConnectionHandler._connect``: ``_invoke(session_timeout / len(hosts), ...)``),
@@ -173,6 +182,10 @@ class _BoundedHandler(SequentialThreadingHandler):  # type: ignore[misc]
         self._pending: tuple[socket.socket, threading.Timer] | None = None
         """The socket of the attempt waiting for its answer, and the timer that gives it up."""
         self._given_up = 0
+
+    def start(self) -> None:
+        super().start()
+        atexit.unregister(self.stop)
 
     def create_connection(self, *args: Any, **kwargs: Any) -> socket.socket:
         wait = answer_wait(self._given_up, self._session_timeout, self._hosts)
@@ -228,7 +241,7 @@ def open_client(
     ``client_id`` (session id, password) resumes an existing session instead of opening one:
     tests use it to expire a session for real. A connect attempt that the server leaves
     unanswered is tried again after ``answer_wait`` seconds, not after kazoo's session
-    timeout (``_BoundedHandler``).
+    timeout, and the process's exit never waits for kazoo's threads (``_BoundedHandler``).
     """
     handler = _BoundedHandler(session_timeout, len(address.hosts.split(",")))
     client = KazooClient(
@@ -305,6 +318,10 @@ class ZooKeeperStore(CachedStore):
             DataWatch(client, self._path("state"), self._on_state)
             _CoalescedChildrenWatch(client, self._path("members"), self._on_members)
             _CoalescedChildrenWatch(client, self._path("notes"), self._on_notes)
+
+    @property
+    def where(self) -> str:
+        return f"ZooKeeper at '{self._address}'"
 
     @property
     def session_id(self) -> tuple[int, bytes]:
