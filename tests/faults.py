@@ -21,11 +21,13 @@ tests/test_faults.py runs each fault as one test; by hand, with a running
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import hashlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -66,6 +68,8 @@ the matrix's 40: its ranks train on into the cut until the fence stops the cut n
 and they must not reach the last step before the others form a new round (about 9 s)."""
 PARTITION_S = SESSION_TIMEOUT * 2 + 2
 """How long a link stays cut: long enough for the server to expire the cut node's session."""
+QUEUE_DEADLINE = 240
+"""Seconds from the fault's injection within which the job must have left the queue."""
 DROP_DEADLINE = 120
 """How long a cut from ZooKeeper may last at most while it waits for the others to drop the cut
 node: the session's expiry, the last call and the stop take about 10 s on a quiet machine."""
@@ -95,6 +99,9 @@ class Run:
     injected_at_step: int = 0
     recovery_s: float | None = None
     """The longest stall in training after the fault, in seconds."""
+    ended_s: float | None = None
+    """Seconds from the fault's injection until the queue was empty (None: not within
+    QUEUE_DEADLINE): the row's margin is QUEUE_DEADLINE minus this."""
     committed_before: dict[str, str] = field(default_factory=dict)
     spoiled: set[str] = field(default_factory=set)
     """Checkpoints the fault itself damaged on purpose, which the run must skip, not keep."""
@@ -181,6 +188,122 @@ class Run:
 Inject = Callable[[Run], None]
 
 
+class FaultMissed(AssertionError):
+    """An injected fault did not take effect: judged anyway, the row would pass on a job that
+    was never disturbed (the matrix once froze ``srun`` instead of the agent, and a session
+    never expired)."""
+
+
+def confirm(happened: Callable[[], bool], what: str, timeout: float = 30) -> None:
+    """Wait until ``happened()``; else fail the row, saying which part of the fault is missing."""
+    if not wait_until(happened, timeout, interval=0.1):
+        raise FaultMissed(f"the fault did not take effect: {what} (waited {timeout:g} s)")
+
+
+def process_state(pid: int) -> str | None:
+    """The kernel's one-letter state of ``pid`` (R, S, T, Z, ...); None once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2]
+
+
+def gone(pid: int) -> bool:
+    """Whether ``pid`` has died: no longer listed, or a zombie that only waits to be reaped."""
+    return process_state(pid) in (None, "Z", "X")
+
+
+def stopped(pid: int) -> bool:
+    return process_state(pid) in ("T", "t")
+
+
+def slurmd_running(cluster: Cluster, node: str) -> bool:
+    """Whether this cluster's slurmd of ``node`` runs (``slurmd -f <its slurm.conf> -N node``)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0") if proc.name.isdigit() else []
+        except OSError:
+            continue
+        words = [word.decode(errors="replace") for word in argv]
+        ours = bool(words) and words[0].endswith("slurmd") and str(cluster.slurm_conf) in words
+        if ours and node in words and not gone(int(proc.name)):
+            return True
+    return False
+
+
+def zookeeper_answers(cluster: Cluster) -> bool:
+    """Whether the cluster's ZooKeeper accepts a connection and answers ``ruok`` with imok."""
+    try:
+        with socket.create_connection((cluster.zk_host, cluster.zk_port), timeout=2) as sock:
+            sock.sendall(b"ruok")
+            sock.settimeout(2)
+            return sock.recv(16) == b"imok"
+    except OSError:
+        return False
+
+
+def node_state(cluster: Cluster, node: str) -> str:
+    """``State=`` of ``scontrol show node``, e.g. ``MIXED+DRAIN`` or ``IDLE``."""
+    record = cluster.run(["scontrol", "-o", "show", "node", node], check=False).stdout
+    found = re.search(r"\bState=(\S+)", record)
+    return found.group(1) if found else ""
+
+
+def hostnames(cluster: Cluster, nodelist: str) -> set[str]:
+    """``n[1-3]`` as the node names it stands for."""
+    shown = cluster.run(["scontrol", "show", "hostnames", nodelist], check=False).stdout
+    return set(shown.split())
+
+
+def reaches(cluster: Cluster, node: str, host: str, port: int) -> bool:
+    """Whether a TCP connection from inside ``node``'s network namespace to host:port opens
+    within 3 s (a cut link drops the packets, so the attempt times out)."""
+    dial = f"exec 3<>/dev/tcp/{host}/{port}"
+    argv = cluster.in_node_net(node, ["timeout", "3", "bash", "-c", dial])
+    return cluster.run(argv, check=False, timeout=30).returncode == 0
+
+
+def slurmd_port(cluster: Cluster, node: str) -> int:
+    """The port ``node``'s slurmd listens on, on the node's own address (``--netns``)."""
+    ports = (cluster.state_dir / "ports").read_text().splitlines()
+    base = next(line.split("=", 1)[1] for line in ports if line.startswith("SLURMD_BASE_SAVED="))
+    return int(base) + int(node[1:]) - 1
+
+
+def peers_of(cluster: Cluster, node: str) -> list[str]:
+    return [other for other in cluster.nodes if other != node]
+
+
+def link_cut_works(cluster: Cluster, node: str, what: str, cut: bool) -> Callable[[], bool]:
+    """A check that ``node``'s link to ``what`` (zk, peers, both) is cut (``cut``) or whole: it
+    dials ZooKeeper for zk and the other nodes' slurmd for peers, from inside the node."""
+
+    def check() -> bool:
+        targets = []
+        if what in ("zk", "both"):
+            targets.append((cluster.zk_host, cluster.zk_port))
+        if what in ("peers", "both"):
+            targets += [
+                (cluster.node_address(other), slurmd_port(cluster, other))
+                for other in peers_of(cluster, node)
+            ]
+        # In parallel: each dial over a cut link waits out its 3 s.
+        with concurrent.futures.ThreadPoolExecutor(len(targets)) as pool:
+            reached = list(pool.map(lambda target: reaches(cluster, node, *target), targets))
+        return all(ok != cut for ok in reached)
+
+    return check
+
+
+def link_slowed(cluster: Cluster, node: str) -> bool:
+    """Whether ``node``'s link is shaped (a token bucket on its interface) and lossy."""
+    argv = cluster.in_node_net(node, ["tc", "qdisc", "show", "dev", "hpe0"])
+    shaped = " tbf " in cluster.run(argv, check=False).stdout
+    rules = cluster.run(cluster.in_node_net(node, ["iptables", "-w", "-S"]), check=False).stdout
+    return shaped and "statistic" in rules
+
+
 @dataclass(frozen=True)
 class Fault:
     """One row of the matrix: how to inject it, the outcome it must have, what records it."""
@@ -217,22 +340,34 @@ class Fault:
 
 def _signal_worker(sig: signal.Signals, task: int = 1) -> Inject:
     def inject(run: Run) -> None:
-        assert wait_until(lambda: bool(run.workers(task)), 30), "no worker to signal"
-        os.kill(run.workers(task)[0], sig)
+        confirm(lambda: bool(run.workers(task)), f"slot {task} has no worker to signal")
+        worker = run.workers(task)[0]
+        os.kill(worker, sig)
+        if sig == signal.SIGKILL:
+            confirm(lambda: gone(worker), f"worker {worker} of slot {task} outlived SIGKILL")
+        elif sig == signal.SIGSTOP:
+            # Checked at once: the learned deadline kills it a minute later.
+            confirm(lambda: stopped(worker), f"worker {worker} of slot {task} is not stopped")
 
     return inject
 
 
 def _kill_agent(run: Run) -> None:
-    os.kill(run.agent(1), signal.SIGKILL)
+    agent = run.agent(1)
+    os.kill(agent, signal.SIGKILL)
+    confirm(lambda: gone(agent), f"slot 1's agent {agent} outlived SIGKILL")
 
 
 def _node_down(run: Run) -> None:
     """The node crashes (slurmd and its steps die), then comes back once the job shrank."""
     node = run.node(1)
+    confirm(lambda: bool(node), "slot 1 runs on no node")
     run.cluster.node_kill(node)
+    confirm(lambda: not slurmd_running(run.cluster, node), f"the slurmd of {node} still runs")
+    confirm(lambda: not run.processes(1), f"slot 1's processes on {node} outlived its crash")
     assert wait_until(lambda: any(w == 1 for _, _, w in run.steps()), 60), "never shrank"
     run.cluster.node_start(node)
+    confirm(lambda: slurmd_running(run.cluster, node), f"the slurmd of {node} did not come back")
 
 
 def _drain(run: Run) -> None:
@@ -240,13 +375,21 @@ def _drain(run: Run) -> None:
     node = run.node(1)
     run.cluster.run(["scontrol", "update", f"nodename={node}", "state=drain", "reason=fault"])
     try:
-        time.sleep(3)
+        confirm(lambda: "DRAIN" in node_state(run.cluster, node), f"{node} is not draining")
+        time.sleep(3)  # the drain lasts 3 s: the scenario itself
     finally:
         run.cluster.run(["scontrol", "update", f"nodename={node}", "state=resume"], check=False)
+    confirm(lambda: "DRAIN" not in node_state(run.cluster, node), f"{node} was not resumed")
 
 
 def _preempt(run: Run) -> None:
     """A high-partition job needs three of the four nodes: one of the job's slots must go."""
+
+    def job_nodes() -> set[str]:
+        return {run.node(task) for task in (0, 1)} - {""}
+
+    confirm(lambda: len(job_nodes()) == 2, "the job does not run on two nodes to preempt")
+    ours = job_nodes()
     holder = run.cluster.run(
         [
             "sbatch",
@@ -257,16 +400,22 @@ def _preempt(run: Run) -> None:
             "--wrap=srun sleep 8",
         ]
     ).stdout.strip()
-    assert wait_until(lambda: (holder, "RUNNING") in run.cluster.squeue(), 60), "no preemption"
+    confirm(lambda: (holder, "RUNNING") in run.cluster.squeue(), f"high job {holder} never ran", 60)
+    # Three nodes of four while the job held two: at least one was taken from the job.
+    held = run.cluster.run(["squeue", "-h", "-j", holder, "-o", "%N"]).stdout.strip()
+    taken = ours & hostnames(run.cluster, held)
+    confirm(lambda: bool(taken), f"high job {holder} took none of the nodes {sorted(ours)}", 0)
 
 
 def _zk_outage(seconds: float) -> Inject:
     def inject(run: Run) -> None:
         run.cluster.zk_stop()
         try:
-            time.sleep(seconds)
+            confirm(lambda: not zookeeper_answers(run.cluster), "ZooKeeper still answers ruok")
+            time.sleep(seconds)  # the outage's length: the scenario itself
         finally:
             run.cluster.zk_start()
+        confirm(lambda: zookeeper_answers(run.cluster), "ZooKeeper did not come back")
 
     return inject
 
@@ -276,9 +425,11 @@ def _expire_session(run: Run) -> None:
     agent = run.agent(1)
     os.kill(agent, signal.SIGSTOP)
     try:
-        time.sleep(SESSION_TIMEOUT * 2 + 2)
+        confirm(lambda: stopped(agent), f"slot 1's agent {agent} is not stopped")
+        time.sleep(SESSION_TIMEOUT * 2 + 2)  # frozen for twice the session: the scenario
     finally:
         os.kill(agent, signal.SIGCONT)
+    confirm(lambda: not stopped(agent), f"slot 1's agent {agent} did not continue")
 
 
 def _fill_disk(run: Run) -> None:
@@ -287,6 +438,12 @@ def _fill_disk(run: Run) -> None:
     free = stats.f_bavail * stats.f_frsize
     with open(run.checkpoint_dir / "filler", "wb") as filler:
         filler.write(b"\0" * max(free - 8192, 0))
+
+    def full() -> bool:
+        stats = os.statvfs(run.checkpoint_dir)
+        return stats.f_bavail * stats.f_frsize <= 16384
+
+    confirm(full, f"{run.checkpoint_dir} still has room for a checkpoint", 0)
 
 
 def _corrupt_then_kill_worker(run: Run) -> None:
@@ -297,6 +454,7 @@ def _corrupt_then_kill_worker(run: Run) -> None:
     middle = len(data) // 2
     data[middle : middle + 64] = bytes(byte ^ 0xFF for byte in data[middle : middle + 64])
     state.write_bytes(bytes(data))
+    confirm(lambda: state.read_bytes() == bytes(data), f"{state} was not corrupted", 0)
     run.spoiled.add(newest.name)
     _signal_worker(signal.SIGKILL)(run)
 
@@ -329,11 +487,14 @@ def _partition(
         try:
             if free_nodes:
                 run.cluster.run(["scancel", run.placeholder])
-            time.sleep(seconds)
+            cut = link_cut_works(run.cluster, node, what, cut=True)
+            confirm(cut, f"{node} still reaches {what}")
+            time.sleep(max(seconds - (time.time() - run.cut_at), 0))
             if until_dropped:
                 wait_until(lambda: run.formed_without(cut_slot), DROP_DEADLINE)
         finally:
             run.cluster.link_heal(node)
+        confirm(link_cut_works(run.cluster, node, what, cut=False), f"{node}'s link was not healed")
 
     return inject
 
@@ -353,15 +514,17 @@ def _slow_link(run: Run) -> None:
     node = _rank_zero_node(run)
     run.cluster.link_slow(node, "256kbit", 20)
     try:
-        time.sleep(PARTITION_S)
+        confirm(lambda: link_slowed(run.cluster, node), f"{node}'s link is not slowed", 0)
+        time.sleep(PARTITION_S)  # how long the link stays slow: the scenario itself
     finally:
         run.cluster.link_heal(node)
+    confirm(lambda: not link_slowed(run.cluster, node), f"{node}'s link is still slowed")
 
 
 def _kill_worker_during_rerendezvous(run: Run) -> None:
     """Slot 1's agent dies; while slot 0 re-forms without it, slot 0's worker dies too."""
     _kill_agent(run)
-    _signal_worker(signal.SIGKILL, task=0)(run)
+    _signal_worker(signal.SIGKILL, task=0)(run)  # each confirms its own kill
 
 
 FAULTS = {
@@ -454,6 +617,8 @@ class Result:
     after_cut: str = ""
     """For a partition row: how long after the cut the cut-off node's workers were fenced and
     the next round started, e.g. "fenced 1.6 s, round 6.9 s after the cut"."""
+    ended_s: float | None = None
+    """``Run.ended_s``."""
 
 
 def submit(
@@ -549,8 +714,13 @@ def run_fault(cluster: Cluster, workdir: Path, fault: Fault, reference: Referenc
         run.committed_before = committed(checkpoint_dir)
         run.injected_at_step = run.last_step()
         with longest_stall(run, fault.steps) as stall:
-            fault.inject(run)
-            cluster.wait_queue_empty(240)
+            injected = time.monotonic()
+            try:
+                fault.inject(run)
+            except FaultMissed as missed:
+                return Result(fault.name, "fault not injected", None, (str(missed),), "")
+            if cluster.wait_queue_empty(QUEUE_DEADLINE):
+                run.ended_s = time.monotonic() - injected
         run.recovery_s = stall[0]
         cluster.wait_no_strays(30)
         return check(run, fault, reference)
@@ -646,7 +816,16 @@ def check(run: Run, fault: Fault, reference: Reference) -> Result:
     recovery = run.recovery_s if outcome == "finished" else None
     counts = Counter(run.kinds())
     summary = ", ".join(f"{kind} {count}" for kind, count in sorted(counts.items()))
-    return Result(fault.name, outcome, recovery, tuple(violations), detail, summary, after_cut(run))
+    return Result(
+        fault.name,
+        outcome,
+        recovery,
+        tuple(violations),
+        detail,
+        summary,
+        after_cut(run),
+        run.ended_s,
+    )
 
 
 def hang_failures(timeline: list[events.Event]) -> list[events.Event]:
@@ -755,7 +934,15 @@ def reference_run(
 def describe(result: Result) -> str:
     stall = "" if result.recovery_s is None else f"; longest stall {result.recovery_s:.1f} s"
     cut = f"; {result.after_cut}" if result.after_cut else ""
-    return f"{result.fault}: {result.outcome} ({result.detail[:200]}){stall}{cut}; {result.events}"
+    ended = (
+        f"; queue empty {result.ended_s:.0f} s after the fault (deadline {QUEUE_DEADLINE} s)"
+        if result.ended_s is not None
+        else f"; queue not empty {QUEUE_DEADLINE} s after the fault"
+    )
+    return (
+        f"{result.fault}: {result.outcome} ({result.detail[:200]}){stall}{cut}{ended}; "
+        f"{result.events}"
+    )
 
 
 def main() -> int:

@@ -10,21 +10,28 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from cluster import Cluster, ClusterError
+from cluster import Cluster, ClusterError, free_port, wait_until
 from faults import (
     FAULTS,
     PARTITION_TRAIN_ARGS,
     Fault,
+    FaultMissed,
     Reference,
+    confirm,
     describe,
+    gone,
     reference_run,
     run_fault,
+    stopped,
     writer_violations,
+    zookeeper_answers,
 )
 
 from hpc_elastic import events
@@ -151,3 +158,28 @@ def test_a_commit_from_an_older_round_after_a_newer_rounds_commit_is_a_second_wr
     assert writer_violations(_log(*range(1, 21)), commits) == [
         "round 1 committed step 20 after round 2 had"
     ]
+
+
+def test_a_fault_that_did_not_take_effect_fails_the_row_saying_what_is_missing() -> None:
+    with pytest.raises(FaultMissed, match="did not take effect: worker 7 outlived SIGKILL"):
+        confirm(lambda: False, "worker 7 outlived SIGKILL", timeout=0)
+    confirm(lambda: True, "never said", timeout=0)
+
+
+def test_a_frozen_process_reads_stopped_and_a_killed_one_gone() -> None:
+    child = subprocess.Popen(["sleep", "600"])
+    try:
+        assert not stopped(child.pid)
+        os.kill(child.pid, signal.SIGSTOP)
+        assert wait_until(lambda: stopped(child.pid), 30)
+        os.kill(child.pid, signal.SIGKILL)
+        assert wait_until(lambda: gone(child.pid), 30), "a zombie not yet reaped counts as gone"
+    finally:
+        child.kill()
+        child.wait()
+    assert gone(child.pid)
+
+
+def test_a_zookeeper_port_that_refuses_connections_does_not_answer(tmp_path: Path) -> None:
+    nobody = Cluster(tmp_path, tmp_path / "slurm.conf", free_port(), env={})
+    assert not zookeeper_answers(nobody)
