@@ -92,10 +92,12 @@ class Cluster:
         )
 
     @classmethod
-    def start(cls, state_dir: Path, netns: bool = False) -> Cluster:
+    def start(cls, state_dir: Path, netns: bool = False, service_nodes: int = 0) -> Cluster:
         """Bring up a private cluster on free ports; raise ClusterError with why not.
 
         ``netns``: each node in a network namespace of its own, so its links can be cut.
+        ``service_nodes``: that many more nodes (s1..) in a partition 'service' of their own,
+        for services such as a ZooKeeper ensemble (``hpc-elastic zk start``).
         """
         missing = [tool for tool in REQUIRED_TOOLS if shutil.which(tool) is None]
         if missing:
@@ -106,9 +108,10 @@ class Cluster:
         ports = [
             *("--zk-port", str(free_port())),
             *("--slurmctld-port", str(free_port())),
-            *("--slurmd-port-base", str(free_port_block(4))),
+            *("--slurmd-port-base", str(free_port_block(4 + service_nodes))),
         ]
-        result = _dev_cluster(state_dir, *ports, *(["--netns"] if netns else []), "up")
+        options = [*(["--netns"] if netns else []), "--service-nodes", str(service_nodes)]
+        result = _dev_cluster(state_dir, *ports, *options, "up")
         if result.returncode != 0:
             _dev_cluster(state_dir, "down")
             raise ClusterError(f"scripts/dev-cluster up failed: {result.stderr.strip()}")

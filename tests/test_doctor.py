@@ -351,6 +351,8 @@ def without_preemption(cluster: Cluster, tmp_path: Path) -> Iterator[dict[str, s
     for original in cluster.slurm_conf.read_text().splitlines():
         if original.startswith(("PreemptType", "PreemptMode", "SlurmctldParameters")):
             continue
+        if original.startswith(("NodeName=s", "PartitionName=service")):
+            continue  # a cluster's service nodes (dev-cluster --service-nodes): not needed here
         line = original
         for pattern, replacement in substitutions:
             line = re.sub(pattern, replacement, line)
