@@ -43,13 +43,20 @@ LAZY_COMMANDS: dict[str, tuple[str, str, dict[str, str]]] = {
     "cancel": ("hpc_elastic.commands.cancel", "cancel_command", {}),
     "doctor": ("hpc_elastic.commands.doctor", "doctor_command", {}),
     "nodes": ("hpc_elastic.commands.nodes", "nodes_command", {}),
+    "zk": ("hpc_elastic.commands.zk", "zk_app", {}),
 }
-"""Command name -> (module, function, settings of ``app.command`` read from that module)."""
+"""Command name -> (module, function, settings of ``app.command`` read from that module); a
+``typer.Typer`` in place of the function is a group of subcommands (``zk start``, ...)."""
 
 
 def _load_command(name: str) -> Command:
     module_name, function, settings = LAZY_COMMANDS[name]
     module = importlib.import_module(module_name)
+    target = getattr(module, function)
+    if isinstance(target, typer.Typer):
+        group = typer.main.get_group(target)
+        group.name = name
+        return group
     single = typer.Typer(add_completion=False, rich_markup_mode=None)
     options = {key: getattr(module, attribute) for key, attribute in settings.items()}
     single.command(name, **options)(getattr(module, function))

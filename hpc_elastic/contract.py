@@ -148,3 +148,35 @@ data or checkpoints, which belong in .gitignore, not in every job directory."""
 DEFAULT_SNAPSHOT_MAX_FILES = 10_000
 """The most files a code snapshot copies without being told: a project of code has hundreds;
 tens of thousands are a dataset, a ``node_modules`` or a home directory."""
+
+# --- the user's own ZooKeeper ensemble (``hpc-elastic zk``) --------------------------------
+
+STATE_DIR_ENV = "HPC_ELASTIC_STATE_DIR"
+"""The user's state directory (``ensemble.files.state_dir``); default
+``$XDG_STATE_HOME/hpc-elastic``, i.e. ``~/.local/state/hpc-elastic``. It must be on a filesystem
+every node mounts (``$HOME`` is), since an ensemble's servers find each other through it."""
+ENSEMBLE_FILE = "ensemble.json"
+"""The connect-string file of the user's running ensemble, in ``<state dir>/zk/`` (mode 0600)."""
+DEFAULT_ZK_SERVERS = 3
+"""Servers of ``hpc-elastic zk start``: 3 survive the loss of one."""
+ZK_SERVER_COUNTS = (1, 3, 5)
+"""The ensemble sizes offered: an even count survives no more losses than the odd one below."""
+DEFAULT_ZK_PORTS = (20000, 32767)
+"""Where each server picks its client, quorum and election ports: free ones below Linux's
+ephemeral range (32768-60999), which outgoing connections never take in the moment between
+the pick and ZooKeeper's bind."""
+DEFAULT_ZK_MEMORY = "1G"
+"""Memory per server node asked of Slurm; the JVM's heap is half of it (``DEFAULT_ZK_HEAP``)."""
+DEFAULT_ZK_HEAP = "512m"
+DEFAULT_ZK_RESTARTS = 3
+"""Times a server whose step died is started again in place (same node, ports and data)."""
+DEFAULT_ZK_START_TIMEOUT = 300.0
+"""Seconds ``zk start`` waits for the ensemble to serve once Slurm has started its job (and
+each server waits for its peers to publish their ports)."""
+ZK_TICK_MS = 1000
+"""The ensemble's ``tickTime``: sessions of 2..60 s are honoured (``minSessionTimeout`` is 2
+ticks), the agents' 6 s default included; the limits below are in ticks too."""
+ZK_MIN_SESSION_MS = 2000
+ZK_MAX_SESSION_MS = 60000
+ZK_FOUR_LETTER_WORDS = ("srvr", "mntr", "ruok")
+"""The only four-letter words the ensemble answers: status, never its configuration."""

@@ -63,6 +63,16 @@ class RendezvousClosedError(RendezvousError):
     exit_code = 0
 
 
+class EnsembleError(HpcElasticError):
+    """The user's own ZooKeeper ensemble (``hpc-elastic zk``) cannot start, be found, be
+    trusted or stop."""
+
+
+class EnsembleTrustError(EnsembleError):
+    """A file of the user's ensemble (the connect-string file above all) is a link, another
+    user's, or writable by others: never used, never quietly replaced."""
+
+
 class AgentError(HpcElasticError):
     """The node agent could not start, watch or restart its workers."""
 

@@ -20,7 +20,7 @@ from cluster import MARKER, Cluster, ClusterError
 from kazoo.client import KazooClient
 
 from hpc_elastic.agent import badnodes
-from hpc_elastic.contract import USER_SECRET_FILE_ENV
+from hpc_elastic.contract import STATE_DIR_ENV, USER_SECRET_FILE_ENV
 from hpc_elastic.errors import HpcElasticError
 from hpc_elastic.rendezvous import testing
 from hpc_elastic.rendezvous.secret import read_secret_file
@@ -112,6 +112,16 @@ def _private_job_index(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Non
     os.environ["HPC_ELASTIC_INDEX"] = str(tmp_path_factory.mktemp("index") / "jobs")
     yield
     del os.environ["HPC_ELASTIC_INDEX"]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The tests (and what they start) keep the user's ensemble records (``hpc-elastic zk``)
+    in a state directory of their own: a real ensemble of the user's must never become the
+    ZooKeeper of a test's job, nor a test's ensemble the user's."""
+    os.environ[STATE_DIR_ENV] = str(tmp_path_factory.mktemp("state"))
+    yield
+    del os.environ[STATE_DIR_ENV]
 
 
 @pytest.fixture(autouse=True)

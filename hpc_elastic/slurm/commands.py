@@ -248,6 +248,22 @@ def scontrol_show_job(
     )
 
 
+def job_steps(
+    job_id: str, env: Mapping[str, str] | None = None, *, timeout: float = _TIMEOUT_S
+) -> dict[str, dict[str, str]]:
+    """The running steps of a job (``scontrol -o show step``) by step id (``123.0``, with
+    ``123.batch``): State, NodeList, StartTime... An ended job, or one with no step, has none."""
+    result = _run(["scontrol", "-o", "show", "step", job_id], env, timeout=timeout)
+    if result.returncode != 0:
+        if "not found" in result.stdout or "Invalid job id" in result.stderr:
+            return {}
+        raise SlurmError(
+            f"`scontrol -o show step {job_id}` failed: {_last_error(result.stderr)}; {_JOB_HINT}."
+        )
+    records = parse_scontrol_records(result.stdout)
+    return {record["StepId"]: record for record in records if "StepId" in record}
+
+
 def cancel(job_id: str, signal: str | None = None, env: Mapping[str, str] | None = None) -> None:
     """Cancel the job, or with ``signal`` only send that signal to its steps (``scancel -s``)."""
     _checked(["scancel", *(["-s", signal] if signal else []), job_id], env, _JOB_HINT)

@@ -1,0 +1,142 @@
+"""The pure parts of a server's start: which ports it takes, and its ``zoo.cfg``.
+
+Every node of the dev cluster is 127.0.0.1, and on a real cluster another job may hold any
+fixed port, so no port is fixed: each server picks its client, quorum and election ports at
+run time and publishes them (``files.Server``) for the others. A port is *claimed* by binding
+and listening on it (``server.PortClaim``), and the claims are held until every server has
+published: two servers on one host can then never pick the same port, and a listening socket
+keeps it even from a socket with ``SO_REUSEADDR``. They are let go just before ZooKeeper
+starts; the candidates lie below Linux's ephemeral range (``contract.DEFAULT_ZK_PORTS``), so no
+outgoing connection takes one in that moment.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from hpc_elastic import contract
+from hpc_elastic.ensemble.files import Server
+from hpc_elastic.errors import EnsembleError, UsageError
+
+PORTS_PER_SERVER = 3
+"""Client, quorum (followers to the leader) and leader election."""
+INIT_LIMIT_TICKS = 30
+"""Ticks a follower may take to connect and sync to a new leader (30 s)."""
+SYNC_LIMIT_TICKS = 10
+"""Ticks a follower may lag behind the leader before it is dropped (10 s: a loaded node's
+JVM pauses for seconds, and a dropped follower disconnects its clients)."""
+SNAP_RETAIN = 3
+PURGE_INTERVAL_HOURS = 1
+DIGEST_PROVIDER = "org.apache.zookeeper.server.auth.DigestAuthenticationProvider"
+
+_PORT_RANGE = re.compile(r"^\s*(\d{1,5})\s*:\s*(\d{1,5})\s*$")
+
+
+def parse_ports(text: str) -> tuple[int, int]:
+    """``--ports LOW:HIGH``: where a site's firewall lets nodes reach each other's servers."""
+    match = _PORT_RANGE.match(text)
+    if match is not None:
+        low, high = int(match.group(1)), int(match.group(2))
+        if low >= 1024 and high <= 65535 and high - low + 1 >= PORTS_PER_SERVER:
+            return low, high
+    raise UsageError(
+        f"--ports '{text}' is not LOW:HIGH with 1024 <= LOW, HIGH <= 65535 and room for "
+        f"{PORTS_PER_SERVER} ports; give e.g. '{contract.DEFAULT_ZK_PORTS[0]}:"
+        f"{contract.DEFAULT_ZK_PORTS[1]}'."
+    )
+
+
+def port_candidates(ports: tuple[int, int], rng: random.Random) -> list[int]:
+    """Every port of the range, in a random order: servers starting together on one host
+    then try different ports first, instead of fighting over the lowest."""
+    candidates = list(range(ports[0], ports[1] + 1))
+    rng.shuffle(candidates)
+    return candidates
+
+
+def choose_ports(count: int, candidates: Iterable[int], claim: Callable[[int], bool]) -> list[int]:
+    """The first ``count`` candidates that ``claim`` takes (it binds one and holds it, or
+    says no), or one sentence when the candidates run out."""
+    chosen: list[int] = []
+    tried = 0
+    for port in candidates:
+        if port in chosen:
+            continue
+        tried += 1
+        if claim(port):
+            chosen.append(port)
+            if len(chosen) == count:
+                return chosen
+    raise EnsembleError(
+        f"Only {len(chosen)} of the {count} ports a ZooKeeper server needs were free among the "
+        f"{tried} tried; give a range with more free ports with --ports LOW:HIGH."
+    )
+
+
+def missing_peers(published: Mapping[int, Server], servers: int) -> list[int]:
+    """The myids (1..servers) that have not published their ports yet."""
+    return [myid for myid in range(1, servers + 1) if myid not in published]
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything ``zoo.cfg`` says about one server."""
+
+    myid: int
+    data_dir: str
+    txlog_dir: str
+    client_port: int
+    peers: Sequence[Server] = ()
+    """Every server of the ensemble, this one included; empty for a standalone server."""
+    tick_ms: int = contract.ZK_TICK_MS
+    min_session_ms: int = contract.ZK_MIN_SESSION_MS
+    max_session_ms: int = contract.ZK_MAX_SESSION_MS
+
+
+def render_zoo_cfg(config: ServerConfig) -> str:
+    """The server's configuration, secure by default (docs/cluster-setup.md, "Security"):
+
+    - only ``srvr``, ``mntr`` and ``ruok`` answer (``conf``, ``cons``, ``dump``, ``envi``, ``wchp``
+      would tell anyone on the network the session ids, paths and environment);
+    - no AdminServer (an HTTP port of its own, with the same commands);
+    - the digest scheme every job's ACL uses, named, with SHA1 pinned: kazoo's
+      ``make_digest_acl`` hashes with SHA1, so a site default of another algorithm would
+      silently lock every job out of its own nodes; ACLs are never skipped;
+    - snapshots and transaction logs in node-local directories, the oldest purged hourly.
+    """
+    lines = [
+        f"# hpc-elastic: ZooKeeper server {config.myid}"
+        + (f" of {len(config.peers)}" if config.peers else " (standalone)"),
+        f"tickTime={config.tick_ms}",
+        f"initLimit={INIT_LIMIT_TICKS}",
+        f"syncLimit={SYNC_LIMIT_TICKS}",
+        f"minSessionTimeout={config.min_session_ms}",
+        f"maxSessionTimeout={config.max_session_ms}",
+        f"dataDir={config.data_dir}",
+        f"dataLogDir={config.txlog_dir}",
+        f"clientPort={config.client_port}",
+        f"autopurge.snapRetainCount={SNAP_RETAIN}",
+        f"autopurge.purgeInterval={PURGE_INTERVAL_HOURS}",
+        f"4lw.commands.whitelist={','.join(contract.ZK_FOUR_LETTER_WORDS)}",
+        "admin.enableServer=false",
+        f"authProvider.1={DIGEST_PROVIDER}",
+        "DigestAuthenticationProvider.digestAlg=SHA1",
+        "skipACL=no",
+        "reconfigEnabled=false",
+    ]
+    for peer in sorted(config.peers, key=lambda server: server.myid):
+        lines.append(f"server.{peer.myid}={peer.host}:{peer.quorum_port}:{peer.election_port}")
+    return "\n".join(lines) + "\n"
+
+
+def quorum(servers: int) -> int:
+    """Servers that must be up for the ensemble to serve: a majority."""
+    return servers // 2 + 1
+
+
+def survives(servers: int) -> int:
+    """Servers an ensemble of this size may lose and still serve."""
+    return servers - quorum(servers)

@@ -1,0 +1,593 @@
+"""The user's own ZooKeeper ensemble (``hpc-elastic zk``) without a cluster: finding ZooKeeper and
+Java, port choice, ``zoo.cfg``, ``mntr``/``srvr``, the connect-string file and whom it trusts,
+which ZooKeeper a command uses, and ``zk start``'s Slurm side on the fake Slurm seam.
+
+The cluster tests are in tests/test_zk_cluster.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from slurm_fake import mocked_slurm
+from typer.testing import CliRunner
+
+from hpc_elastic import cli, contract
+from hpc_elastic.ensemble import choice, files, fourletter, install, lifecycle, zoocfg
+from hpc_elastic.ensemble.files import Ensemble, Layout, Server, StartRecord
+from hpc_elastic.errors import EnsembleError, EnsembleTrustError, UsageError
+from hpc_elastic.slurm.commands import JobStatus, SlurmJobId
+
+# --- finding ZooKeeper and Java ----------------------------------------------------------------
+
+
+@dataclass
+class FakeFileSystem:
+    """Files, directories and executables by path; ``links`` resolve like ``realpath``."""
+
+    paths: set[str] = field(default_factory=set)
+    executables: set[str] = field(default_factory=set)
+    links: dict[str, str] = field(default_factory=dict)
+
+    def add(self, *paths: str) -> FakeFileSystem:
+        for path in paths:
+            self.paths.add(path)
+            parts = path.split("/")
+            for depth in range(2, len(parts)):
+                self.paths.add("/".join(parts[:depth]) + "/")
+        return self
+
+    def program(self, path: str) -> FakeFileSystem:
+        self.executables.add(path)
+        return self.add(path)
+
+    def is_dir(self, path: str) -> bool:
+        return path.rstrip("/") + "/" in self.paths
+
+    def is_file(self, path: str) -> bool:
+        return path in self.paths
+
+    def executable(self, path: str) -> bool:
+        return path in self.executables
+
+    def glob(self, pattern: str) -> list[str]:
+        import fnmatch  # noqa: PLC0415
+
+        return sorted(
+            path
+            for path in self.paths
+            if not path.endswith("/")
+            and fnmatch.fnmatch(path, pattern)
+            and path.count("/") == pattern.count("/")
+        )
+
+    def realpath(self, path: str) -> str:
+        return self.links.get(path, path)
+
+    def which(self, name: str, search_path: str) -> str | None:
+        for directory in search_path.split(":"):
+            if f"{directory}/{name}" in self.executables:
+                return f"{directory}/{name}"
+        return None
+
+
+TARBALL = "/opt/apache-zookeeper-3.8.4-bin"
+
+
+def a_machine() -> FakeFileSystem:
+    """Java on PATH, Debian's ZooKeeper, an unpacked release and a conda environment."""
+    fs = FakeFileSystem()
+    fs.program("/usr/bin/java")
+    fs.add(install.DEBIAN_JAR, "/usr/share/zookeeper/bin/zkServer.sh")
+    fs.add(f"{TARBALL}/lib/zookeeper-3.8.4.jar", f"{TARBALL}/lib/netty.jar")
+    fs.add(f"{TARBALL}/conf/logback.xml")
+    fs.program(f"{TARBALL}/bin/zkServer.sh")
+    fs.add("/conda/env/libexec/zookeeper/lib/zookeeper-3.8.4.jar")
+    return fs
+
+
+def test_zookeeper_home_comes_first_with_its_conf_and_every_jar_of_its_lib() -> None:
+    environ = {"ZOOKEEPER_HOME": TARBALL, "PATH": "/usr/bin", "CONDA_PREFIX": "/conda/env"}
+    found = install.find_installation(environ, a_machine())
+    assert found.classpath == f"{TARBALL}/conf:{TARBALL}/lib/*"
+    assert found.java == "/usr/bin/java"
+    assert TARBALL in found.zookeeper
+
+
+def test_a_zkserver_script_on_path_comes_before_the_distributions_package() -> None:
+    fs = a_machine()
+    fs.program("/usr/local/bin/zkServer.sh")
+    fs.links["/usr/local/bin/zkServer.sh"] = f"{TARBALL}/bin/zkServer.sh"  # a module's link
+    found = install.find_installation({"PATH": "/usr/local/bin:/usr/bin"}, fs)
+    assert found.classpath == f"{TARBALL}/conf:{TARBALL}/lib/*"
+    assert "zkServer.sh on PATH" in found.zookeeper
+
+
+def test_debians_zkserver_on_path_falls_through_to_its_jar() -> None:
+    """Debian's zkServer.sh lives in /usr/share/zookeeper/bin, a home without jars."""
+    fs = a_machine()
+    fs.program("/usr/share/zookeeper/bin/zkServer.sh")
+    found = install.find_installation({"PATH": "/usr/share/zookeeper/bin:/usr/bin"}, fs)
+    assert found.classpath == install.DEBIAN_JAR
+
+
+def test_a_conda_environment_is_the_last_place_looked_at() -> None:
+    fs = a_machine()
+    fs.paths.discard(install.DEBIAN_JAR)
+    found = install.find_installation({"PATH": "/usr/bin", "CONDA_PREFIX": "/conda/env"}, fs)
+    assert found.classpath == "/conda/env/libexec/zookeeper/lib/*"
+    assert "conda" in found.zookeeper
+
+
+def test_a_zookeeper_home_without_zookeeper_is_named() -> None:
+    with pytest.raises(EnsembleError, match=r"ZOOKEEPER_HOME '/opt/empty' holds no ZooKeeper"):
+        install.find_installation({"ZOOKEEPER_HOME": "/opt/empty"}, a_machine())
+
+
+def test_java_home_wins_over_path_and_one_without_java_is_named() -> None:
+    fs = a_machine().program("/jdk/bin/java")
+    assert install.find_installation({"JAVA_HOME": "/jdk", "PATH": "/usr/bin"}, fs).java == (
+        "/jdk/bin/java"
+    )
+    with pytest.raises(EnsembleError, match=r"JAVA_HOME '/nojdk' has no executable bin/java"):
+        install.find_installation({"JAVA_HOME": "/nojdk", "PATH": "/usr/bin"}, fs)
+
+
+def test_missing_zookeeper_is_one_sentence_with_every_way_to_get_it() -> None:
+    fs = FakeFileSystem().program("/usr/bin/java")
+    with pytest.raises(EnsembleError) as caught:
+        install.find_installation({"PATH": "/usr/bin"}, fs)
+    sentence = str(caught.value)
+    assert sentence.startswith("ZooKeeper (ZOOKEEPER_HOME is unset")
+    for way in ("module load zookeeper", "conda install -c conda-forge zookeeper", "apt install"):
+        assert way in sentence
+    assert re.search(r"\. [A-Z]", sentence) is None  # one sentence
+    assert sentence.endswith(".")
+
+
+def test_missing_java_is_one_sentence_with_every_way_to_get_it() -> None:
+    fs = a_machine()
+    fs.executables.discard("/usr/bin/java")
+    with pytest.raises(EnsembleError) as caught:
+        install.find_installation({"PATH": "/usr/bin"}, fs)
+    sentence = str(caught.value)
+    assert sentence.startswith("Java (JAVA_HOME is unset and no java is on PATH) was not found")
+    for way in ("module load java", "conda install -c conda-forge openjdk", "apt install"):
+        assert way in sentence
+
+
+def test_both_missing_are_named_in_one_sentence() -> None:
+    with pytest.raises(EnsembleError, match=r"^Neither ZooKeeper .* nor Java .* was found; "):
+        install.find_installation({"PATH": "/usr/bin"}, FakeFileSystem())
+
+
+# --- ports and zoo.cfg ---------------------------------------------------------------------------
+
+
+def test_ports_are_the_first_free_candidates_each_once() -> None:
+    taken = {20001, 20003}
+    claimed: list[int] = []
+
+    def claim(port: int) -> bool:
+        if port in taken or port in claimed:
+            return False
+        claimed.append(port)
+        return True
+
+    chosen = zoocfg.choose_ports(3, [20001, 20002, 20002, 20003, 20004, 20005], claim)
+    assert chosen == [20002, 20004, 20005]
+
+
+def test_a_range_without_enough_free_ports_is_one_sentence() -> None:
+    with pytest.raises(
+        EnsembleError, match=r"Only 1 of the 3 ports .* among the 2 tried; .*--ports"
+    ):
+        zoocfg.choose_ports(3, [30000, 30001], lambda port: port == 30000)
+
+
+def test_candidates_cover_the_range_in_an_order_of_their_own() -> None:
+    first = zoocfg.port_candidates((20000, 20099), random.Random(1))
+    second = zoocfg.port_candidates((20000, 20099), random.Random(2))
+    assert sorted(first) == sorted(second) == list(range(20000, 20100))
+    assert first != second
+
+
+def test_the_default_port_range_lies_below_the_ephemeral_ports() -> None:
+    low, high = contract.DEFAULT_ZK_PORTS
+    assert low >= 1024
+    assert high < 32768
+
+
+@pytest.mark.parametrize("text", ["100:200", "30000", "40000:39999", "30000:30001", "a:b"])
+def test_a_bad_port_range_is_quoted(text: str) -> None:
+    with pytest.raises(UsageError, match=rf"--ports '{text}' is not LOW:HIGH"):
+        zoocfg.parse_ports(text)
+
+
+def peer(myid: int) -> Server:
+    return Server(myid, f"10.0.0.{myid}", 21000 + myid, 22000 + myid, 23000 + myid, f"s{myid}")
+
+
+def test_zoo_cfg_names_every_server_and_is_secure_by_default() -> None:
+    config = zoocfg.ServerConfig(2, "/l/d", "/l/t", 21002, (peer(3), peer(1), peer(2)))
+    lines = zoocfg.render_zoo_cfg(config).splitlines()
+    assert "4lw.commands.whitelist=srvr,mntr,ruok" in lines
+    assert "admin.enableServer=false" in lines
+    assert f"authProvider.1={zoocfg.DIGEST_PROVIDER}" in lines
+    assert "DigestAuthenticationProvider.digestAlg=SHA1" in lines
+    assert "skipACL=no" in lines
+    assert {"dataDir=/l/d", "dataLogDir=/l/t", "clientPort=21002"} <= set(lines)
+    assert {"autopurge.snapRetainCount=3", "autopurge.purgeInterval=1"} <= set(lines)
+    assert {"minSessionTimeout=2000", "maxSessionTimeout=60000"} <= set(lines)
+    assert [line for line in lines if line.startswith("server.")] == [
+        "server.1=10.0.0.1:22001:23001",
+        "server.2=10.0.0.2:22002:23002",
+        "server.3=10.0.0.3:22003:23003",
+    ]
+
+
+def test_a_standalone_server_names_no_peers() -> None:
+    text = zoocfg.render_zoo_cfg(zoocfg.ServerConfig(1, "/d", "/t", 2181))
+    assert not [line for line in text.splitlines() if line.startswith("server.")]
+    assert "(standalone)" in text
+
+
+def test_what_each_ensemble_size_survives() -> None:
+    assert [(n, zoocfg.quorum(n), zoocfg.survives(n)) for n in (1, 3, 5)] == [
+        (1, 1, 0),
+        (3, 2, 1),
+        (5, 3, 2),
+    ]
+
+
+def test_missing_peers_are_those_not_published_yet() -> None:
+    assert zoocfg.missing_peers({1: peer(1), 3: peer(3)}, 3) == [2]
+    assert zoocfg.missing_peers({1: peer(1), 2: peer(2), 3: peer(3)}, 3) == []
+
+
+# --- mntr and srvr ---------------------------------------------------------------------------
+
+MNTR_LEADER = (
+    "zk_version\t3.8.0-debian--1, built on 2024-06-16 00:00 UTC\n"
+    "zk_server_state\tleader\n"
+    "zk_num_alive_connections\t4\n"
+    "zk_avg_latency\t0.4567\n"
+    "zk_max_latency\t12\n"
+    "zk_min_latency\t0\n"
+    "zk_followers\t2\n"
+)
+SRVR_FOLLOWER = (
+    "Zookeeper version: 3.8.0-debian--1, built on 2024-06-16\n"
+    "Latency min/avg/max: 0/1.25/30\n"
+    "Received: 10\nSent: 9\nConnections: 2\nOutstanding: 0\nZxid: 0x100000003\n"
+    "Mode: follower\nNode count: 7\n"
+)
+
+
+def test_mntr_gives_mode_clients_and_latency() -> None:
+    health = fourletter.from_mntr("h:1", MNTR_LEADER)
+    assert health == fourletter.Health("h:1", "leader", 4, 0.4567, 12.0, "3.8.0")
+    assert health.serving
+
+
+def test_srvr_gives_the_same_when_mntr_is_not_allowed() -> None:
+    health = fourletter.from_srvr("h:2", SRVR_FOLLOWER)
+    assert health == fourletter.Health("h:2", "follower", 2, 1.25, 30.0, "3.8.0")
+
+
+def test_a_server_without_a_quorum_says_so_and_does_not_serve() -> None:
+    text = "This ZooKeeper instance is not currently serving requests\n"
+    assert fourletter.from_mntr("h:3", text).mode == "no quorum"
+    assert not fourletter.from_srvr("h:3", text).serving
+
+
+def test_the_ensemble_is_serving_degraded_or_without_quorum() -> None:
+    leader = fourletter.Health("a", "leader")
+    follower = fourletter.Health("b", "follower")
+    down = fourletter.Health("c", "down")
+    looking = fourletter.Health("c", "no quorum")
+    assert fourletter.quorum_state([leader, follower, follower]) == "serving"
+    assert fourletter.quorum_state([leader, follower, down]) == "degraded"
+    assert fourletter.quorum_state([leader, looking, follower]) == "degraded"
+    assert fourletter.quorum_state([looking, looking, down]) == "no quorum"
+    assert fourletter.quorum_state([fourletter.Health("a", "standalone")]) == "serving"
+
+
+# --- the connect-string file ---------------------------------------------------------------------
+
+
+def an_ensemble(job_id: str = "12") -> Ensemble:
+    return Ensemble(servers=(peer(1), peer(2), peer(3)), job_id=job_id, run_dir="/r")
+
+
+@pytest.fixture
+def layout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Layout:
+    """The user's state directory, empty, under ``tmp_path``."""
+    monkeypatch.setenv(contract.STATE_DIR_ENV, str(tmp_path / "state"))
+    return Layout.of()
+
+
+def publish(layout: Layout, ensemble: Ensemble) -> None:
+    files.ensure_private_dir(layout.root)
+    files.write_private(layout.ensemble_file, files.encode(ensemble))
+
+
+def test_the_ensemble_file_is_written_0600_and_read_back(layout: Layout) -> None:
+    publish(layout, an_ensemble())
+    assert layout.ensemble_file.stat().st_mode & 0o777 == 0o600
+    assert layout.root.stat().st_mode & 0o777 == 0o700
+    assert files.load_ensemble(layout) == an_ensemble()
+    assert an_ensemble().connect == "10.0.0.1:21001,10.0.0.2:21002,10.0.0.3:21003"
+
+
+def test_records_survive_the_round_trip() -> None:
+    record = StartRecord(3, "/usr/bin/java", "/zk/lib/*", job_id="7", ports=(21000, 21999))
+    path = Path("/x/start.json")
+    assert files.decode_start(files.encode(record), path) == record
+    assert files.decode_server(json.loads(files.encode(peer(2))), path) == peer(2)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"format": 9}, "its format is 9"),
+        ({"servers": []}, "its field 'servers'"),
+        ({"min_session_ms": "2000"}, "its field 'min_session_ms'"),
+    ],
+)
+def test_a_record_with_a_bad_field_is_one_sentence_naming_it(
+    layout: Layout, change: dict[str, object], named: str
+) -> None:
+    document = json.loads(files.encode(an_ensemble()))
+    document.update(change)
+    files.ensure_private_dir(layout.root)
+    files.write_private(layout.ensemble_file, json.dumps(document).encode())
+    with pytest.raises(
+        EnsembleError, match=rf"^Ensemble record '.*' cannot be used because {named}"
+    ):
+        files.load_ensemble(layout)
+
+
+def test_a_server_with_a_comma_in_its_host_is_refused() -> None:
+    document = json.loads(files.encode(peer(1)))
+    document["host"] = "10.0.0.1:1,evil"
+    with pytest.raises(EnsembleError, match="its field 'host'"):
+        files.decode_server(document, Path("/p/1.json"))
+
+
+def test_a_link_in_place_of_the_ensemble_file_is_refused(layout: Layout, tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_bytes(files.encode(an_ensemble()))
+    files.ensure_private_dir(layout.root)
+    layout.ensemble_file.symlink_to(elsewhere)
+    with pytest.raises(EnsembleTrustError, match=r"is not trusted because it is a symbolic link"):
+        files.load_ensemble(layout)
+
+
+def test_an_ensemble_file_others_may_write_is_refused(layout: Layout) -> None:
+    publish(layout, an_ensemble())
+    layout.ensemble_file.chmod(0o620)
+    with pytest.raises(EnsembleTrustError, match=r"group or others may write it \(mode 0620\)"):
+        files.load_ensemble(layout)
+
+
+def test_an_ensemble_file_in_a_directory_others_may_enter_is_refused(layout: Layout) -> None:
+    publish(layout, an_ensemble())
+    layout.root.chmod(0o777)
+    with pytest.raises(EnsembleTrustError, match=r"its directory '.*' is not: group or others"):
+        files.load_ensemble(layout)
+
+
+def test_an_ensemble_file_of_another_user_is_refused(layout: Layout) -> None:
+    publish(layout, an_ensemble())
+    someone_else = os.geteuid() + 1  # as that user sees the file of ours
+    with pytest.raises(EnsembleTrustError, match=rf"owned by user id {os.geteuid()}, not by you"):
+        files.read_trusted(layout.ensemble_file, uid=someone_else)
+
+
+# --- which ZooKeeper a command uses ------------------------------------------------------------
+
+
+def test_the_flag_then_the_variable_then_the_config_file_then_the_ensemble(layout: Layout) -> None:
+    publish(layout, an_ensemble())
+    config = Path("/p/hpc-elastic.toml")
+    env = {contract.STATE_DIR_ENV: str(layout.root.parent), contract.ZK_ENV: "v:1"}
+    assert choice.choose_zk("f:1", {"zk": "v:1"}, config, env).source == "--zk"
+    assert choice.choose_zk(None, {"zk": "v:1"}, config, env).source == "$HPC_ELASTIC_ZK"
+    del env[contract.ZK_ENV]
+    from_file = choice.choose_zk(None, {"zk": "c:1"}, config, env)
+    assert (from_file.address, from_file.source) == ("c:1", f"the config file {config}")
+    ours = choice.choose_zk(None, {}, None, env)
+    assert ours.address == an_ensemble().connect
+    assert ours.line() == (
+        f"ZooKeeper: {an_ensemble().connect} (your ensemble of 3 servers, Slurm job 12)"
+    )
+
+
+def test_without_any_the_default_is_said_to_be_a_guess(layout: Layout) -> None:
+    env = {contract.STATE_DIR_ENV: str(layout.root.parent)}
+    guess = choice.choose_zk(None, {}, None, env)
+    assert guess.address == contract.DEFAULT_ZK
+    assert "`hpc-elastic zk start` starts one" in guess.line()
+
+
+def squeue_listing(*job_ids: str) -> object:
+    def squeue(wanted: object) -> list[JobStatus]:
+        return [JobStatus(SlurmJobId(job), None, "RUNNING", "None", "s1") for job in job_ids]
+
+    return squeue
+
+
+def test_a_job_is_not_submitted_to_an_ensemble_whose_slurm_job_ended(layout: Layout) -> None:
+    publish(layout, an_ensemble("12"))
+    env = {contract.STATE_DIR_ENV: str(layout.root.parent)}
+    address = an_ensemble().connect
+    choice.require_alive(address, env, squeue_listing("12"))  # type: ignore[arg-type]
+    with pytest.raises(EnsembleError, match=r"Slurm job 12 is no longer listed by squeue"):
+        choice.require_alive(address, env, squeue_listing())  # type: ignore[arg-type]
+    choice.require_alive("elsewhere:2181", env, squeue_listing())  # type: ignore[arg-type]
+
+
+# --- zk start's Slurm side, on the fake Slurm ------------------------------------------------
+
+CONFIG = "PreemptType = preempt/partition_prio\nPreemptMode = REQUEUE\n"
+LOW = (
+    "PartitionName=low Default=YES QoS=N/A PreemptMode=REQUEUE OverSubscribe=EXCLUSIVE "
+    "Nodes=n[1-4]\n"
+)
+SERVICE = "PartitionName=service Default=NO QoS=N/A PreemptMode=OFF OverSubscribe=NO Nodes=s1\n"
+
+
+def test_a_partition_that_may_preempt_is_named_and_one_that_never_does_passes() -> None:
+    config = {"PreemptType": "preempt/partition_prio"}
+    low = {"PartitionName": "low", "PreemptMode": "REQUEUE"}
+    assert lifecycle.preemption_refusal(config, low) == (
+        "partition 'low' has PreemptMode=REQUEUE under preempt/partition_prio"
+    )
+    assert lifecycle.preemption_refusal(config, {"PreemptMode": "OFF"}) is None
+    assert lifecycle.preemption_refusal({"PreemptType": "preempt/none"}, low) is None
+    qos = {"PartitionName": "p", "PreemptMode": "OFF", "QoS": "normal"}
+    assert "QoS 'normal'" in str(lifecycle.preemption_refusal({"PreemptType": "preempt/qos"}, qos))
+
+
+@pytest.fixture
+def machine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """This machine as the search sees it, whatever is installed: Java and ZooKeeper in
+    ``tmp_path``, found through ZOOKEEPER_HOME and JAVA_HOME."""
+    home = tmp_path / "zookeeper"
+    (home / "lib").mkdir(parents=True)
+    (home / "lib" / "zookeeper-3.8.4.jar").write_bytes(b"")
+    java = tmp_path / "jdk" / "bin" / "java"
+    java.parent.mkdir(parents=True)
+    java.write_text("#!/bin/sh\n")
+    java.chmod(0o755)
+    monkeypatch.setenv("ZOOKEEPER_HOME", str(home))
+    monkeypatch.setenv("JAVA_HOME", str(java.parent.parent))
+    return tmp_path
+
+
+def test_zk_start_refuses_a_partition_that_may_preempt_before_submitting(
+    layout: Layout, machine: Path
+) -> None:
+    with mocked_slurm() as fake:
+        fake.answer("scontrol", "-o", "show", "partition", "low", stdout=LOW)
+        fake.answer("scontrol", "show", "config", stdout=CONFIG)
+        result = CliRunner().invoke(cli.app, ["zk", "start", "--partition", "low"])
+    assert result.exit_code == 1
+    assert result.stderr.startswith(
+        "error: The ensemble could be preempted because partition 'low' has PreemptMode=REQUEUE"
+    )
+    assert "--allow-preemption" in result.stderr
+    assert fake.ran("sbatch") == []
+    assert not layout.run_dir.exists()
+
+
+def test_zk_start_submits_one_job_of_one_step_per_server(layout: Layout, machine: Path) -> None:
+    with mocked_slurm() as fake:
+        fake.answer("scontrol", "-o", "show", "partition", "service", stdout=SERVICE)
+        fake.answer("scontrol", "show", "config", stdout=CONFIG)
+        fake.answer("squeue", stdout="")
+        fake.answer("sbatch", stdout="41\n")
+        result = CliRunner().invoke(
+            cli.app, ["zk", "start", "--servers", "5", "--partition", "service", "--no-wait"]
+        )
+    assert result.exit_code == 0, result.stderr
+    assert "Submitted Slurm job 41: a ZooKeeper ensemble of 5 servers" in result.stdout
+    script = layout.script.read_text()
+    for line in ("--nodes=5", "--ntasks-per-node=1", "--no-kill", "--no-requeue"):
+        assert f"#SBATCH {line}" in script
+    assert "#SBATCH --partition=service" in script
+    assert "-m hpc_elastic zk server --run-dir" in script
+    assert "srun --nodes=5 --ntasks-per-node=1" in script  # the last step cleans every node
+    start = files.load_start(layout)
+    assert start is not None
+    assert (start.servers, start.job_id) == (5, "41")
+    assert start.java == str(machine / "jdk" / "bin" / "java")
+    assert start.classpath == f"{machine / 'zookeeper'}/lib/*"
+    assert layout.run_dir.stat().st_mode & 0o777 == 0o700
+
+
+def test_zk_start_with_java_missing_from_path_fails_in_one_sentence(
+    layout: Layout, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("JAVA_HOME", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with mocked_slurm() as fake:
+        result = CliRunner().invoke(cli.app, ["zk", "start"])
+    assert result.exit_code == 1
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("error: ")
+    assert "Java (JAVA_HOME is unset and no java is on PATH) was not found" in lines[0]
+    assert fake.calls == []
+
+
+def test_zk_start_with_zookeeper_missing_fails_in_one_sentence(
+    layout: Layout, machine: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("ZOOKEEPER_HOME")
+    monkeypatch.delenv("CONDA_PREFIX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setattr(install, "DEBIAN_JAR", str(tmp_path / "no-debian" / "zookeeper.jar"))
+    with mocked_slurm() as fake:
+        result = CliRunner().invoke(cli.app, ["zk", "start"])
+    assert result.exit_code == 1
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("error: ZooKeeper (ZOOKEEPER_HOME is unset")
+    assert "conda install -c conda-forge zookeeper" in lines[0]
+    assert fake.calls == []
+
+
+def test_a_running_ensemble_is_not_started_twice(layout: Layout, machine: Path) -> None:
+    publish(layout, an_ensemble("12"))
+    with mocked_slurm() as fake:
+        fake.answer("scontrol", "-o", "show", "partition", "service", stdout=SERVICE)
+        fake.answer("scontrol", "show", "config", stdout=CONFIG)
+        fake.answer("squeue", stdout="12|N/A|RUNNING|None|s1\n")
+        result = CliRunner().invoke(cli.app, ["zk", "start", "--partition", "service"])
+    assert result.exit_code == 1
+    assert "Your ensemble (Slurm job 12) already runs" in result.stderr
+    assert fake.ran("sbatch") == []
+
+
+def test_a_server_step_that_ended_shows_in_its_slurm_state() -> None:
+    running = JobStatus(SlurmJobId("12"), None, "RUNNING", "None", "s[1-3]")
+    server = Server(1, "h", 1, 2, 3, "s1", step="12.0")
+    assert lifecycle.step_state(server, running, {"12.0": {"State": "RUNNING"}}) == "RUNNING"
+    assert lifecycle.step_state(server, running, {}) == "step ended"
+    assert lifecycle.step_state(server, None, {}) == "job ended"
+
+
+@dataclass
+class Record:
+    """What ``users_of`` reads of a ``JobRecord``."""
+
+    run_id: str
+    job_id: str | None
+    zk: str | None
+    local: bool = False
+
+
+def test_the_jobs_that_use_an_ensemble_are_those_naming_its_servers() -> None:
+    ensemble = an_ensemble()
+    mine = Record("a", "20", ",".join(reversed(ensemble.connect.split(","))) + "/chroot")
+    records = [mine, Record("b", "21", "other:2181"), Record("c", None, ensemble.connect)]
+    assert lifecycle.users_of(ensemble, records) == [mine]
+
+
+def test_zk_stop_refuses_while_a_job_of_yours_uses_the_ensemble(layout: Layout) -> None:
+    publish(layout, an_ensemble("12"))
+    user = Record("train-1", "20", an_ensemble().connect)
+    with mocked_slurm() as fake:
+        fake.answer("squeue", stdout="20|0|RUNNING|None|n1\n")
+        with pytest.raises(EnsembleError, match=r"is still used by train-1 \(Slurm job 20"):
+            lifecycle.stop(files.find(), False, print, records=lambda: [user])
+    assert fake.ran("scancel") == []
+    assert layout.ensemble_file.exists()
