@@ -602,6 +602,12 @@ SUBMIT_OPTIONS: tuple[Option, ...] = (
         "How long the job may stay below MIN nodes.",
         _agent_default(contract.DEFAULT_MIN_WAIT),
     ),
+    _seconds(
+        "zk_outage_limit",
+        "How long an agent cut off from every ZooKeeper server waits for one before it "
+        "leaves the job (exit 69, not requeued).",
+        _agent_default(contract.DEFAULT_ZK_OUTAGE_LIMIT),
+    ),
     _count(
         "max_preemptions",
         "Requeues of one slot after preemption before it gives up.",
@@ -980,6 +986,7 @@ AGENT_OPTIONS: tuple[Option, ...] = (
     _agent_knob("last_call", contract.DEFAULT_LAST_CALL),
     _agent_knob("session_timeout", contract.DEFAULT_SESSION_TIMEOUT),
     _agent_knob("min_wait", contract.DEFAULT_MIN_WAIT),
+    _agent_knob("zk_outage_limit", contract.DEFAULT_ZK_OUTAGE_LIMIT),
     _agent_knob("max_preemptions", contract.DEFAULT_MAX_PREEMPTIONS),
     _agent_knob("max_time_limits", contract.DEFAULT_MAX_TIME_LIMITS),
     _agent_knob("exclude_after", contract.DEFAULT_EXCLUDE_AFTER),

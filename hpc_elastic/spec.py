@@ -440,6 +440,7 @@ class JobSpec:
     last_call: float | None = None
     session_timeout: float | None = None
     min_wait: float | None = None
+    zk_outage_limit: float | None = None
     max_preemptions: int | None = None
     max_time_limits: int | None = None
     exclude_after: int | None = None
@@ -526,6 +527,11 @@ class JobSpec:
         for option, seconds in self.agent_timeouts():
             if seconds < 0:
                 raise UsageError(f"{option} '{seconds}' is negative; give 0 or more seconds.")
+        if self.zk_outage_limit == 0:
+            raise UsageError(
+                "--zk-outage-limit '0' would end the agents at the first lost connection; give "
+                "the seconds an outage of ZooKeeper may last (e.g. 300)."
+            )
 
     def _check_containers(self) -> None:
         """One runtime at most; mounts and an interpreter only with an image to use them in."""
@@ -619,6 +625,7 @@ class JobSpec:
             ("--last-call", self.last_call),
             ("--session-timeout", self.session_timeout),
             ("--min-wait", self.min_wait),
+            ("--zk-outage-limit", self.zk_outage_limit),
         )
         return tuple((option, value) for option, value in values if value is not None)
 

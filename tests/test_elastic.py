@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from hpc_elastic import events
 from hpc_elastic.agent import command
-from hpc_elastic.agent.api import AgentSpec
+from hpc_elastic.agent.api import AgentSpec, ExitCode
 from hpc_elastic.cli import app
 from hpc_elastic.errors import SlurmError
 from hpc_elastic.ops import cancel
@@ -445,6 +445,18 @@ def test_when_the_job_is_over_pending_slots_are_cancelled(tmp_path: Path, calls:
 def test_a_stopped_slot_cancels_nothing(tmp_path: Path, calls: list[str]) -> None:
     assert slot(tmp_path).settle(143, 30.0, lambda kind, **d: None) == 143
     assert calls == []
+
+
+def test_a_slot_that_lost_zookeeper_for_good_is_neither_requeued_nor_ends_the_job(
+    tmp_path: Path, calls: list[str]
+) -> None:
+    """Exit 69 (``--zk-outage-limit``): a requeue would only join the same dead ensemble, and
+    a partition of this node alone looks the same, so the job is left to the others."""
+    said: list[str] = []
+    code = slot(tmp_path).settle(ExitCode.UNREACHABLE, 30.0, lambda kind, **d: said.append(kind))
+    assert code == ExitCode.UNREACHABLE
+    assert calls == [], "no scontrol requeue, no scancel of the pending tasks"
+    assert said == []
 
 
 # --- the end of the job: every sibling, whatever Slurm shows, but never one that is leaving ---

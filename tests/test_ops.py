@@ -383,6 +383,29 @@ def test_a_slot_that_rejoins_after_preemption_without_a_requeue_event_is_one_req
     assert (summary.preemptions, summary.requeues) == (1, 1)
 
 
+def test_a_slot_that_lost_zookeeper_for_good_leaves_its_sentence_as_the_last_failure() -> None:
+    sentence = "ZooKeeper at 'zk:2181' stayed out of reach for 300 s (--zk-outage-limit), ..."
+    story = [
+        events.Event(events.Kind.ROUND, slot="0", round=1, details={"node_id": "a"}, time=1.0),
+        events.Event(
+            events.Kind.ERROR,
+            slot="0",
+            details={"node_id": "a", "reason": "a bug", "exit_code": 1},
+            time=2.0,
+        ),
+        events.Event(
+            events.Kind.ERROR,
+            slot="1",
+            details={"node_id": "b", "reason": sentence, "exit_code": 69},
+            time=3.0,
+        ),
+    ]
+    summary = timeline.summarize(story)
+    assert summary.last_failure == sentence
+    assert summary.outcome == "running", "not failed for the others: they may still reach it"
+    assert timeline.summarize(story[:2]).last_failure is None, "an agent's own error is not"
+
+
 @pytest.mark.parametrize(
     ("queue", "state"),
     [

@@ -133,6 +133,7 @@ KNOBS: dict[str, Any] = {
 }
 BUDGETS: dict[str, Any] = {
     "min_wait": 60.0,
+    "zk_outage_limit": 120.0,
     "max_preemptions": 4,
     "max_time_limits": 2,
     "exclude_after": 1,
@@ -162,7 +163,7 @@ def test_every_flag_an_invocation_writes_is_one_the_agent_reads(
     assert len(invocation.identity()) == len(fields), "a field that never becomes a flag"
     seen: list[tuple[tuple[str, ...], command.AgentArguments]] = []
 
-    def run_agent(worker: tuple[str, ...], args: command.AgentArguments) -> int:
+    def run_agent(worker: tuple[str, ...], args: command.AgentArguments, **_: object) -> int:
         seen.append((worker, args))  # what the agent would run with; it runs nothing here
         return 0
 

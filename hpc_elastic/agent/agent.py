@@ -5,9 +5,12 @@
        |                  |--membership changed / fenced-----------+--> STOPPING --> JOINING
        |                  \\--signal--> DRAINING (grace) --> DONE (75 / 130 / 143)
        +-- next_round raises JobFailedError --> DONE (1)    <-- a failure elsewhere ends the round
+       +-- cut off from the store for --zk-outage-limit --> DONE (69: not requeued)
 
 Signals only set a flag (``request_stop``); the loop acts on it within ``poll_interval``.
-Blocking rendezvous calls run on a helper thread so a signal is never stuck behind them.
+Blocking rendezvous calls run on a helper thread, so that neither a signal nor the outage
+limit is ever stuck behind them (kazoo holds a request until the connection comes back);
+after a signal nothing waits past its ``--grace`` except the leave (``LEAVE_WAIT``).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from hpc_elastic import events
-from hpc_elastic.agent import hangs, investigation, proc, rootcause, watchdog
+from hpc_elastic.agent import hangs, investigation, proc, rootcause, stops, watchdog
 from hpc_elastic.agent.api import AgentSpec, ExitCode, Phase
 from hpc_elastic.agent.rundir import RunDir
 from hpc_elastic.agent.standby import StandbyPool, may_import, standby_command
@@ -41,7 +44,11 @@ from hpc_elastic.agent.workers import (
     worker_env,
 )
 from hpc_elastic.contract import ASSIGNMENT_FILE_ENV, LEASE_FILE_ENV, LEASE_TIMEOUT_ENV
-from hpc_elastic.errors import RendezvousClosedError, RendezvousError
+from hpc_elastic.errors import (
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousUnreachableError,
+)
 from hpc_elastic.events import FailedDetails, FailureDetails, HangDetails, Kind, RoundDetails
 from hpc_elastic.rendezvous import state as rdzv_state
 from hpc_elastic.rendezvous.api import (
@@ -87,6 +94,12 @@ the split brain with anything longer (docs/reliability.md)."""
 OVERSLEPT = 1.0
 """Seconds past its deadline after which a wait that polls every 0.1 s must have been stalled
 (docs/agent.md): ten polls missed is no scheduling jitter."""
+
+LEAVE_WAIT = 2.0
+"""Seconds the agent waits for its clean leave of the rendezvous (one delete and the close of
+its connection, milliseconds when the store answers) once its workers are gone. Past that, or
+when it is cut off, it exits without: its membership then goes with its session, and the
+others notice within a session timeout instead of at once."""
 
 ACK_TIMEOUT = 30.0
 """In-place mode: seconds a surviving worker has to take up the new round (it acknowledges at
@@ -337,6 +350,8 @@ class _Ended:
     """A hang's verdict, the one sentence the failure is read as."""
     node_fault: bool = True
     """Whether the failure counts against this node (never for a hang not blamed on it)."""
+    blamed: int | None = None
+    """A hang's culprit rank, None when nobody can be blamed."""
 
 
 @dataclass
@@ -351,6 +366,8 @@ class _RoundFacts:
     """The failure is a hang's (``_Ended.hung`` or ``victim``)."""
     sentence: str = ""
     node_fault: bool = True
+    blamed: int | None = None
+    """A hang's culprit, None when nobody is blamed."""
 
 
 def _told(end: RoundEnd) -> str:
@@ -456,6 +473,9 @@ class Agent:
         self._say = say or _stderr
         self._on_event = on_event
         self._stop_signal: int | None = None
+        self._stop_by: float | None = None
+        """When the first stop signal's ``--grace`` ends (monotonic): nothing after the signal
+        waits past it, the workers' save included; only the leave may add ``LEAVE_WAIT``."""
         self._group: WorkerGroup | None = None
         self._members: dict[str, str] | None = None
         """node_id -> slot of the last round, to log which nodes were lost or arrived."""
@@ -496,8 +516,10 @@ class Agent:
         return self._phase
 
     def request_stop(self, signum: int) -> None:
-        """Async-signal-safe: only records the signal; the loop forwards it to the workers."""
+        """Only records the signal, and when its grace ends (called from a signal handler);
+        the loop forwards it to the workers."""
         if self._stop_signal is None:
+            self._stop_by = time.monotonic() + self.spec.grace
             self._stop_signal = signum
 
     def step(self) -> int | None:
@@ -519,6 +541,8 @@ class Agent:
                 if self.rdzv.job_running() and not self._warm_up(self._standbys):
                     return self._leave_on_signal()
             return self._loop()
+        except RendezvousUnreachableError as error:
+            return self._unreachable(error)
         except RendezvousError as error:
             # Cut off from the store: this slot can do nothing now, but the job may go on;
             # stop the workers with grace and let Slurm requeue the slot. Any other refusal
@@ -576,8 +600,24 @@ class Agent:
                 self._group, signal.SIGTERM, self.spec.grace, self._lease_while_connected
             )
             self._group = None
-        with contextlib.suppress(Exception):
-            self.rdzv.leave()
+        self._release()
+        return code
+
+    def _unreachable(self, error: RendezvousUnreachableError) -> ExitCode:
+        """Cut off from every server for longer than the outage limit: say so in its one
+        sentence and leave for good. Not a requeue (75): the next incarnation would join the
+        same dead ensemble; not a failure of the job (1): a partition of this node alone
+        looks the same from here, and the others may go on."""
+        code = ExitCode.UNREACHABLE
+        self._say(str(error))
+        self._event(Kind.ERROR, reason=str(error), exit_code=int(code))
+        if self._group is not None:  # fenced long ago; stopped all the same, with grace
+            self._enter(Phase.DRAINING)
+            self._stop_with_grace(
+                self._group, signal.SIGTERM, self.spec.grace, self._lease_while_connected
+            )
+            self._group = None
+        self._release()
         return code
 
     def _enter(self, phase: Phase) -> None:
@@ -926,12 +966,17 @@ class Agent:
             worker = next(w for w in group.workers if w.rank == verdict.rank)
             reason = f"{verdict.sentence}\n{rootcause.hung_sentence(worker.rank, worker.paths.log)}"
             failure = self._failure(verdict.rank, None, reason)
-            return _Ended(Outcome.FAILED, failure, hung=True, sentence=verdict.sentence)
+            return _Ended(
+                Outcome.FAILED, failure, hung=True, sentence=verdict.sentence, blamed=verdict.rank
+            )
         lines = "\n".join(f"rank {rank}: {line}" for rank, line in verdict.evidence.items())
+        # The rendezvous state wants a rank: the culprit's, else this node's first (the
+        # message says nobody is blamed; the failure event says rank None).
+        rank = verdict.rank if verdict.rank is not None else min(w.rank for w in group.workers)
         failure = Failure(
             node_id=node.node_id,
             host=node.host,
-            rank=-1 if verdict.rank is None else verdict.rank,
+            rank=rank,
             exit_code=None,
             signal=None,
             message=f"{verdict.sentence}\n{lines}"[: investigation.MESSAGE_BOUND],
@@ -946,6 +991,7 @@ class Agent:
             victim=not here,
             sentence=verdict.sentence,
             node_fault=False,
+            blamed=verdict.rank,
         )
 
     def _finish_round(self, rdzv_round: Round, ended: _Ended) -> ExitCode | None:
@@ -973,6 +1019,7 @@ class Agent:
             hang=ended.hung or ended.victim,
             sentence=ended.sentence,
             node_fault=ended.node_fault,
+            blamed=ended.blamed,
         )
         while True:
             end = replace(end, stop_signal=self._stop_signal is not None)
@@ -1087,7 +1134,8 @@ class Agent:
             Kind.FAILURE,
             round=round_number,
             **FailureDetails(
-                rank=failure.rank if failure.rank >= 0 else None,
+                # A hang's verdict names its culprit, or nobody (None).
+                rank=facts.blamed if facts.sentence else failure.rank,
                 exit_code=failure.exit_code,
                 signal=failure.signal,
                 message=failure.message,
@@ -1182,10 +1230,13 @@ class Agent:
         """Send ``signum`` exactly once (a second SIGINT makes the training helpers raise
         KeyboardInterrupt mid-save), keep the lease fresh while ``keep_lease`` allows (a
         stale lease would fence the ranks at their step boundary, before the save), then
-        SIGKILL what is left after ``grace``."""
+        SIGKILL what is left after ``grace``, or once a stop signal's own grace has ended
+        (a signal that came while the workers stopped for arrivals ends that wait too)."""
         group.forward(signum)
         group.forward(signal.SIGCONT)
         deadline = time.monotonic() + grace
+        if self._stop_by is not None:
+            deadline = min(deadline, self._stop_by)
         while group.running() and time.monotonic() < deadline:
             if keep_lease():
                 self._renew_lease()
@@ -1218,15 +1269,26 @@ class Agent:
 
     def _leave(self, code: ExitCode) -> ExitCode:
         self._event(Kind.PREEMPT if code is ExitCode.PREEMPTED else Kind.LEAVE, exit_code=int(code))
-        self.rdzv.leave()
+        self._release()
         return code
 
+    def _release(self) -> None:
+        """Leave the rendezvous and close the connection, waiting ``LEAVE_WAIT`` at most. Cut
+        off, not at all: kazoo would hold the request until the connection came back, for ever
+        if the ensemble is gone, and the membership goes with the session anyway."""
+        if self.rdzv.suspended_since() is not None:
+            log.debug("%s: cut off, leaving without a word to the store", self._node)
+            return
+        try:
+            self._interruptibly(self.rdzv.leave, finish_within=LEAVE_WAIT)
+        except _Interrupted:
+            log.debug("%s: the store did not take the leave within %g s", self._node, LEAVE_WAIT)
+        except Exception as error:  # kazoo's StopFailedError too: the session ends it anyway
+            log.debug("%s: the leave failed (%s); the session ends it", self._node, error)
+
     def _signal_exit_code(self) -> ExitCode:
-        if self._stop_signal == self.spec.preempt_signal:
-            return ExitCode.PREEMPTED
-        if self._stop_signal == signal.SIGINT:
-            return ExitCode.INTERRUPTED
-        return ExitCode.TERMINATED
+        assert self._stop_signal is not None, "only asked once a stop signal came"
+        return stops.exit_code(self._stop_signal, self.spec.preempt_signal)
 
     def _failure(self, rank: int, returncode: int | None, reason: str = "") -> Failure:
         assert self._group is not None
@@ -1245,7 +1307,10 @@ class Agent:
 
     def _interruptibly(self, call: Callable[[], T], finish_within: float | None = None) -> T:
         """Run a blocking rendezvous call on a helper thread; give up on a stop signal, also
-        one that came before the call (e.g. the bad-node watch, from an event observer).
+        one that came before the call (e.g. the bad-node watch, from an event observer), and
+        with ``RendezvousUnreachableError`` once the store has been out of reach for the
+        outage limit: the call itself may be blocked in kazoo until the connection comes
+        back, which a dead ensemble never does, so only this thread can tell.
 
         With ``finish_within``, the call runs despite a stop, for at most that many seconds."""
         if self._stop_signal is not None and finish_within is None:
@@ -1265,9 +1330,13 @@ class Agent:
 
         threading.Thread(target=target, name="rendezvous-call", daemon=True).start()
         while not done.wait(self.spec.poll_interval):
-            stopped = self._stop_signal is not None if deadline is None else False
-            if stopped or (deadline is not None and time.monotonic() >= deadline):
+            if deadline is not None:
+                if time.monotonic() >= deadline:
+                    raise _Interrupted
+                continue
+            if self._stop_signal is not None:
                 raise _Interrupted
+            self.rdzv.check_reach()
         if error:
             raise error[0]
         return result[0]

@@ -16,29 +16,29 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from hpc_elastic import contract, events, notify
+from hpc_elastic.agent import stops
 from hpc_elastic.agent.agent import Agent, Prepared, prepare
-from hpc_elastic.agent.api import AgentSpec, parse_signal
-from hpc_elastic.errors import AgentError
+from hpc_elastic.agent.api import AgentSpec, ExitCode, parse_signal
+from hpc_elastic.errors import AgentError, RendezvousUnreachableError
 from hpc_elastic.events import Kind
 from hpc_elastic.jobdir import ensure_job_dir, untrusted_job_dir
 from hpc_elastic.logs import configure_from_env
 from hpc_elastic.options import AGENT_OPTIONS, with_options
 from hpc_elastic.rendezvous import local_store
 from hpc_elastic.rendezvous.api import NodeInfo, RendezvousSettings
-from hpc_elastic.rendezvous.handler import StoreRendezvous
+from hpc_elastic.rendezvous.handler import StoreRendezvous, unreachable_sentence
 from hpc_elastic.rendezvous.secret import read_secret_file
 from hpc_elastic.slurm.elastic import ElasticSlot, SlotLimits
 from hpc_elastic.spec import NodeRange
 
 if TYPE_CHECKING:
     from hpc_elastic.agent.badnodes import BadNode
-    from hpc_elastic.agent.health import BadNodeStore, Check
+    from hpc_elastic.agent.health import BadNodeStore, Check, Preflight
     from hpc_elastic.metrics import MetricsExporter
 
 HOST_ENV = contract.HOST_ENV
@@ -71,6 +71,7 @@ class AgentArguments:
     last_call: float
     session_timeout: float
     min_wait: float
+    zk_outage_limit: float
     max_preemptions: int
     max_time_limits: int
     exclude_after: int
@@ -106,28 +107,43 @@ def agent(
 ) -> None:
     """Run this node's workers in the job's rendezvous; restart them as nodes come and go."""
     configure_from_env()  # HPC_ELASTIC_LOG, also when called without main()
-    raise typer.Exit(run_agent(tuple(command), AgentArguments.from_values(values)))
+    # The handlers stay until the process exits: `scontrol requeue` in settle signals the
+    # whole step, this agent too, and that signal may land after run_agent has returned.
+    code = run_agent(tuple(command), AgentArguments.from_values(values), restore_signals=False)
+    raise typer.Exit(code)
 
 
-def run_agent(command: tuple[str, ...], args: AgentArguments) -> int:
-    """Arrive in the slot, pass the preflight, join the rendezvous and run; the exit code."""
+def run_agent(
+    command: tuple[str, ...], args: AgentArguments, *, restore_signals: bool = True
+) -> int:
+    """Arrive in the slot, pass the preflight, join the rendezvous and run; the exit code.
+
+    SIGTERM, SIGINT and the preemption signal are caught from here on (``stops``); with
+    ``restore_signals`` the handlers found are put back at the end (a caller in-process)."""
+    spec = agent_spec(command, args)
+    signals = stops.StopSignals((signal.SIGTERM, signal.SIGINT, spec.preempt_signal))
+    previous = signals.install()
     # One notifier for the whole agent process (submit --notify; it never blocks the agent):
     # the slot's own events (a task Slurm holds, reported by the squeue thread or by the
     # last slot as it requeues itself in settle) come outside the Agent's observers, and
     # settle runs after the Agent is done, so the notifier must outlive both.
     notifier = notify.from_environ(os.environ)
     try:
-        return _run_agent(command, args, notifier)
+        return _run_agent(spec, args, notifier, signals)
     finally:
         if notifier is not None:
             notifier.close()
+        if restore_signals:
+            stops.restore(previous)
 
 
 def _run_agent(
-    command: tuple[str, ...], args: AgentArguments, notifier: notify.Notifier | None
+    spec: AgentSpec,
+    args: AgentArguments,
+    notifier: notify.Notifier | None,
+    signals: stops.StopSignals,
 ) -> int:
-    """``run_agent`` with its notifier."""
-    spec = agent_spec(command, args)
+    """``run_agent`` with its notifier and its stop signals."""
     _check_job_dir(spec.job_dir)
     slot = args.slot if args.slot is not None else default_slot(os.environ)
     limits = SlotLimits(args.max_preemptions, args.max_time_limits, args.exclude_after)
@@ -138,24 +154,30 @@ def _run_agent(
         _arrive(array_slot, spec, args.run_id)
     # The standbys start importing now, while the preflight and the connection go on.
     prepared = prepare(spec, args.run_id, os.environ)
+    slot_emit = _emitter(spec, args.run_id, array_slot, notifier)
     try:
         if args.preflight:
-            code = _preflight(spec, args, array_slot)
+            code = _preflight(spec, args, array_slot, signals)
             if code is not None:
                 return code
-        slot_emit = _emitter(spec, args.run_id, array_slot, notifier)
         expected = (
             array_slot.expected_nodes(slot_emit) if array_slot is not None else _slurm_node_count
         )
-        rdzv = _connect(
-            args.zk,
-            rendezvous_settings(args),
-            this_node(args, slot),
-            expected,
-            args.zk_auth_file,
-            open_acl=args.zk_open_acl,
+        rdzv = _connect_until_stopped(args, this_node(args, slot), expected, signals)
+        code = _supervise(
+            spec,
+            args,
+            rdzv,
+            slot,
+            array_slot,
+            notifier=notifier,
+            prepared=prepared,
+            signals=signals,
         )
-        code = _supervise(spec, args, rdzv, slot, array_slot, notifier=notifier, prepared=prepared)
+    except stops.Stopped as stopped:
+        code = _stopped_before_joining(stopped, spec, args.run_id, slot_emit)
+    except RendezvousUnreachableError as error:
+        code = _unreachable_before_joining(error, slot_emit)
     finally:
         prepared.close()  # the agent's own end closed it already, unless it never ran
     if array_slot is not None:
@@ -170,6 +192,33 @@ def _check_job_dir(job_dir: Path) -> None:
     if problem is not None:
         raise AgentError(untrusted_job_dir(job_dir, problem))
     _log.debug("job directory %s is ours alone", job_dir)
+
+
+def _stopped_before_joining(
+    stopped: stops.Stopped, spec: AgentSpec, run_id: str, emit: Callable[..., None]
+) -> int:
+    """A stop signal during the preflight or the connection: nothing joined, nothing to
+    leave; the standbys go with ``prepared``. The preemption signal still exits 75, so that
+    ``settle`` requeues the slot as for any preemption."""
+    code = stops.exit_code(stopped.signum, spec.preempt_signal)
+    typer.echo(
+        f"hpc-elastic agent: got {stopped} before joining job '{run_id}'; exiting with code "
+        f"{int(code)}.",
+        err=True,
+    )
+    emit(Kind.LEAVE, exit_code=int(code), reason=f"{stopped} before joining")
+    return int(code)
+
+
+def _unreachable_before_joining(
+    error: RendezvousUnreachableError, emit: Callable[..., None]
+) -> int:
+    """The ensemble answered the connection, then went away for the outage limit before the
+    job's nodes could be set up (``_connect_until_stopped``)."""
+    code = ExitCode.UNREACHABLE
+    typer.echo(f"hpc-elastic agent: {error}", err=True)
+    emit(Kind.ERROR, reason=str(error), exit_code=int(code))
+    return int(code)
 
 
 def agent_spec(command: tuple[str, ...], args: AgentArguments) -> AgentSpec:
@@ -195,6 +244,7 @@ def rendezvous_settings(args: AgentArguments) -> RendezvousSettings:
         session_timeout=args.session_timeout,
         min_wait=args.min_wait,
         max_restarts=args.max_restarts,
+        outage_limit=args.zk_outage_limit,
     )
 
 
@@ -209,7 +259,13 @@ def this_node(args: AgentArguments, slot: str) -> NodeInfo:
     )
 
 
-def _preflight(spec: AgentSpec, args: AgentArguments, array_slot: ElasticSlot | None) -> int | None:
+def _preflight(
+    spec: AgentSpec,
+    args: AgentArguments,
+    array_slot: ElasticSlot | None,
+    signals: stops.StopSignals,
+) -> int | None:
+    """The health checks, which a stop signal ends (``stops.Stopped``) wherever they are."""
     book = None if local_store.is_local(args.zk) else BadNodeMemory(args.zk, args.user_secret_file)
     return check_before_joining(
         _default_checks(spec, args.zk, args.expected_gpus),
@@ -219,6 +275,7 @@ def _preflight(spec: AgentSpec, args: AgentArguments, array_slot: ElasticSlot | 
         book=book,
         ttl=args.bad_node_ttl,
         emit=_emitter(spec, args.run_id, array_slot),
+        run=lambda checks: stops.until_stopped(checks, signals),
     )
 
 
@@ -231,9 +288,10 @@ def _supervise(
     *,
     notifier: notify.Notifier | None,
     prepared: Prepared,
+    signals: stops.StopSignals,
 ) -> int:
-    """Run the ``Agent`` with its observers (alerts, metrics, the bad-node watch) and the
-    signal handlers; stop what was started for it, however it ends."""
+    """Run the ``Agent`` with its observers (alerts, metrics, the bad-node watch), told of
+    every stop signal; stop what was started for it, however it ends."""
     observers: list[Callable[[events.Event], None]] = []
     if notifier is not None:
         leader = notify.RankZero()  # job-level alerts come from rank 0's agent only
@@ -244,13 +302,12 @@ def _supervise(
         observers.append(_bad_node_watch(array_slot, runner, spec))
         watch = array_slot.watch_departure(spec.grace)
 
-    def on_signal(signum: int, frame: FrameType | None) -> None:
+    def on_signal(signum: int) -> None:
         runner.request_stop(signum)
         if watch is not None:
             watch.signalled(signum)  # Ask Slurm why now: after the drain it may have moved on.
 
-    for signum in (signal.SIGTERM, signal.SIGINT, spec.preempt_signal):
-        signal.signal(signum, on_signal)
+    signals.listen(on_signal)  # also of a signal caught while connecting
     try:
         return int(runner.run())
     finally:
@@ -287,6 +344,39 @@ def _start(
     if exporter.port is not None:
         typer.echo(f"hpc-elastic agent: metrics on port {exporter.port}", err=True)
     return runner, exporter
+
+
+def _connect_until_stopped(
+    args: AgentArguments,
+    node: NodeInfo,
+    expected: Callable[[], int | None],
+    signals: stops.StopSignals,
+) -> StoreRendezvous:
+    """``_connect`` on a thread of its own, so that a stop signal ends the wait at once. An
+    ensemble that answers the connection and then goes away holds the job's first requests
+    in kazoo for ever: past the connect timeout plus the outage limit, that is an outage like
+    any other (``RendezvousUnreachableError``)."""
+    settings = rendezvous_settings(args)
+
+    def connect() -> StoreRendezvous:
+        return _connect(
+            args.zk, settings, node, expected, args.zk_auth_file, open_acl=args.zk_open_acl
+        )
+
+    if local_store.is_local(args.zk):
+        return stops.until_stopped(connect, signals)
+    from hpc_elastic.rendezvous.zookeeper import (  # noqa: PLC0415 (kazoo: only here)
+        CONNECT_TIMEOUT,
+        ZooKeeperAddress,
+    )
+
+    where = f"ZooKeeper at '{ZooKeeperAddress.parse(args.zk)}'"
+    return stops.until_stopped(
+        connect,
+        signals,
+        within=CONNECT_TIMEOUT + settings.give_up_after,
+        on_timeout=lambda: RendezvousUnreachableError(unreachable_sentence(where, settings)),
+    )
 
 
 def _connect(
@@ -402,24 +492,23 @@ def check_before_joining(
     book: BadNodeStore | None,
     ttl: float,
     emit: Callable[..., None],
+    run: Callable[[Callable[[], Preflight]], Preflight] | None = None,
 ) -> int | None:
     """Run the preflight; None for a healthy node, else the agent's exit code.
 
     An unhealthy node never joins: in a Slurm array its slot is requeued away from it and
     from every bad node the user's memory holds (exit 75); elsewhere there is nowhere to
     move, so the agent fails with one sentence (exit 1). The ``health`` event says why.
+    ``run`` runs the checks (the agent command: on a thread that a stop signal gives up on).
     """
     from hpc_elastic.agent import health  # noqa: PLC0415 (NVML and kazoo: only when asked)
 
-    checked = health.preflight(
-        checks,
-        node=node,
-        job=run_id,
-        now=time.time(),
-        book=book,
-        ttl=ttl,
-        emit=emit,
-    )
+    def checks_now() -> Preflight:
+        return health.preflight(
+            checks, node=node, job=run_id, now=time.time(), book=book, ttl=ttl, emit=emit
+        )
+
+    checked = checks_now() if run is None else run(checks_now)
     if array_slot is not None:  # Every later requeue of the slot keeps away from them too.
         array_slot.remembered_bad = tuple(host for host in checked.exclude.split(",") if host)
     if checked.healthy:

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 
+from hpc_elastic.contract import UNREACHABLE_EXIT_CODE
 from hpc_elastic.events import (
     CheckpointDetails,
     ChurnDetails,
@@ -91,6 +92,8 @@ def summarize(events: Iterable[Event]) -> Summary:
         elif event.kind == Kind.FAILED:
             failure = failure or FailedDetails.from_details(details).reason
             outcome = "failed"
+        elif event.kind == Kind.ERROR and details.get("exit_code") == UNREACHABLE_EXIT_CODE:
+            failure = str(details.get("reason"))  # ZooKeeper out of reach: the slot is gone
         elif event.kind == Kind.DONE:
             outcome = "succeeded"
     return Summary(
