@@ -147,8 +147,13 @@ def submit(script: str | Path, *script_args: str, **options: object) -> Job:
 
     ``options`` are the CLI's submit options by Python name, e.g.
     ``submit("train.py", "--lr", "3e-4", nodes="1:4", nproc_per_node=8, partition="low")``.
+    Without ``zk`` (and none in the config file or ``$HPC_ELASTIC_ZK``), the job uses the
+    ensemble you started with ``hpc-elastic zk start``, which must still run.
     """
     job = plan_job(script, script_args, options)
+    from hpc_elastic.ensemble.choice import require_alive  # noqa: PLC0415
+
+    require_alive(job.spec.zk)
     return send(job)
 
 
@@ -165,11 +170,14 @@ def plan_job(
     ``config`` defaults to the config file found from the current directory.
     """
     given = {name: _as_flag_value(_option(name), value) for name, value in (options or {}).items()}
+    config_path = None
     if config is None:
         from hpc_elastic.config import load_config  # noqa: PLC0415
 
-        config = load_config(Path.cwd()).values
+        found = load_config(Path.cwd())
+        config, config_path = found.values, found.path
     settings = resolve(SUBMIT_OPTIONS, given, given.__contains__, config)
+    settings["zk"] = _zookeeper(cast("str | None", given.get("zk")), config, config_path).address
     return plan_settings(parse_script(str(script)), script_args, settings, command_line)
 
 
@@ -236,6 +244,17 @@ def _read_secret_files(settings: dict[str, object]) -> None:
                 "only one."
             )
         settings["notify"] = sensitive.read_notify_file(notify_file)
+
+
+def _zookeeper(flag: str | None, config: Mapping[str, object], path: Path | None) -> Any:
+    """``ensemble.choice.choose_zk``: the ``zk`` given, else ``$HPC_ELASTIC_ZK`` or the config
+    file's, else the user's own ensemble (``hpc-elastic zk start``), else the default; which
+    one is logged, as the CLI prints it."""
+    from hpc_elastic.ensemble.choice import choose_zk  # noqa: PLC0415
+
+    choice = choose_zk(flag, config, path)
+    _log.info("%s", choice.line())
+    return choice
 
 
 def _option(name: str) -> Option:

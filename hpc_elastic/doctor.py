@@ -26,7 +26,14 @@ from pathlib import Path
 
 from hpc_elastic.agent import badnodes
 from hpc_elastic.agent.badnodes import BadNode
-from hpc_elastic.contract import DEFAULT_USER_SECRET_FILE, USER_SECRET_FILE_ENV
+from hpc_elastic.contract import (
+    DEFAULT_SESSION_TIMEOUT,
+    DEFAULT_USER_SECRET_FILE,
+    USER_SECRET_FILE_ENV,
+    ZK_ENV,
+)
+from hpc_elastic.ensemble import fourletter, zoocfg
+from hpc_elastic.ensemble.choice import ZkChoice
 from hpc_elastic.errors import HpcElasticError, SlurmError, one_line
 from hpc_elastic.slurm import commands
 
@@ -319,6 +326,155 @@ def _round_trip(host: str, port: int) -> tuple[float, str]:
     return elapsed, f"ZooKeeper {match.group(1).decode()}" if match else "answers"
 
 
+def source_check(choice: ZkChoice) -> Check:
+    """Which ensemble the checks below ask, and why that one (``ensemble.choice``)."""
+    if choice.is_default:
+        return Check(
+            "ZooKeeper ensemble",
+            Level.WARN,
+            f"none named, so the built-in default {choice.address} is tried",
+            "start your own with `hpc-elastic zk start`, or name your site's with --zk, "
+            f"${ZK_ENV} or the config file (docs/cluster-setup.md)",
+        )
+    return Check("ZooKeeper ensemble", Level.PASS, f"{choice.address} ({choice.source})")
+
+
+def quorum_rule(healths: Sequence[fourletter.Health]) -> Check:
+    """A leader, and how many servers serve: a degraded ensemble survives one loss fewer."""
+    state = fourletter.quorum_state(healths)
+    serving = [health for health in healths if health.serving]
+    leader = next(
+        (health.address for health in healths if health.mode in ("leader", "standalone")), None
+    )
+    if state == "no quorum":
+        return Check(
+            "ZooKeeper quorum",
+            Level.FAIL,
+            f"no leader: {', '.join(f'{h.address} {h.mode}' for h in healths)}",
+            "a majority of the servers must run; `hpc-elastic zk status` shows yours",
+        )
+    if len(healths) == 1:
+        return Check(
+            "ZooKeeper quorum",
+            Level.PASS,
+            f"a single server at {leader}: it serves, and survives no loss",
+        )
+    message = f"leader {leader}; {len(serving)} of {len(healths)} servers serving"
+    if state == "degraded":
+        down = ", ".join(f"{h.address} {h.mode}" for h in healths if not h.serving)
+        return Check(
+            "ZooKeeper quorum",
+            Level.WARN,
+            f"{message} ({down})",
+            f"it survives {len(serving) - zoocfg.quorum(len(healths))} more lost server(s); "
+            "bring the missing ones back",
+        )
+    return Check("ZooKeeper quorum", Level.PASS, message)
+
+
+def session_rule(requested: float, bounds: tuple[float, float] | None) -> Check:
+    """The agents' session timeout against the server's bounds: outside them, the server
+    silently gives another one, and a dead node is noticed later (or a slow one dropped)."""
+    if bounds is None:
+        return Check(
+            "ZooKeeper sessions",
+            Level.PASS,
+            f"not checked: the servers do not say their session bounds (`conf` is not allowed); "
+            f"the agents ask for {requested:g} s",
+        )
+    low, high = bounds
+    if low <= requested <= high:
+        return Check(
+            "ZooKeeper sessions",
+            Level.PASS,
+            f"the agents' {requested:g} s sessions are within the server's {low:g}-{high:g} s",
+        )
+    given = min(max(requested, low), high)
+    return Check(
+        "ZooKeeper sessions",
+        Level.WARN,
+        f"the agents ask for {requested:g} s but the server allows {low:g}-{high:g} s, so they "
+        f"get {given:g} s",
+        f"set session-timeout (--session-timeout, or the config file) within {low:g}-{high:g} s",
+    )
+
+
+def acl_rule(enforced: bool | None) -> Check:
+    """Every job's nodes are guarded by a digest ACL: an ensemble that does not enforce ACLs
+    lets every user read, forge and end every job."""
+    if enforced is None:
+        return Check(
+            "ZooKeeper ACLs",
+            Level.WARN,
+            "not checked: no node may be made under /hpc-elastic",
+            "ask the ensemble's admin to give /hpc-elastic world CREATE (docs/rendezvous.md)",
+        )
+    if enforced:
+        return Check(
+            "ZooKeeper ACLs",
+            Level.PASS,
+            "enforced: a node guarded by a digest ACL is refused to a client without its secret",
+        )
+    return Check(
+        "ZooKeeper ACLs",
+        Level.FAIL,
+        "NOT enforced: a client without the secret read a node guarded by a digest ACL",
+        "the server runs with skipACL (or a superuser for all); every user could read, forge "
+        "and end your jobs: fix the server before submitting",
+    )
+
+
+def parse_conf_bounds(text: str) -> tuple[float, float] | None:
+    """``minSessionTimeout``/``maxSessionTimeout`` (ms) from a ``conf`` answer, in seconds."""
+    values = dict(
+        line.split("=", 1) for line in text.splitlines() if "=" in line and not line.startswith("#")
+    )
+    try:
+        return int(values["minSessionTimeout"]) / 1000, int(values["maxSessionTimeout"]) / 1000
+    except (KeyError, ValueError):
+        return None
+
+
+def session_bounds(
+    servers: Sequence[tuple[str, int]], choice: ZkChoice
+) -> tuple[float, float] | None:
+    """The server's session bounds: recorded for the user's own ensemble, else from the first
+    server that answers ``conf`` (admins often do not allow it)."""
+    if choice.ensemble is not None:
+        return choice.ensemble.min_session_ms / 1000, choice.ensemble.max_session_ms / 1000
+    for host, port in servers:
+        try:
+            bounds = parse_conf_bounds(fourletter.ask(host, port, "conf", timeout=3.0))
+        except OSError:
+            continue
+        if bounds is not None:
+            return bounds
+    return None
+
+
+def zookeeper_checks(choice: ZkChoice, session_timeout: float) -> list[Check]:
+    """Which ensemble, whether it answers (``zookeeper_check``), then its quorum, its session
+    bounds and whether it enforces ACLs; the last three only when it answers."""
+    checks = [source_check(choice), zookeeper_check(choice.address)]
+    if checks[-1].level is Level.FAIL:
+        return checks
+    servers = [
+        (host, int(port))
+        for host, _, port in (
+            pair.rpartition(":") for pair in choice.address.split("/", 1)[0].split(",")
+        )
+    ]
+    checks.append(quorum_rule([fourletter.health(host, port) for host, port in servers]))
+    checks.append(session_rule(session_timeout, session_bounds(servers, choice)))
+    from hpc_elastic.rendezvous import zookeeper  # noqa: PLC0415 (kazoo: only when checking)
+
+    try:
+        checks.append(acl_rule(zookeeper.acls_enforced(choice.address)))
+    except HpcElasticError as error:
+        checks.append(Check("ZooKeeper ACLs", Level.WARN, f"not checked: {error}"))
+    return checks
+
+
 def checkpoint_checks(directory: Path, partition: str | None, slurm_ok: bool) -> list[Check]:
     """Writable here, and readable from a compute node (one short ``srun``)."""
     marker = directory / f".hpc-elastic-doctor-{secrets.token_hex(4)}"
@@ -497,18 +653,19 @@ def _user_secret_file() -> Path:
 
 def diagnose(
     partition: str | None,
-    zk: str,
+    zk: str | ZkChoice,
     checkpoint_dir: Path | str,
     user_secret_file: Path | None = None,
+    session_timeout: float = DEFAULT_SESSION_TIMEOUT,
 ) -> list[Check]:
-    """Every check; ``checkpoint_dir`` is a local directory, or a URL (``is_url``) left as is."""
+    """Every check; ``checkpoint_dir`` is a local directory, or a URL (``is_url``) left as is.
+    ``zk`` is the ensemble to check and where it came from (a bare address: given by hand)."""
+    choice = zk if isinstance(zk, ZkChoice) else ZkChoice(zk, "--zk")
     checks, chosen = slurm_checks(partition)
-    checks.append(zookeeper_check(zk))
-    checks.append(
-        bad_nodes_check(
-            zk, user_secret_file or _user_secret_file(), checks[-1].level is not Level.FAIL
-        )
-    )
+    ensemble = zookeeper_checks(choice, session_timeout)
+    checks.extend(ensemble)
+    zk_ok = all(check.level is not Level.FAIL for check in ensemble[:2])
+    checks.append(bad_nodes_check(choice.address, user_secret_file or _user_secret_file(), zk_ok))
     checks.extend(container_checks())
     if isinstance(checkpoint_dir, str):
         checks.append(object_store_check(checkpoint_dir))

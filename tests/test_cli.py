@@ -101,6 +101,8 @@ def test_submit_writes_the_job_directory(workdir: Path, slurm: FakeSlurm) -> Non
         f"Job directory: {job_dir}",
         f"Logs: {job_dir}/slurm-42_*.out",
         f"Code: snapshot of {workdir.resolve()} (not a git work tree), 1 file, 0.0 MB",
+        "ZooKeeper: 127.0.0.1:2181 (the built-in default: no --zk, $HPC_ELASTIC_ZK, config "
+        "file or ensemble of yours names one; `hpc-elastic zk start` starts one)",
     ]
     secret = (job_dir / "secret").read_text()
     assert len(secret) == 64

@@ -11,18 +11,24 @@ import json
 import os
 import random
 import re
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 from slurm_fake import mocked_slurm
 from typer.testing import CliRunner
+from unix_users import UnixUser, mallory, shared
 
-from hpc_elastic import cli, contract
+from hpc_elastic import cli, contract, doctor
 from hpc_elastic.ensemble import choice, files, fourletter, install, lifecycle, zoocfg
 from hpc_elastic.ensemble.files import Ensemble, Layout, Server, StartRecord
 from hpc_elastic.errors import EnsembleError, EnsembleTrustError, UsageError
 from hpc_elastic.slurm.commands import JobStatus, SlurmJobId
+
+__all__ = ["mallory", "shared"]  # fixtures, used by name
+
 
 # --- finding ZooKeeper and Java ----------------------------------------------------------------
 
@@ -591,3 +597,108 @@ def test_zk_stop_refuses_while_a_job_of_yours_uses_the_ensemble(layout: Layout) 
             lifecycle.stop(files.find(), False, print, records=lambda: [user])
     assert fake.ran("scancel") == []
     assert layout.ensemble_file.exists()
+
+
+# --- a connect-string file another user planted or replaced --------------------------------------
+
+
+def test_a_connect_string_file_another_user_planted_is_refused(
+    mallory: UnixUser, shared: Path, workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The state directory lies in a group project directory that mallory may write: she
+    makes the ``zk`` directory and an ``ensemble.json`` naming her own ZooKeeper before the
+    user's first submit. The submit refuses it in one sentence, and never renders her address."""
+    state = shared / "project" / "state"
+    monkeypatch.setenv(contract.STATE_DIR_ENV, str(state))
+    hers = json.loads(files.encode(Ensemble(servers=(peer(1),), job_id="66")))
+    hers["servers"][0]["host"] = "mallory.example.org"
+    mallory.sh(
+        f"mkdir -p {state}/zk && cat > {state}/zk/ensemble.json <<'EOF'\n{json.dumps(hers)}\nEOF"
+    )
+    result = CliRunner().invoke(cli.app, ["render", "train.py"])
+    assert result.exit_code == 1
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith(f"error: Ensemble file '{state}/zk/ensemble.json' is not trusted")
+    assert f"owned by user id {mallory.uid}, not by you" in lines[0]
+    assert "mallory.example.org" not in result.stdout
+
+
+def test_a_connect_string_file_another_user_replaced_is_refused(
+    mallory: UnixUser, shared: Path, workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The user's zk directory was left open (0777): mallory swaps the ensemble file for a
+    link to a file of hers, then for her own file; both are refused, by ``submit`` too."""
+    monkeypatch.setenv(contract.STATE_DIR_ENV, str(shared / "mine"))
+    layout = Layout.of()
+    publish(layout, an_ensemble())
+    layout.root.parent.chmod(0o755)
+    layout.root.chmod(0o777)
+    target = layout.ensemble_file
+    mallory.sh(f"rm -f {target} && ln -s /tmp/hers.json {target}")
+    linked = CliRunner().invoke(cli.app, ["submit", "train.py"])
+    assert linked.exit_code == 1
+    assert "is not trusted because it is a symbolic link" in linked.stderr
+    hers = files.encode(Ensemble(servers=(peer(1),), job_id="66")).decode()
+    mallory.sh(f"rm -f {target} && cat > {target} <<'EOF'\n{hers}EOF")
+    replaced = CliRunner().invoke(cli.app, ["submit", "train.py"])
+    assert replaced.exit_code == 1
+    assert "is not trusted because" in replaced.stderr
+    assert len(replaced.stderr.splitlines()) == 1
+
+
+# --- doctor's checks of the ensemble -----------------------------------------------------------
+
+
+def test_doctor_names_the_ensemble_it_checks_and_warns_of_the_default_guess() -> None:
+    ours = choice.ZkChoice("h:1", "your ensemble of 3 servers, Slurm job 12")
+    assert doctor.source_check(ours).level is doctor.Level.PASS
+    guess = doctor.source_check(choice.ZkChoice(contract.DEFAULT_ZK, choice.DEFAULT_SOURCE))
+    assert guess.level is doctor.Level.WARN
+    assert "hpc-elastic zk start" in guess.hint
+
+
+def test_doctor_fails_an_ensemble_without_a_leader_and_warns_of_a_degraded_one() -> None:
+    leader, follower = fourletter.Health("a:1", "leader"), fourletter.Health("b:1", "follower")
+    down = fourletter.Health("c:1", "down")
+    assert doctor.quorum_rule([leader, follower, follower]).level is doctor.Level.PASS
+    degraded = doctor.quorum_rule([leader, follower, down])
+    assert degraded.level is doctor.Level.WARN
+    assert "2 of 3 servers serving (c:1 down)" in degraded.message
+    assert "survives 0 more lost server(s)" in degraded.hint
+    looking = fourletter.Health("b:1", "no quorum")
+    assert doctor.quorum_rule([looking, looking, down]).level is doctor.Level.FAIL
+
+
+def test_doctor_warns_when_the_agents_session_is_outside_the_servers_bounds() -> None:
+    assert doctor.session_rule(6.0, (2.0, 60.0)).level is doctor.Level.PASS
+    short = doctor.session_rule(2.0, (4.0, 40.0))
+    assert short.level is doctor.Level.WARN
+    assert "so they get 4 s" in short.message
+    assert doctor.session_rule(6.0, None).message.startswith("not checked")
+    conf = "clientPort=2181\nminSessionTimeout=4000\nmaxSessionTimeout=40000\n"
+    assert doctor.parse_conf_bounds(conf) == (4.0, 40.0)
+
+
+def test_doctor_fails_an_ensemble_that_does_not_enforce_acls() -> None:
+    assert doctor.acl_rule(True).level is doctor.Level.PASS
+    assert doctor.acl_rule(False).level is doctor.Level.FAIL
+    assert doctor.acl_rule(None).level is doctor.Level.WARN
+
+
+def test_the_help_loads_nothing_of_the_ensemble_but_what_choosing_one_needs() -> None:
+    """``hpc-elastic --help`` and ``zk --help`` list the commands; the search for Java, the
+    servers and the Slurm side load only when a ``zk`` command runs."""
+    for args in (["--help"], ["zk", "--help"], ["zk", "start", "--help"]):
+        result = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "hpc_elastic", *args],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
+        )
+        imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines()}
+        for module in ("install", "server", "lifecycle"):
+            assert f"hpc_elastic.ensemble.{module}" not in imported, args
+        assert "kazoo" not in imported

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, cast
 
 import typer
 
 from hpc_elastic.config import load_config
-from hpc_elastic.contract import DEFAULT_RUNS_DIR, DEFAULT_ZK
+from hpc_elastic.contract import DEFAULT_RUNS_DIR, DEFAULT_SESSION_TIMEOUT, DEFAULT_ZK
 from hpc_elastic.doctor import Level, diagnose, is_url
+from hpc_elastic.ensemble.choice import choose_zk
 from hpc_elastic.errors import UsageError
 from hpc_elastic.spec import parse_zk
 
@@ -30,7 +31,8 @@ def doctor_command(
         typer.Option(
             parser=parse_zk,
             metavar="HOST:PORT[,...]",
-            help=f"ZooKeeper to check. Default: $HPC_ELASTIC_ZK, the config file, or {DEFAULT_ZK}.",
+            help="ZooKeeper to check. Default: $HPC_ELASTIC_ZK, the config file, the ensemble "
+            f"you started (hpc-elastic zk start), or {DEFAULT_ZK}.",
         ),
     ] = None,
     checkpoint_dir: Annotated[
@@ -43,10 +45,17 @@ def doctor_command(
     ] = None,
 ) -> None:
     """Check a cluster before the first submit: one line per check, pass, warn or fail."""
-    values = load_config(Path.cwd()).values
-    address = zk or str(values.get("zk", DEFAULT_ZK))
+    config = load_config(Path.cwd())
+    values = config.values
+    choice = choose_zk(zk, values, config.path)
     where = checkpoint_dir or str(values.get("log_dir", DEFAULT_RUNS_DIR))
-    checks = diagnose(partition, address, where if is_url(where) else _local_dir(where))
+    session = values.get("session_timeout") or DEFAULT_SESSION_TIMEOUT
+    checks = diagnose(
+        partition,
+        choice,
+        where if is_url(where) else _local_dir(where),
+        session_timeout=float(cast(float, session)),
+    )
     for check in checks:
         for line in check.lines():
             typer.echo(line)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Annotated
@@ -20,6 +21,7 @@ import typer
 from hpc_elastic.agent import badnodes
 from hpc_elastic.config import load_config
 from hpc_elastic.contract import DEFAULT_USER_SECRET_FILE, DEFAULT_ZK, USER_SECRET_FILE_ENV, ZK_ENV
+from hpc_elastic.ensemble.choice import choose_zk
 from hpc_elastic.errors import UsageError
 from hpc_elastic.spec import parse_zk
 
@@ -46,7 +48,8 @@ def nodes_command(
             parser=parse_zk,
             metavar="HOST:PORT[,...]",
             envvar=ZK_ENV,
-            help=f"The ZooKeeper your jobs use. Default: the config file's, else {DEFAULT_ZK}.",
+            help="The ZooKeeper your jobs use. Default: the config file's, else the ensemble "
+            f"you started (hpc-elastic zk start), else {DEFAULT_ZK}.",
         ),
     ] = None,
     user_secret_file: Annotated[
@@ -75,8 +78,11 @@ def nodes_command(
             f"'hpc-elastic nodes' lists every bad node, so '{hosts[0]}' is not needed; to "
             f"forget nodes, run 'hpc-elastic nodes clear {' '.join(hosts)}'."
         )
-    address = zk or str(load_config(Path.cwd()).values.get("zk", DEFAULT_ZK))
-    with badnodes.open_book(address, user_secret_file) as book:
+    config = load_config(Path.cwd())
+    typed = None if zk == os.environ.get(ZK_ENV) else zk  # Typer fills --zk from the variable
+    choice = choose_zk(typed, config.values, config.path)
+    typer.echo(choice.line(), err=True)
+    with badnodes.open_book(choice.address, user_secret_file) as book:
         if action is Action.LIST:
             _show(badnodes.listing(book, time.time()), as_json=as_json)
         else:
