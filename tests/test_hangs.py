@@ -319,3 +319,33 @@ def test_ddp_ranks_blocked_on_an_event_may_wait_for_a_moving_rank_once() -> None
     assert first_look(again, MEMBERS) is None
     asleep = nodes(blocked(0, wchan="hrtimer_nanosleep"), slow, blocked(2), blocked(3), stage=1)
     assert first_look(asleep, MEMBERS) is None
+
+
+def test_a_rank_that_spins_on_a_busy_machine_is_not_moving_however_little_it_ran() -> None:
+    """The machine gave rank 1 a sixth of a CPU: counted without its waits for one, its wait
+    is short, but it burnt 0.9 s of CPU without a step that takes 20 ms: it spins."""
+    spinner = RankEvidence(
+        1,
+        state="R",
+        age=1.5,
+        waited=9.0,
+        deadline=4.0,
+        cpu=0.9,
+        cpu_per_step=0.02,
+        marker="out all_reduce #24",
+        inside=False,
+    )
+    assert spinner.spinning
+    assert not spinner.moving
+    assert not replace(spinner, cpu=0.04).spinning, "a slow step's worth is not spinning"
+    assert not replace(spinner, cpu=0.3, cpu_per_step=0.001).spinning, "below the floor"
+    verdict = attribute(
+        nodes(
+            in_backward(0),
+            replace(spinner, stack="train.py:42 in spin", dumped=True),
+            in_backward(2),
+            in_backward(3),
+        ),
+        MEMBERS,
+    )
+    assert (verdict.kind, verdict.rank) == (CULPRIT, 1)

@@ -401,3 +401,12 @@ def test_when_every_rank_is_slow_none_is_a_straggler() -> None:
 def test_the_queue_time_of_a_step_comes_off_its_paced_time() -> None:
     paced = paced_step_times({0: 1.0, 1: 1.0}, {0: {1: 1.0}, 1: {1: 1.4}}, {1: 0.4})
     assert paced == pytest.approx({0: 1.0, 1: 1.0})
+
+
+def test_the_watch_reports_the_cpu_a_rank_used_since_its_step_and_what_a_step_takes() -> None:
+    rank_watch = watch()
+    for second in range(1, 12):  # 10 ms of CPU per step
+        rank_watch.poll(second + 0.1, {0: (float(second), second)}, ran={0: 0.01 * second})
+    verdict = rank_watch.poll(14.0, {0: (11.0, 11)}, ran={0: 0.11 + 1.5})  # then it spins
+    assert verdict.waits[0].cpu == pytest.approx(1.5)
+    assert verdict.waits[0].cpu_per_step == pytest.approx(0.01)

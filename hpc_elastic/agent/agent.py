@@ -883,13 +883,14 @@ class Agent:
             for worker in group.running()
             if not heartbeat.finished(worker.paths.heartbeat)  # its loop is over: not timed
         }
-        queued = {rank: proc.queued(w.process.pid) for rank, w in running.items()}
+        times = {rank: proc.cpu_times(w.process.pid) for rank, w in running.items()}
         verdict = watch.poll(
             time.time(),
             {rank: _reading(w) for rank, w in running.items()},
             # a rank writing a checkpoint cannot beat: time it by the checkpoint deadline
             checkpointing=any(heartbeat.checkpointing(w.paths.heartbeat) for w in running.values()),
-            queued={rank: seconds for rank, seconds in queued.items() if seconds is not None},
+            queued={rank: cpu[1] for rank, cpu in times.items() if cpu is not None},
+            ran={rank: cpu[0] for rank, cpu in times.items() if cpu is not None},
         )
         for rank in verdict.stragglers:
             score = round(verdict.scores.get(rank, 0.0), 2)

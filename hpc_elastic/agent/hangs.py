@@ -37,6 +37,11 @@ still moving (slow, on a busy machine), and the investigation is dismissed: the 
 for a rank that will come. A rank frozen in a collective's lockstep stopped beating at most a
 step before the others, far less than half a deadline (at least five steps)."""
 
+SPIN_STEPS = 5.0
+SPIN_FLOOR = 0.5
+"""A rank that used more than ``SPIN_STEPS`` times the CPU of its costliest steps, and at
+least ``SPIN_FLOOR`` CPU seconds, without a step spins (``RankEvidence.spinning``)."""
+
 EXCUSES = 2.0
 """A stalled rank is waited for at most this many deadlines (wall) before its stack is asked
 for: one investigation may be dismissed for a slow rank, not every one."""
@@ -67,6 +72,10 @@ class RankEvidence:
     and the time its agent was not scheduled: what the deadline is compared with."""
     waited: float = 0.0
     """Wall seconds since it last made progress."""
+    cpu: float | None = None
+    """CPU seconds it used since it last made progress."""
+    cpu_per_step: float | None = None
+    """The most CPU seconds one of its steps took so far (99th percentile)."""
     wchan: str | None = None
     """The kernel function its main thread slept in (``/proc/PID/wchan``), None if running."""
     deadline: float = 0.0
@@ -135,14 +144,25 @@ class RankEvidence:
         return self.state != FINISHED and not (self.state == EXITED and self.exit_code == 0)
 
     @property
+    def spinning(self) -> bool:
+        """It used many steps' worth of CPU (``SPIN_STEPS``, at least ``SPIN_FLOOR`` s) since
+        it last made progress: a loop that never ends, however little CPU a busy machine
+        gives it. A slow rank on that machine uses a step's CPU, then beats."""
+        if self.cpu is None or self.cpu_per_step is None:
+            return False
+        return self.cpu > max(SPIN_STEPS * self.cpu_per_step, SPIN_FLOOR)
+
+    @property
     def moving(self) -> bool:
         """Still making progress: outside any collective (as far as is known), able to
-        answer, and beaten within ``PROGRESS_SHARE`` of its deadline."""
+        answer, not spinning, and beaten within ``PROGRESS_SHARE`` of its deadline (its wait
+        counted without the time it waited for a CPU)."""
         return (
             self.timed
             and self.state not in (EXITED, UNKNOWN)
             and self.stuck is None
             and self.in_collective is not True
+            and not self.spinning
             and self.age < self.deadline * PROGRESS_SHARE
         )
 
@@ -474,7 +494,13 @@ def describe(rank: RankEvidence) -> str:
     elif rank.dumped:
         words.append("no stack dump")
     if rank.timed and rank.state != EXITED:
-        words.append(f"no progress for {rank.age:.1f} s of {rank.deadline:.1f} s")
+        counted = f"{rank.age:.1f} s counted"
+        words.append(f"no progress for {rank.waited:.1f} s ({counted}) of {rank.deadline:.1f} s")
+        if rank.cpu is not None:
+            per_step = (
+                "" if rank.cpu_per_step is None else f" (a step takes {rank.cpu_per_step:.3f} s)"
+            )
+            words.append(f"{rank.cpu:.2f} s of CPU since{per_step}")
     return ", ".join(words)
 
 

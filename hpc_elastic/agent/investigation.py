@@ -189,6 +189,8 @@ class Investigation:
             state=proc.state(worker.process.pid) or hangs.UNKNOWN,
             age=0.0 if wait is None else (wait.waited if wait.counted is None else wait.counted),
             waited=0.0 if wait is None else wait.waited,
+            cpu=None if wait is None else wait.cpu,
+            cpu_per_step=None if wait is None else wait.cpu_per_step,
             wchan=proc.wchan(worker.process.pid),
             deadline=0.0 if wait is None else wait.deadline,
             phase="startup" if wait is None else wait.phase.value,

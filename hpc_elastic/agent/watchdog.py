@@ -300,6 +300,11 @@ class Hung:
     counted: float | None = None
     """``waited`` less the time the machine was too busy to run the rank or its agent (see
     ``RankWatch``): what is compared with the deadline. None: all of ``waited``."""
+    cpu: float | None = None
+    """CPU seconds the rank used since its last progress; None if unknown."""
+    cpu_per_step: float | None = None
+    """The most CPU seconds a step of this rank used (the 99th percentile of its steps so
+    far); None until known. A rank that used many times that without a step spins."""
 
     @property
     def past_deadline(self) -> bool:
@@ -323,6 +328,9 @@ class Verdict:
     waits: dict[int, Hung] = field(default_factory=dict)
     """Every timed rank's wait so far, hung or not: a hang's evidence (agent/hangs.py)."""
 
+
+CPU_STEPS_KEPT = 200
+"""Steps of CPU time remembered per rank, for the CPU a step takes."""
 
 STALLS_KEPT = 4096
 """Late polls remembered: far more than a deadline's worth of them on a machine that is busy."""
@@ -360,6 +368,10 @@ class RankWatch:
     _queued_at_move: dict[int, float] = field(default_factory=dict)
     """... as read when its heartbeat last moved."""
     _queued_per_step: dict[int, float] = field(default_factory=dict)
+    _ran: dict[int, float] = field(default_factory=dict)
+    """Each rank's CPU seconds, as last read; and as read when its heartbeat last moved:"""
+    _ran_at_move: dict[int, float] = field(default_factory=dict)
+    _cpu_per_step: dict[int, deque[float]] = field(default_factory=dict)
     _polled_at: float | None = None
     _stalls: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=STALLS_KEPT))
     """(when a late poll came, seconds it was late)."""
@@ -371,9 +383,13 @@ class RankWatch:
         readings: Mapping[int, Reading | None],
         checkpointing: bool = False,
         queued: Mapping[int, float] | None = None,
+        ran: Mapping[int, float] | None = None,
     ) -> Verdict:
+        """``ran``: each rank's CPU seconds so far (``/proc/PID/schedstat``), for the CPU a
+        step takes (a hang's evidence: a rank that spins uses far more without a step)."""
         self._note_stall(now)
         self._queued.update(queued or {})
+        self._ran.update(ran or {})
         moved = False
         hung = []
         waits = {}
@@ -427,6 +443,9 @@ class RankWatch:
         queued, queued_before = self._queued.get(rank), self._queued_at_move.get(rank)
         if queued is not None:
             self._queued_at_move[rank] = queued
+        ran, ran_before = self._ran.get(rank), self._ran_at_move.get(rank)
+        if ran is not None:
+            self._ran_at_move[rank] = ran
         if previous is None:
             self.deadlines.observe(Phase.STARTUP, reading[0] - self.started)
             return False
@@ -434,9 +453,12 @@ class RankWatch:
         seconds = step_seconds(previous, reading)
         if seconds is not None:
             self._step_times[rank] = seconds
+            advanced = (reading[1] or 0) - (previous[1] or 0)
             if queued is not None and queued_before is not None:
-                advanced = (reading[1] or 0) - (previous[1] or 0)
                 self._queued_per_step[rank] = max(0.0, queued - queued_before) / advanced
+            if ran is not None and ran_before is not None:
+                steps = self._cpu_per_step.setdefault(rank, deque(maxlen=CPU_STEPS_KEPT))
+                steps.append(max(0.0, ran - ran_before) / advanced)
         return True
 
     def _waiting(
@@ -457,7 +479,17 @@ class RankWatch:
         waited = now - since
         queued = self._queued.get(rank, 0.0) - self._queued_at_move.get(rank, 0.0)
         counted = waited - self._stalled_since(since) - max(0.0, queued)
-        return Hung(rank, phase, waited, self.deadlines.deadline(phase), max(0.0, counted))
+        ran = self._ran.get(rank)
+        steps = self._cpu_per_step.get(rank)
+        return Hung(
+            rank,
+            phase,
+            waited,
+            self.deadlines.deadline(phase),
+            max(0.0, counted),
+            cpu=None if ran is None else max(0.0, ran - self._ran_at_move.get(rank, 0.0)),
+            cpu_per_step=percentile(steps, 99.0) if steps else None,
+        )
 
 
 ARRIVALS_KEPT = 32
