@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from cluster import wait_until
 from slurm_fake import mocked_slurm
 from typer.testing import CliRunner
 from unix_users import UnixUser, mallory, shared
@@ -25,6 +26,7 @@ from hpc_elastic import cli, contract, doctor
 from hpc_elastic.ensemble import choice, files, fourletter, install, lifecycle, zoocfg
 from hpc_elastic.ensemble.files import Ensemble, Layout, Server, StartRecord
 from hpc_elastic.errors import EnsembleError, EnsembleTrustError, UsageError
+from hpc_elastic.rendezvous import testing
 from hpc_elastic.slurm.commands import JobStatus, SlurmJobId
 
 __all__ = ["mallory", "shared"]  # fixtures, used by name
@@ -702,3 +704,58 @@ def test_the_help_loads_nothing_of_the_ensemble_but_what_choosing_one_needs() ->
         for module in ("install", "server", "lifecycle"):
             assert f"hpc_elastic.ensemble.{module}" not in imported, args
         assert "kazoo" not in imported
+
+
+# --- zk serve: the same server in the foreground ------------------------------------------------
+
+
+def test_zk_serve_serves_in_the_foreground_until_zk_stop_ends_it(tmp_path: Path) -> None:
+    """No Slurm: one standalone server of the user's, which ``zk status`` shows and ``zk stop``
+    ends (SIGTERM), leaving no file, data directory or listening port behind."""
+    if not testing.ZOOKEEPER_JAR.exists():
+        message = f"ZooKeeper is not installed ({testing.ZOOKEEPER_JAR} is missing)"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"{message}; CI must test against a real ZooKeeper", pytrace=False)
+        pytest.skip(message)
+    local = tmp_path / "local"
+    local.mkdir()
+    env = {
+        **os.environ,
+        contract.STATE_DIR_ENV: str(tmp_path / "state"),
+        "TMPDIR": str(local),
+        "PYTHONPATH": str(Path(__file__).parent.parent),
+    }
+    env.pop(contract.ZK_ENV, None)
+    layout = Layout(tmp_path / "state" / "zk")
+    command = [sys.executable, "-m", "hpc_elastic", "zk"]
+    server = subprocess.Popen(
+        [*command, "serve"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        assert wait_until(layout.ensemble_file.exists, 120), server.poll()
+        shown = subprocess.run(
+            [*command, "status", "--json"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        status = json.loads(shown.stdout)
+        assert status["state"] == "serving", status
+        (served,) = status["servers"]
+        assert served["mode"] == "standalone"
+        [data] = local.glob("hpc-elastic-zk-serve-*")
+        assert data.stat().st_mode & 0o777 == 0o700
+        stopped = subprocess.run(
+            [*command, "stop"], env=env, capture_output=True, text=True, timeout=120, check=False
+        )
+        assert stopped.returncode == 0, stopped.stderr
+        assert server.wait(timeout=60) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    assert not layout.ensemble_file.exists()
+    assert list(local.glob("hpc-elastic-zk-serve-*")) == []
+    assert fourletter.health("127.0.0.1", served["client_port"], timeout=1.0).mode == "down"

@@ -243,11 +243,14 @@ def start(
     files.write_private(layout.start_file, files.encode(record))
     script = render_script(request, layout)
     files.write_private(layout.script, script.encode())
+    previous = os.umask(0o077)  # Slurm creates the job's output file with sbatch's umask
     try:
         job_id = str(slurm.sbatch(script))
     except HpcElasticError:
         _remove_run_dir(layout)
         raise
+    finally:
+        os.umask(previous)
     files.write_private(layout.start_file, files.encode(replace(record, job_id=job_id)))
     say(
         f"Submitted Slurm job {job_id}: a ZooKeeper ensemble of {request.servers} "
@@ -348,7 +351,7 @@ def wait_serving(layout: Layout, job_id: str, timeout: float, slurm: Slurm, say:
                 f"{_last_words(layout, job_id)}"
             )
         if status.state == "PENDING":
-            if not told_pending:
+            if not told_pending and status.reason != "None":  # "None": about to start
                 say(f"Waiting for Slurm to start job {job_id} (pending: {status.reason}).")
                 told_pending = True
         elif started is None:
