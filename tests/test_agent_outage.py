@@ -236,16 +236,23 @@ def test_a_sigterm_ends_an_agent_that_is_still_connecting(tmp_path: Path) -> Non
     assert "Traceback" not in log
 
 
-def test_a_sigterm_ends_an_agent_that_waits_for_more_nodes(tmp_path: Path, chroot: str) -> None:
+@pytest.mark.parametrize(
+    ("signum", "expected"),
+    [(signal.SIGTERM, ExitCode.TERMINATED), (signal.SIGINT, ExitCode.INTERRUPTED)],
+    ids=["SIGTERM", "SIGINT"],
+)
+def test_a_stop_signal_ends_an_agent_that_waits_for_more_nodes(
+    tmp_path: Path, chroot: str, signum: int, expected: ExitCode
+) -> None:
     agents = Agents(tmp_path, chroot, "2")
     try:
         agents.start("a0")
         wait_for(agents.said("a0", "waiting for a round after round 0"), "the agent join")
-        code = agents.stop("a0")
+        code = agents.stop("a0", signum)
     finally:
         agents.kill_all()
-    assert code == ExitCode.TERMINATED, agents.log("a0")[-3000:]
-    assert "Traceback" not in agents.log("a0")
+    assert code == expected, agents.log("a0")[-3000:]
+    assert "Traceback" not in agents.log("a0"), "no KeyboardInterrupt either"
 
 
 def test_a_sigterm_ends_an_agent_whose_workers_train(tmp_path: Path, chroot: str) -> None:
