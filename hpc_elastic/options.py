@@ -750,8 +750,8 @@ SUBMIT_OPTIONS: tuple[Option, ...] = (
     _text(
         "zk",
         str,
-        f"ZooKeeper ensemble for the rendezvous; ${contract.ZK_ENV}, the config file and the "
-        "ensemble you started (hpc-elastic zk start) beat this default.",
+        f"ZooKeeper for the rendezvous; ${contract.ZK_ENV}, the config file and your own "
+        "ensemble (zk start) beat this default.",
         parse_zk,
         default=contract.DEFAULT_ZK,
         metavar="HOST:PORT[,...]",
