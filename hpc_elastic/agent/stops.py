@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from types import FrameType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from hpc_elastic.agent.api import ExitCode
 
@@ -77,8 +77,9 @@ class StopSignals:
             listener(signum)
 
 
-Handlers = dict[int, "signal._HANDLER"]
-"""Signal numbers and the handlers they had (``StopSignals.install``)."""
+Handlers = dict[int, Callable[[int, FrameType | None], Any] | int | None]
+"""Signal numbers and the handlers they had (``StopSignals.install``): a function, SIG_DFL or
+SIG_IGN, or None for one that was not set from Python."""
 
 
 def restore(handlers: Handlers) -> None:
