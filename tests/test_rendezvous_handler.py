@@ -702,3 +702,18 @@ def test_the_exit_barrier_fails_the_job_only_on_the_state_it_decided_from() -> N
     assert state is not None
     assert not st.decode(state).failed
     assert set(st.decode(state).succeeded) == {"a", "b"}
+
+
+def test_a_job_below_min_beside_a_stuck_member_counts_only_the_nodes_that_can_train() -> None:
+    """Found by the simulation's check that a job failed below MIN names fewer than MIN
+    nodes (seed 393): b is stuck for good (alive, never back), a waits for it, leaves it out
+    once overdue and is then one of the 2 needed. The job failed with "only 2 of the 2 nodes
+    needed joined", counting the stuck b that the decision had rightly left out."""
+    config = RendezvousSettings(run_id="job", nodes=NodeRange(2, 2), min_wait=30.0)
+    world = Stepped(config)
+    a, b = world.handler("a"), world.handler("b")
+    world.rounds([a, b])
+    a.report_failure(Failure("a", "host-a", 0, 1, None, "boom", 0.0))
+    with pytest.raises(JobFailedError, match="only 1 of the 2 nodes needed joined within 30 s"):
+        world.rounds([a], limit=st.straggler_timeout(config) + config.min_wait + 10)
+    assert "b" in world.server.member_ids, "b is alive all along, only stuck"

@@ -278,7 +278,9 @@ class StoreRendezvous(Rendezvous):
         if action is st.Action.BELOW_MIN:
             self._last_call_deadline = self._propose_at = None
             if now >= self._min_deadline:
-                self._fail_below_min(state, token, len(st.present(state, alive)))
+                # The nodes the decision counted: a live member left out as a stuck straggler
+                # is none of them ("only 2 of the 2 nodes" said the simulation's seed 393).
+                self._fail_below_min(state, token, len(st.candidates(state, alive)))
                 return Step(action, again=True)
             return Step(action, wake_at=self._min_deadline)
         if action is st.Action.LAST_CALL:
@@ -302,7 +304,8 @@ class StoreRendezvous(Rendezvous):
     def _written(self, action: st.Action, state: st.JobState) -> st.JobState:
         """The state this node writes for one of the ``_WRITES`` actions."""
         if action is st.Action.PUBLISH_PORT:
-            return st.publish_master(state, state.round, self._pick_port())
+            pick = self.pick_master_port or self._pick_port
+            return st.publish_master(state, state.round, pick())
         if action is st.Action.MARK_READY:
             return st.mark_ready(state, self.node.node_id)
         return st.readmit(state, self.node.node_id)
