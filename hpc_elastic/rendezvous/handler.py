@@ -60,7 +60,10 @@ def _note_key(topic: str, node_id: str) -> str:
 def out_of_reach(suspended_since: float | None, now: float, limit: float) -> bool:
     """Whether a connection down since ``suspended_since`` (None: up) has been down for
     ``limit`` seconds at ``now``: every wait on the store then gives up."""
-    return suspended_since is not None and now - suspended_since >= limit
+    # Compared with the deadline itself (not ``now - suspended_since``), as round_step's wait
+    # computes it: waking up exactly at that deadline must find it passed, whatever the float
+    # rounding, or a simulated agent would wait again for the very same instant, for ever.
+    return suspended_since is not None and now >= suspended_since + limit
 
 
 def unreachable_sentence(where: str, settings: RendezvousSettings) -> str:
