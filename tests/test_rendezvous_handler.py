@@ -717,3 +717,19 @@ def test_a_job_below_min_beside_a_stuck_member_counts_only_the_nodes_that_can_tr
     with pytest.raises(JobFailedError, match="only 1 of the 2 nodes needed joined within 30 s"):
         world.rounds([a], limit=st.straggler_timeout(config) + config.min_wait + 10)
     assert "b" in world.server.member_ids, "b is alive all along, only stuck"
+
+
+def test_a_late_report_of_a_round_that_is_over_spends_nothing() -> None:
+    """b's failure report comes after a formed round 2 without it (b was stuck past the
+    straggler deadline): only the first report of the current round spends a restart, so
+    b's report of round 1 changes nothing, round 2's budget included."""
+    config = RendezvousSettings(run_id="job", nodes=NodeRange(1, 2), last_call=1.0)
+    world = Stepped(config)
+    a, b = world.handler("a"), world.handler("b")
+    world.rounds([a, b])
+    a.report_failure(Failure("a", "host-a", 0, 1, None, "boom", 0.0))
+    (second,) = world.rounds([a], limit=st.straggler_timeout(config) + 10)
+    assert (second.number, second.restarts_used) == (2, 1)
+    before = world.server.state
+    b.report_failure(Failure("b", "host-b", 0, 1, None, "late", 0.0))
+    assert world.server.state == before
