@@ -44,9 +44,13 @@ HOST_ENV = "HPC_ELASTIC_HOST"
 NOTIFY_URL_ENV = "HPC_ELASTIC_NOTIFY_URL"
 """``submit --notify``'s web hook, for the agent (never on a command line: see ``notify``).
 ``submit`` reads it too, as ``--notify`` when no flag gives one."""
-AGENT_ONLY_ENV = frozenset({NOTIFY_URL_ENV})
+USER_SECRET_FILE_ENV = "HPC_ELASTIC_USER_SECRET_FILE"
+"""The user's own secret guarding the bad nodes remembered across jobs (``--user-secret-file``);
+the user's checkpoint key is derived from it (``hpc_elastic.checkpoint_key``)."""
+AGENT_ONLY_ENV = frozenset({NOTIFY_URL_ENV, USER_SECRET_FILE_ENV})
 """Variables the agent reads and never passes on to workers or standbys: secrets that the
-training code has no use for (and might log with the rest of its environment)."""
+training code has no use for (and might log with the rest of its environment). The workers
+get the user's checkpoint key, never the user's secret nor where it lies."""
 ZK_ENV = "HPC_ELASTIC_ZK"
 CHECKPOINT_ASYNC_ENV = "HPC_ELASTIC_CHECKPOINT_ASYNC"
 """``1``: ``save`` copies the state and writes it in the background; ``0`` or unset: inline."""
@@ -65,8 +69,6 @@ LOG_ENV = "HPC_ELASTIC_LOG"
 """``debug``, ``info`` or ``warning``: the level of the package's logs on stderr (``logs``)."""
 PREFLIGHT_ENV = "HPC_ELASTIC_PREFLIGHT"
 """``0``/``false`` turns off the agent's health checks before it joins (``--no-preflight``)."""
-USER_SECRET_FILE_ENV = "HPC_ELASTIC_USER_SECRET_FILE"
-"""The user's own secret guarding the bad nodes remembered across jobs (``--user-secret-file``)."""
 STANDBY_READY_DIR_ENV = "HPC_ELASTIC_STANDBY_READY_DIR"
 """Standby workers' env (``--prewarm``): a directory in which each standby creates a file named
 after its pid once its imports are done, so that the agent can tell a warm standby from one
@@ -80,6 +82,9 @@ INDEX_ENV = "HPC_ELASTIC_INDEX"
 
 JOB_FILE = "job.json"
 SECRET_FILE = "secret"
+CHECKPOINT_KEY_FILE = "checkpoint-key"
+"""The user's checkpoint key (``hpc_elastic.checkpoint_key``), 0600: the workers seal every
+checkpoint manifest with it, so the user's next job resumes from them and nobody else's does."""
 SCRIPT_FILE = "sbatch.sh"
 EVENTS_FILE = "events.jsonl"
 LOGS_DIR = "logs"
@@ -133,10 +138,11 @@ DEFAULT_BAD_NODE_TTL = 24 * 3600.0
 """``agent/badnodes.DEFAULT_TTL``, here too so the agent's options need not import the health
 code; tests/test_options.py checks that the two agree."""
 DEFAULT_USER_SECRET_FILE = Path("~/.hpc-elastic/user-secret")
-"""The user's own secret (``USER_SECRET_FILE_ENV``), created 0600 by the first preflight that
-remembers a bad node; ``hpc-elastic nodes`` and ``doctor`` read it, never create it. It guards
-the bad nodes remembered across the user's jobs in ZooKeeper, which no job's secret may guard
-since they outlive it."""
+"""The user's own secret (``USER_SECRET_FILE_ENV``), created 0600 by ``submit`` or ``run``
+(which derive the user's checkpoint key from it) or by the first preflight that remembers a
+bad node; ``hpc-elastic nodes`` and ``doctor`` read it, never create it. It guards the bad
+nodes remembered across the user's jobs in ZooKeeper, which no job's secret may guard since
+they outlive it."""
 CHECKPOINT_WHEN_BUSY_CHOICES = ("wait", "skip")
 DEFAULT_CHECKPOINT_WHEN_BUSY = "wait"
 DEFAULT_CHECKPOINT_KEEP = 3

@@ -4,6 +4,7 @@ A job directory holds everything one run needs and leaves behind::
 
     <log-dir>/<run-id>/   mode 0700: only the job's user may list or enter it
         secret        per-job ZooKeeper secret, mode 0600; never on a command line or in the script
+        checkpoint-key  the user's checkpoint key, mode 0600, which the workers seal with
         sbatch.sh     the script exactly as submitted, mode 0600 (it carries the --env values)
         job.json      the job record (``JobRecord``); mode 0600
         events.jsonl  what happened, one JSON line per event, appended by agents and runner
@@ -73,6 +74,10 @@ class JobDir:
     @property
     def secret(self) -> Path:
         return self.path / SECRET_FILE
+
+    @property
+    def checkpoint_key(self) -> Path:
+        return self.path / contract.CHECKPOINT_KEY_FILE
 
     @property
     def sbatch_script(self) -> Path:

@@ -25,7 +25,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO
 
-from hpc_elastic import __version__, events
+from hpc_elastic import __version__, checkpoint_key, events
 from hpc_elastic.contract import RUN_ID_ENV
 from hpc_elastic.errors import UsageError
 from hpc_elastic.events import ChurnDetails, Kind
@@ -366,9 +366,11 @@ class LocalJob:
         try:
             make_private_dir(self.job_dir)
             self.paths.logs.mkdir()
-            # The job's secret, as submit writes one: the workers seal their checkpoints'
-            # manifests with it (hpc_elastic.train._integrity), so only what this job wrote loads.
+            # The job's secret and the user's checkpoint key, as submit writes them: the workers
+            # seal their checkpoints' manifests with the key (hpc_elastic.train._integrity), so
+            # the user's next run resumes from them and nobody else's checkpoint loads.
             write_private(self.paths.secret, secrets.token_hex(32), exclusive=True)
+            checkpoint_key.write_key(self.paths.checkpoint_key)
         except OSError as error:
             raise UsageError(
                 f"Job directory '{self.job_dir}' cannot be created ({error.strerror}); "

@@ -24,7 +24,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Protocol
 
-from hpc_elastic import __version__, snapshot, trust
+from hpc_elastic import __version__, checkpoint_key, snapshot, trust
 from hpc_elastic.errors import HpcElasticError, SnapshotError, UsageError
 from hpc_elastic.jobdir import (
     JOB_FILE,
@@ -205,6 +205,7 @@ def _write_job_dir(job: Plan, files: Mapping[str, bytes]) -> None:
         raise _unwritable(job, err) from err
     try:
         write_private(job.paths.secret, secrets.token_hex(32), exclusive=True)
+        checkpoint_key.write_key(job.paths.checkpoint_key)  # the user's, from the user's secret
         write_private(job.paths.sbatch_script, job.script.text)
         for name, data in files.items():
             write_private_bytes(job.job_dir / name, data)

@@ -115,6 +115,15 @@ def _private_job_index(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Non
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _private_user_secret(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The user secret that ``submit`` and ``run`` derive the checkpoint key from is one of
+    the tests' own (made on first use), never the user's ``~/.hpc-elastic/user-secret``."""
+    os.environ[USER_SECRET_FILE_ENV] = str(tmp_path_factory.mktemp("user") / "user-secret")
+    yield
+    del os.environ[USER_SECRET_FILE_ENV]
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _private_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """The tests (and what they start) keep the user's ensemble records (``hpc-elastic zk``)
     in a state directory of their own: a real ensemble of the user's must never become the

@@ -283,7 +283,7 @@ def test_every_manifest_is_sealed_with_the_jobs_secret_and_one_that_does_not_ver
 
     shared_tier = tmp_path / "shared"
     ours = forged_checkpoint(shared_tier, 10, 1.0)  # with the secret in the environment: ours
-    assert _integrity.manifest_problem(manifest_of(ours), job_secret) is None
+    assert _integrity.manifest_problem(manifest_of(ours), (job_secret,)) is None
     monkeypatch.delenv("HPC_ELASTIC_SECRET_FILE")
     forged_checkpoint(shared_tier, 190, 666.0)  # anyone's: no secret, no seal
     monkeypatch.setenv("HPC_ELASTIC_SECRET_FILE", str(tmp_path / "job-secret"))
@@ -297,14 +297,14 @@ def test_every_manifest_is_sealed_with_the_jobs_secret_and_one_that_does_not_ver
     forged = manifest_of(shared_tier / "step-00000190")
     problems = {
         "unsealed": forged,
-        "sealed by another job": _integrity.seal_manifest(forged, b"another job's secret"),
+        "sealed by another job": _integrity.seal_manifest(forged, (b"another job's secret",)),
         "ours, edited": {**manifest_of(ours), "world_size": 2},
         "ours, under another step": manifest_of(ours),
     }
     reasons = {
-        "unsealed": "its manifest is not sealed with this job's secret",
-        "sealed by another job": "its manifest's seal does not match this job's secret",
-        "ours, edited": "its manifest's seal does not match this job's secret",
+        "unsealed": "its manifest is not sealed",
+        "sealed by another job": "its manifest's seal matches no key this job holds",
+        "ours, edited": "its manifest's seal matches no key this job holds",
         "ours, under another step": "its manifest is of step 10, not 190",
     }
     from hpc_elastic.train.checkpoint import verify  # noqa: PLC0415
@@ -348,7 +348,10 @@ Checkpointer.at().save(state)
 """
 
 
-def test_a_local_run_has_a_secret_and_its_workers_seal_every_tier_with_it(tmp_path: Path) -> None:
+def test_a_local_run_gets_the_users_key_and_its_workers_seal_every_tier_with_it(
+    tmp_path: Path,
+) -> None:
+    from hpc_elastic import checkpoint_key  # noqa: PLC0415
     from hpc_elastic.train import _integrity  # noqa: PLC0415
 
     (tmp_path / "saver.py").write_text(SAVER)
@@ -361,16 +364,53 @@ def test_a_local_run_has_a_secret_and_its_workers_seal_every_tier_with_it(tmp_pa
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     [job] = (tmp_path / "hpc-elastic-runs").iterdir()
-    secret = job / "secret"
-    assert secret.stat().st_mode & 0o777 == 0o600
-    key = read_secret_file(secret).encode()
+    for private in (job / "secret", job / "checkpoint-key"):
+        assert private.stat().st_mode & 0o777 == 0o600
+    key = read_secret_file(job / "checkpoint-key").encode()
+    user_secret = read_secret_file(checkpoint_key.user_secret_file())
+    assert key == checkpoint_key.derive(user_secret).encode()
     for checkpoint in (
         job / "checkpoints" / "step-00000003",
         local_dir / "rank-0" / "step-00000003",
     ):
         manifest = json.loads((checkpoint / "manifest.json").read_text())
-        assert _integrity.manifest_problem(manifest, key) is None, checkpoint
-        assert _integrity.manifest_problem(manifest, b"another job's secret") is not None
+        assert _integrity.manifest_problem(manifest, (key,)) is None, checkpoint
+        assert _integrity.manifest_problem(manifest, (b"another user's key",)) is not None
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_checkpoint_another_user_sealed_with_her_own_key_is_never_loaded(
+    mallory: UnixUser,
+    shared: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Her key is derived from her user secret as ours is from ours: a checkpoint she seals
+    verifies for her jobs, never for ours, wherever she puts it."""
+    import torch  # noqa: PLC0415
+    from test_checkpoint_key import new_job  # noqa: PLC0415
+
+    from hpc_elastic.train import Checkpointer, TrainState  # noqa: PLC0415
+
+    monkeypatch.delenv("HPC_ELASTIC_SECRET_FILE", raising=False)
+    project = shared / "project"  # everyone may write it: where she plants
+    monkeypatch.setenv("HPC_ELASTIC_USER_SECRET_FILE", str(tmp_path / "her-user-secret"))
+    monkeypatch.setenv("HPC_ELASTIC_JOB_DIR", str(new_job(tmp_path / "her-runs", "hers")))
+    forged = forged_checkpoint(shared / "forge", 190, 666.0)  # sealed with her own key
+    subprocess.run(["chmod", "-R", "a+rX", str(shared / "forge")], check=True)
+    monkeypatch.setenv("HPC_ELASTIC_USER_SECRET_FILE", str(tmp_path / "our-user-secret"))
+    monkeypatch.setenv("HPC_ELASTIC_JOB_DIR", str(new_job(tmp_path / "runs", "ours")))
+    ours = forged_checkpoint(project, 10, 1.0)
+    mallory.sh(f"cp -r {forged} {project}/")
+    assert (project / forged.name).stat().st_uid == mallory.uid
+
+    model = torch.nn.Linear(2, 2)
+    state = TrainState(model)
+    assert Checkpointer(project, round=None).load(state) == ours
+    assert state.step == 10
+    assert torch.equal(model.weight, torch.full((2, 2), 1.0))
+    assert "its manifest's seal matches no key this job holds" in caplog.text
 
 
 # --- 3. Templates planted beside the user's, or named by the user's config ------------------

@@ -609,7 +609,7 @@ class Checkpointer:
         """
         manifest: dict[str, Any] = {"format": FORMAT_VERSION, "step": step}
         manifest.update(world_size=world_size, round=self.fencing_round, files=files)
-        manifest = _integrity.seal_manifest(manifest, _integrity.job_secret())
+        manifest = _integrity.seal_manifest(manifest, _integrity.keys())
         lease.check(force=True)
         with self._exclusive():
             try:
@@ -641,11 +641,11 @@ class Checkpointer:
             )
         if candidates:
             another_job = ""
-            if _integrity.job_secret() is not None:
+            if _integrity.keys():
                 another_job = (
-                    f", or set {_integrity.SECRET_FILE_ENV} to the secret file of the job "
+                    f", or, if a job of yours sealed them with its own secret, set "
+                    f"{_integrity.SECRET_FILE_ENV} to that job's secret file"
                 )
-                another_job += "that wrote them"
             return (
                 f"No intact checkpoint in '{self.where}' ({len(candidates)} unusable; the newest, "
                 f"{newest_problem}); move them aside to start from scratch{another_job}."
@@ -1041,14 +1041,14 @@ def verify_files(
     step: int | None = None,
 ) -> str | None:
     """The rule behind ``verify``, wherever the files live (a directory, an object store):
-    the manifest's format, its seal (with the job's secret, ``_integrity.manifest_problem``)
+    the manifest's format, its seal (with the keys the job holds, ``_integrity.manifest_problem``)
     and its step (``step``: the one its name says), then every file's size and, for zips,
     every record's CRC-32."""
     try:
         found = json.loads(manifest())
         if found.get("format") != FORMAT_VERSION:
             return f"format {found.get('format')!r} is not {FORMAT_VERSION}"
-        if (unsealed := _integrity.manifest_problem(found, _integrity.job_secret())) is not None:
+        if (unsealed := _integrity.manifest_problem(found, _integrity.keys())) is not None:
             return unsealed
         if step is not None and found.get("step") != step:
             return f"its manifest is of step {found.get('step')!r:.40}, not {step}"

@@ -21,8 +21,8 @@ from the shared tier (``choose_shard_sources``; see ``hpc_elastic.train.sharded_
 Node-local disks are shared by every user of the node, so the tier is the user's alone: its
 root must be the user's own directory that no one else may write (one another user made
 first is refused, ``private_tree``), every directory in it is 0700 and every file 0600,
-whatever the umask, and every manifest is sealed with the job's secret like the shared
-tier's (``hpc_elastic.train._integrity``), so a copy the job did not write never loads.
+whatever the umask, and every manifest is sealed with the user's checkpoint key like the
+shared tier's (``hpc_elastic.train._integrity``), so a copy no job of the user wrote never loads.
 """
 
 from __future__ import annotations

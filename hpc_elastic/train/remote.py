@@ -105,7 +105,7 @@ class ObjectCheckpointer(Checkpointer):
         manifest.update(
             round=self.fencing_round, files={STATE_FILE: {"size": len(data), "zip_crc32": True}}
         )
-        manifest = _integrity.seal_manifest(manifest, _integrity.job_secret())
+        manifest = _integrity.seal_manifest(manifest, _integrity.keys())
         lease.check(force=True)
         self._refuse_if_stale(doing)
         self.store.put(self.store.key(name, MANIFEST_FILE), json.dumps(manifest).encode())
