@@ -149,6 +149,10 @@ class Rendezvous(ABC):
     on_spare: Callable[[int], None] | None = None
     """Called once per round (its number) in which this node waits as a hot spare: the round
     is full, and this node joins the next one when a member is lost (``submit --spares``)."""
+    pick_master_port: Callable[[], int] | None = None
+    """Chooses the port this node publishes as a round's ``master_port`` when it is the round's
+    group rank 0; None: a free port. The agent's store host opens the round's TCPStore on it
+    first, so that the port is published only once it listens (agent/storehost.py)."""
 
     @abstractmethod
     def next_round(self) -> Round:
