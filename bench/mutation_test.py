@@ -50,6 +50,14 @@ SIMULATION_TIMEOUT = 600.0
 PER_TEST_TIMEOUT = "120"
 """pytest-timeout for one test under a mutant (the slowest takes about 10 s unmutated)."""
 
+PROFILE_PLUGIN = "_mutation_profile"
+PROFILE = """
+from hypothesis import settings
+# Written into the copy only: the same examples for every mutant, and no deadline, which a
+# loaded machine (two mutants at once beside other work) would miss with healthy code.
+settings.register_profile("mutation", derandomize=True, deadline=None, database=None)
+settings.load_profile("mutation")
+"""
 SIMULATION_STAGE = """
 import logging, sys
 from hpc_elastic.simulation.world import simulate
@@ -122,6 +130,7 @@ def copy_repository(into: Path) -> Path:
             target = into / os.fsdecode(name)
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, target)
+    (into / f"{PROFILE_PLUGIN}.py").write_text(PROFILE)
     return into
 
 
@@ -157,6 +166,8 @@ def tests_stage(copy: Path, timeout: float) -> Verdict:
         "no:cacheprovider",
         "-o",
         f"timeout={PER_TEST_TIMEOUT}",
+        "-p",
+        PROFILE_PLUGIN,
         "-m",
         "not integration",
         "--deselect",

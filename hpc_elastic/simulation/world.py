@@ -32,6 +32,7 @@ import json
 import logging
 import math
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -79,6 +80,13 @@ PROPERTIES = frozenset(
     {"liveness", "ranks", "rounds", "budget", "closure", "success", "state", "cause", "crash"}
 )
 """The properties a violation names first (``violated_property``)."""
+PORT_BASE = 29500
+SPARE_SHARE = 0.25
+"""The share of schedules whose job has one hot spare (``submit --spares 1``): a slot beyond
+MAX, which waits beside a full round and joins the next one when a member is lost."""
+EVERYWHERE_SHARE = 1 / 3
+"""The share of ``worker_fail`` faults that hit every node's workers at once (a bug that
+every rank hits at the same step): each node reports it, and the round is charged once."""
 WORKERS_PER_NODE = (1, 2, 3)
 """Each slot's node runs one of these many workers (LOCAL_WORLD_SIZE), drawn per slot: a node
 is done only when every one of its workers exited 0."""
@@ -239,7 +247,7 @@ class SimAgent:
             self.node,
             self.store,
             clock=world.clock,
-            pick_port=lambda: 29500,
+            pick_port=functools.partial(port_of, self.node),
         )
         self.phase = "joining"
         self.workers: list[Worker] = []
@@ -572,12 +580,30 @@ class SimAgent:
         self.world.requeue(self.slot)
 
 
+def unfinished(state: st.JobState) -> list[str]:
+    """The members of the state's round that have not succeeded, by the state's own fields
+    (the checks use none of the rules under test to judge them)."""
+    return sorted(
+        member.node_id for member in state.members if member.node_id not in state.succeeded
+    )
+
+
+def everyone_succeeded(state: st.JobState) -> bool:
+    return state.round > 0 and not unfinished(state)
+
+
 def decoded(data: bytes) -> st.JobState:
     """A state the server holds, which every agent must be able to read."""
     try:
         return st.decode(data)
     except RendezvousError as error:
         raise Violation(f"state: the server holds a state no agent can read: {error}") from error
+
+
+def port_of(node: NodeInfo) -> int:
+    """The free port a node's host picks for the master: one of its own, so that a port
+    published by any node but rank 0 shows (``World.check_start``)."""
+    return PORT_BASE + int(node.slot)
 
 
 class _Server(MemoryServer):
@@ -619,9 +645,9 @@ class World:
         self.nodes = rng.choice(
             [NodeRange(1, 1), NodeRange(1, 2), NodeRange(2, 2), NodeRange(2, 3)]
         )
-        self.nprocs = tuple(
-            self.workers_rng.choice(WORKERS_PER_NODE) for _ in range(self.nodes.max)
-        )
+        self.spares = 1 if self.workers_rng.random() < SPARE_SHARE else 0
+        self.slots = self.nodes.max + self.spares
+        self.nprocs = tuple(self.workers_rng.choice(WORKERS_PER_NODE) for _ in range(self.slots))
         self.settings = RendezvousSettings(
             run_id="job",
             nodes=self.nodes,
@@ -723,9 +749,11 @@ class World:
     # --- faults -------------------------------------------------------------------------------
 
     def plan(self) -> None:
-        count = self.nodes.max
-        for slot in range(count):
+        count = self.slots
+        for slot in range(self.nodes.max):
             self.at(self.rng.uniform(0.0, 5.0), functools.partial(self.spawn, slot))
+        for slot in range(self.nodes.max, count):  # the spare's start, from its own generator
+            self.at(self.workers_rng.uniform(0.0, 5.0), functools.partial(self.spawn, slot))
         drawn = tuple(
             Fault(
                 self.rng.uniform(0.0, FAULT_WINDOW),
@@ -753,8 +781,7 @@ class World:
         self.injected.append(kind)
         self.log(f"FAULT {kind} on {agent.node.node_id}")
         if kind == "worker_fail":
-            agent.fail_next = True
-            agent.fail_a_worker()
+            self._fail_workers(agent)
         elif kind == "hang":
             agent.hang_next = True
         elif kind == "crash":
@@ -773,18 +800,34 @@ class World:
             agent.stop_signal = True
             self.at(self.now, agent.step)
         else:
-            duration = self.rng.uniform(1.0, 3 * SESSION)
-            agent.store.disconnect()
-            if kind == "freeze":
-                agent.frozen_until = self.now + duration
+            self._cut_off(agent, kind)
 
-            def back() -> None:
-                # The client's connection thread handles the reconnection (LOST, CONNECTED,
-                # the fresh view) before the agent's loop runs on: step once those are in.
-                agent.store.reconnect()
-                self.at(max(self.now, self._due.get(id(agent.store), -1.0)), agent.step)
+    def _fail_workers(self, agent: SimAgent) -> None:
+        """A worker of ``agent`` fails now, and its next round's will too; one time in three
+        (``EVERYWHERE_SHARE``) a worker of every node fails now with it."""
+        agent.fail_next = True
+        if self.workers_rng.random() >= EVERYWHERE_SHARE:
+            agent.fail_a_worker()
+            return
+        self.log("every node's workers fail at once")
+        for other in self.agents:
+            if not (other.gone or other.stuck):
+                other.fail_a_worker()
 
-            self.at(self.now + duration, back)
+    def _cut_off(self, agent: SimAgent, kind: str) -> None:
+        """A partition (the connection) or a freeze (the whole agent) for up to 18 s."""
+        duration = self.rng.uniform(1.0, 3 * SESSION)
+        agent.store.disconnect()
+        if kind == "freeze":
+            agent.frozen_until = self.now + duration
+
+        def back() -> None:
+            # The client's connection thread handles the reconnection (LOST, CONNECTED, the
+            # fresh view) before the agent's loop runs on: step once those are in.
+            agent.store.reconnect()
+            self.at(max(self.now, self._due.get(id(agent.store), -1.0)), agent.step)
+
+        self.at(self.now + duration, back)
 
     # --- the loop --------------------------------------------------------------------------------
 
@@ -800,8 +843,17 @@ class World:
 
     def ended(self) -> bool:
         return self.pending_requeues == 0 and all(
-            agent.gone or agent.stuck for agent in self.agents
+            agent.gone or agent.stuck or self._beside_stuck(agent) for agent in self.agents
         )
+
+    def _beside_stuck(self, agent: SimAgent) -> bool:
+        """A hot spare waiting beside a round whose every member is stuck for good: their
+        sessions live on, so nothing will ever end that round (only Slurm's time limit)."""
+        state = self.last_state
+        if agent.phase != "joining" or state is None or agent.node in state.members:
+            return False
+        members = [self.by_id.get(member.node_id) for member in state.members]
+        return bool(members) and all(member is not None and member.stuck for member in members)
 
     def run(self) -> Result:
         self.plan()
@@ -835,7 +887,8 @@ class World:
             self.log(f"VIOLATION {violation}")
         restarts = self.last_state.restarts_used if self.last_state else 0
         # "stuck": nothing but agents stuck for good is left; only Slurm's time limit ends it.
-        outcome = self.endings[-1][0] if self.endings else "stuck"
+        hows = {how for how, _ in self.endings}
+        outcome = next((how for how in ("failed", "succeeded", "closed") if how in hows), "stuck")
         return Result(
             self.seed,
             outcome,
@@ -917,10 +970,10 @@ class World:
         self._succeeded(old, new)
         if new.failed and not old.failed:
             self._failed(new)
-        if new.closed and not (st.all_succeeded(new) and not new.failed):
+        if new.closed and not (everyone_succeeded(new) and not new.failed):
             raise Violation(
-                f"closure: the job closed in round {new.round} while {sorted(st.unfinished(new))} "
-                "had not succeeded"
+                f"closure: the job closed in round {new.round} while {unfinished(new)} had not "
+                f"succeeded{' and it had failed' if new.failed else ''}"
             )
 
     def _new_round(self, old: st.JobState, new: st.JobState) -> None:
@@ -963,7 +1016,8 @@ class World:
             before, after = set(getattr(old, name)), set(getattr(new, name))
             if not before <= after or not after <= members or len(after) != len(getattr(new, name)):
                 raise Violation(f"state: round {number}'s {name} went from {before} to {after}")
-        if set(new.succeeded) - set(old.succeeded) and st.round_over(old):
+        over = old.failed_round == old.round or bool(old.ready)
+        if set(new.succeeded) - set(old.succeeded) and over:
             raise Violation(f"state: a success was recorded in round {number}, which had ended")
 
     def _spent(self, old: st.JobState, new: st.JobState) -> None:
@@ -1021,6 +1075,13 @@ class World:
         """The job failed: its summary names a known cause, and a node it blames for not
         finishing really had not finished (by the state the failure was written on)."""
         cause = self.cause()
+        if cause == "below_min":
+            here, needed = map(
+                int, re.findall(r"only (\d+) of the (\d+) nodes", new.failure_summary)[0]
+            )
+            if here >= needed:
+                raise Violation(f"cause: the job failed below MIN with {here} of {needed} nodes")
+            return
         if cause not in ("member_lost", "unfinished"):
             return
         named = new.failure_summary.split("'")[1]
@@ -1039,6 +1100,11 @@ class World:
                 f"rounds: {agent.node.node_id} starts round {number} after round "
                 f"{agent.last_started}"
             )
+        if agent.handler.suspended_since() is not None:
+            raise Violation(
+                f"rounds: {agent.node.node_id} starts round {number} while it knows it is cut "
+                "off from the rendezvous (a cut-off handler decides nothing)"
+            )
         members = tuple(member.node_id for member in started.members)
         told = self.started.setdefault(number, {})
         for other, seen in told.items():
@@ -1056,6 +1122,11 @@ class World:
                 started.first_rank(member.node_id) + member.nproc,
             )
         ]
+        if started.master_port != port_of(started.members[0]):
+            raise Violation(
+                f"ranks: round {number}'s master port {started.master_port} was not picked on "
+                f"its master's host {started.members[0].host}"
+            )
         first = started.first_rank(agent.node.node_id)
         mine = range(first, first + agent.node.nproc)
         if agent.node.node_id not in members or ranks != list(range(started.world_size)):
@@ -1072,10 +1143,11 @@ class World:
             return  # no state yet: nothing to charge, and the report cannot make one
         current = not (before.closed or before.failed) and before.round == number
         if not current or before.failed_round == number:
-            if after is not None and after.failed_round != before.failed_round:
+            spent = after is not None and after.restarts_used != before.restarts_used
+            if spent or (after is not None and after.failed_round != before.failed_round):
                 raise Violation(
-                    f"budget: {node}'s report of round {number} charged round "
-                    f"{after.failed_round}, though round {before.round} was current"
+                    f"budget: {node}'s report of round {number}, charged already or not the "
+                    f"current round {before.round}, changed the budget"
                 )
             return
         if after is None or after.failed_round != number:
@@ -1109,7 +1181,7 @@ class World:
         succeeded (the last one closes the job, which only a success does here). A node that
         exits 0 while the others rerun is never requeued, and the job runs on without it."""
         state = self.server_state()
-        if self.server.closed or (state is not None and st.all_succeeded(state)):
+        if self.server.closed or (state is not None and everyone_succeeded(state)):
             return
         round_number = state.round if state is not None else 0
         raise Violation(
