@@ -349,3 +349,13 @@ def test_a_rank_that_spins_on_a_busy_machine_is_not_moving_however_little_it_ran
         MEMBERS,
     )
     assert (verdict.kind, verdict.rank) == (CULPRIT, 1)
+
+
+def test_a_rank_stopped_inside_a_collective_is_not_among_those_waiting_for_it() -> None:
+    """Frozen in backward, rank 2's stack says it waits there too: it is the culprit, and the
+    sentence names only the others as waiting (a run of test_hang_attribution.py once said
+    "while ranks 0, 1, 2 and 3 waited in backward for it")."""
+    frozen = replace(in_backward(2), state="T")
+    verdict = attribute(nodes(in_backward(0), in_backward(1), frozen, in_backward(3)), MEMBERS)
+    assert (verdict.kind, verdict.rank) == (CULPRIT, 2)
+    assert "while ranks 0, 1 and 3 waited in backward for it;" in verdict.sentence

@@ -349,6 +349,9 @@ def _blame(
     how: str,
     reporter: str,
 ) -> Verdict:
+    # A rank stopped inside a collective waits there too, by its stack: it is not a waiter.
+    blamed = {rank.rank for rank in culprits}
+    waiting = [rank for rank in waiting if rank.rank not in blamed]
     nodes = {_member_of(rank.rank, members) for rank in culprits}
     if len(nodes) > 1 or None in nodes:
         named = _and([f"{rank.rank} ({_slot(rank.rank, members)})" for rank in culprits])
