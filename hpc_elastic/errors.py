@@ -87,3 +87,8 @@ class CheckpointFencedError(CheckpointError):
 
 class WaitTimeoutError(HpcElasticError, TimeoutError):
     """``Job.wait(timeout=...)`` ran out of time before the job ended (it keeps running)."""
+
+
+class DataError(HpcElasticError):
+    """The training data's position cannot be saved or resumed exactly (``hpc_elastic.train``:
+    ``ElasticShards``, a stateful loader, the sample log)."""
