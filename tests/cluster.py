@@ -49,6 +49,8 @@ class Cluster:
     zk_host: str = "127.0.0.1"
     """Where ZooKeeper listens: 127.0.0.1, or the namespaces' bridge address with ``netns``."""
     netns: bool = False
+    qos: bool = False
+    """Accounting and QoS preemption (``dev-cluster --qos``): QoS normal, high, scavenger."""
 
     @property
     def zk_hosts(self) -> str:
@@ -89,15 +91,19 @@ class Cluster:
             env=env,
             zk_host=zk_host,
             netns=_saved(state_dir, "NETNS_SAVED") == "1",
+            qos=_saved(state_dir, "QOS_SAVED") == "1",
         )
 
     @classmethod
-    def start(cls, state_dir: Path, netns: bool = False, service_nodes: int = 0) -> Cluster:
+    def start(
+        cls, state_dir: Path, netns: bool = False, service_nodes: int = 0, qos: bool = False
+    ) -> Cluster:
         """Bring up a private cluster on free ports; raise ClusterError with why not.
 
         ``netns``: each node in a network namespace of its own, so its links can be cut.
         ``service_nodes``: that many more nodes (s1..) in a partition 'service' of their own,
         for services such as a ZooKeeper ensemble (``hpc-elastic zk start``).
+        ``qos``: accounting (MariaDB and slurmdbd) and QoS preemption (PreemptType=preempt/qos).
         """
         missing = [tool for tool in REQUIRED_TOOLS if shutil.which(tool) is None]
         if missing:
@@ -111,6 +117,9 @@ class Cluster:
             *("--slurmd-port-base", str(free_port_block(4 + service_nodes))),
         ]
         options = [*(["--netns"] if netns else []), "--service-nodes", str(service_nodes)]
+        if qos:
+            options += ["--qos", "--slurmdbd-port", str(free_port())]
+            options += ["--mariadb-port", str(free_port())]
         result = _dev_cluster(state_dir, *ports, *options, "up")
         if result.returncode != 0:
             _dev_cluster(state_dir, "down")

@@ -29,7 +29,9 @@ from hpc_elastic.rendezvous.zookeeper import DIGEST_USER, USERS
 
 def _cluster_fixture(fixturenames: list[str]) -> str:
     """The fixture of the cluster a test runs on: its module's own, or the shared one."""
-    own = [name for name in ("netns_cluster", "private_cluster") if name in fixturenames]
+    own = [
+        name for name in ("netns_cluster", "private_cluster", "qos_cluster") if name in fixturenames
+    ]
     return own[0] if own else "cluster"
 
 
@@ -72,6 +74,35 @@ def private_cluster() -> Iterator[Cluster]:
         if _in_ci():
             pytest.fail(f"a private test cluster is required in CI: {error}", pytrace=False)
         pytest.skip(f"no private test cluster: {error}")
+    try:
+        yield running
+    finally:
+        running.stop()
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
+QOS_CLUSTER_ENV = "HPC_ELASTIC_TEST_QOS_CLUSTER"
+"""Names a running ``dev-cluster --qos`` state dir for the QoS tests to reuse."""
+
+
+@pytest.fixture(scope="module")
+def qos_cluster() -> Iterator[Cluster]:
+    """A cluster with accounting and QoS preemption (``dev-cluster --qos``: QoS normal, high
+    and a preemptible scavenger) of one test module's own, or the one named by
+    ``HPC_ELASTIC_TEST_QOS_CLUSTER``. 22.05 has one PreemptType, so QoS preemption cannot live
+    on the shared cluster, whose tests rely on partition preemption."""
+    reused = os.environ.get(QOS_CLUSTER_ENV)
+    if reused:
+        yield Cluster.from_state_dir(Path(reused))
+        return
+    state_dir = Path(tempfile.mkdtemp(prefix="hpc-elastic-qos-"))
+    try:
+        running = Cluster.start(state_dir, qos=True)
+    except ClusterError as error:
+        shutil.rmtree(state_dir, ignore_errors=True)
+        if _in_ci():
+            pytest.fail(f"a QoS test cluster is required in CI: {error}", pytrace=False)
+        pytest.skip(f"no QoS test cluster: {error}")
     try:
         yield running
     finally:
