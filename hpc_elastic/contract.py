@@ -74,6 +74,10 @@ STANDBY_READY_DIR_ENV = "HPC_ELASTIC_STANDBY_READY_DIR"
 after its pid once its imports are done, so that the agent can tell a warm standby from one
 still importing (``StandbyPool.warm``). A standby drops it with the rest of its environment
 when it takes its rank."""
+SAMPLE_LOG_ENV = "HPC_ELASTIC_SAMPLE_LOG"
+"""Workers' env, set by the user: ``1`` makes the training helpers log which samples every
+optimizer step trained on, per rank, under the job directory (``SAMPLES_DIR``), for
+``hpc-elastic events JOB --data``; a path logs there instead. Unset: nothing is logged."""
 INDEX_ENV = "HPC_ELASTIC_INDEX"
 """The per-user index of job directories (``jobdir.index_file``); default
 ``$XDG_STATE_HOME/hpc-elastic/jobs``, i.e. ``~/.local/state/hpc-elastic/jobs``."""
@@ -90,6 +94,8 @@ EVENTS_FILE = "events.jsonl"
 LOGS_DIR = "logs"
 CHECKPOINTS_DIR = "checkpoints"
 SLOTS_DIR = "slots"
+SAMPLES_DIR = "samples"
+"""The per-step sample log (``SAMPLE_LOG_ENV``, ``hpc_elastic.samples``): one file per process."""
 CODE_DIR = "code"
 """The job's code snapshot: the script's project as it was at submit time (``snapshot``)."""
 

@@ -1,4 +1,5 @@
-"""Training-side helpers: checkpoints, an elastic sampler, constant global batch, preemption.
+"""Training-side helpers: checkpoints, elastic data (a sampler, shards), constant global batch,
+preemption.
 
 Use it as ``import hpc_elastic.train as elastic``. This is the only part of hpc-elastic that
 imports torch, and it does so lazily: the agent imports ``exitcodes`` and ``heartbeat`` from
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from hpc_elastic.train.exitcodes import FENCED_EXIT_CODE, PREEMPTED_EXIT_CODE
 
 if TYPE_CHECKING:
+    from hpc_elastic.train._torchdata import stateful_loader
     from hpc_elastic.train.batch import BatchPlan, group, plan
     from hpc_elastic.train.checkpoint import (
         Checkpointer,
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
     )
     from hpc_elastic.train.sampler import ElasticSampler
     from hpc_elastic.train.sharded import load_sharded, save_sharded
+    from hpc_elastic.train.shards import ElasticShards, TokenFiles, shard_paths
 
 _LAZY = {
     "BatchPlan": "batch",
@@ -52,6 +55,10 @@ _LAZY = {
     "requested": "preemption",
     "should_stop": "preemption",
     "ElasticSampler": "sampler",
+    "ElasticShards": "shards",
+    "TokenFiles": "shards",
+    "shard_paths": "shards",
+    "stateful_loader": "_torchdata",
     "InPlace": "inplace",
     "load_sharded": "sharded",
     "save_sharded": "sharded",
@@ -63,7 +70,9 @@ __all__ = [
     "BatchPlan",
     "Checkpointer",
     "ElasticSampler",
+    "ElasticShards",
     "InPlace",
+    "TokenFiles",
     "TrainState",
     "collective",
     "exit_preempted",
@@ -77,7 +86,9 @@ __all__ = [
     "requested",
     "save",
     "save_sharded",
+    "shard_paths",
     "should_stop",
+    "stateful_loader",
     "verify",
     "watch_collectives",
 ]

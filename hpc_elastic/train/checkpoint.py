@@ -49,6 +49,7 @@ from hpc_elastic.train import (
     rng,
     storage,
 )
+from hpc_elastic.train.data import TrainingData
 from hpc_elastic.train.sampler import ElasticSampler
 
 CHECKPOINT_DIR_ENV = contract.CHECKPOINT_DIR_ENV
@@ -88,9 +89,12 @@ def default_directory() -> Path:
 class TrainState:
     """Everything a training loop must get back after a restart to continue as if nothing happened.
 
-    ``step`` counts optimizer steps; ``epoch`` lives in the sampler when there is one, so the
-    two can never disagree. ``extras`` holds the user's own values (tensors, numbers, strings,
-    and lists or dicts of them).
+    ``step`` counts optimizer steps; ``epoch`` lives in the sampler (or the ``ElasticShards``)
+    when there is one, so the two can never disagree. ``extras`` holds the user's own values
+    (tensors, numbers, strings, and lists or dicts of them). ``loader``: a loader whose
+    position is kept too, at any world size (``hpc_elastic.train.data``): one with an
+    ``ElasticSampler`` (then ``sampler`` may be left out), one over ``ElasticShards``, or a
+    stateful one (torchdata's ``StatefulDataLoader``, whose state, workers included, is saved).
     """
 
     def __init__(
@@ -100,30 +104,44 @@ class TrainState:
         scheduler: LRScheduler | None = None,
         sampler: ElasticSampler | None = None,
         extras: dict[str, Any] | None = None,
+        *,
+        loader: Any = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
-        self.sampler = sampler
+        self.data = TrainingData(loader)
+        self.sampler = sampler if sampler is not None else self.data.sampler
         self.extras: dict[str, Any] = extras if extras is not None else {}
         self.step = 0
         self._epoch = 0
 
     @property
     def epoch(self) -> int:
-        return self.sampler.epoch if self.sampler is not None else self._epoch
+        if self.sampler is not None:
+            return self.sampler.epoch
+        return self.data.epoch if self.data.epoch is not None else self._epoch
 
     @epoch.setter
     def epoch(self, value: int) -> None:
         if self.sampler is not None:
             self.sampler.set_epoch(value)
+        self.data.set_epoch(value)
         self._epoch = value
 
     def finish_step(self) -> None:
         """Count one optimizer step, and the samples it consumed."""
         self.step += 1
-        if self.sampler is not None:
-            self.sampler.advance()
+        self.data.finish_step(self.step, self.sampler)
+
+    def log_samples(self, ids: Any) -> None:
+        """Note ids of samples this step trains on, for the sample log (``hpc-elastic events
+        JOB --data``); does nothing unless ``$HPC_ELASTIC_SAMPLE_LOG`` asks for the log."""
+        self.data.log_samples(ids)
+
+    def collect(self) -> None:
+        """Collective, before a save: gather what each rank alone knows (its loader's state)."""
+        self.data.collect()
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -134,6 +152,7 @@ class TrainState:
             "scheduler": self.scheduler.state_dict() if self.scheduler else None,
             "sampler": self.sampler.state_dict() if self.sampler else None,
             "extras": self.extras,
+            "data": self.data.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -146,6 +165,7 @@ class TrainState:
         self._epoch = state["epoch"]
         if self.sampler is not None and state["sampler"] is not None:
             self.sampler.load_state_dict(state["sampler"])
+        self.data.load_state_dict(state.get("data"))  # None in checkpoints from before it
         self.extras.update(state["extras"])
 
 
@@ -328,6 +348,7 @@ class Checkpointer:
         if self.asynchronous:
             return self._save_in_background(state)
         background.drain_if_used()
+        state.collect()
         saved_rng = _dist.gather_to_all(rng.capture())
         if self.local_directory is not None and not self._save_locally(state, saved_rng):
             return self._local().directory / _name(state.step)
@@ -383,6 +404,7 @@ class Checkpointer:
             return None
         background.mark_used()
         background.drain()
+        state.collect()
         saved_rng = _dist.gather_to_all(rng.capture())
         step = state.step
         if self.local_directory is not None:
