@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from hpc_elastic import contract, samples
 from hpc_elastic.commands._job import JobArg, LogDir, log_dir_of
 from hpc_elastic.errors import one_line
 from hpc_elastic.ops import jobs, timeline
@@ -29,10 +30,21 @@ def events_command(
     phases: Annotated[
         bool, typer.Option("--phases", help="Where each restart's seconds went, phase by phase.")
     ] = False,
+    data: Annotated[
+        bool,
+        typer.Option(
+            "--data",
+            help="Check the sample log (HPC_ELASTIC_SAMPLE_LOG=1): was any sample trained "
+            "twice, or never, in an epoch. Exit 1 if so.",
+        ),
+    ] = False,
     log_dir: LogDir = None,
 ) -> None:
     """Print the job's single timeline across requeues; --plot draws it."""
     record = jobs.resolve(job, log_dir_of(log_dir))
+    if data:
+        check_samples(record.job_dir / contract.SAMPLES_DIR)
+        return
     history = record.events()
     if phases:
         for row in restart_phases.table(restart_phases.restarts(history)):
@@ -56,3 +68,20 @@ def events_command(
         story = [event for event in history if event.kind not in restart_phases.MARKERS]
         for event, places in timeline.compact(story):
             typer.echo(one_line(timeline.compact_line(event, places)))
+
+
+def check_samples(where: Path) -> None:
+    """The sample log's verdict, epoch by epoch; exit 1 when a sample was trained twice or
+    never (``hpc_elastic.samples``)."""
+    if not where.is_dir():
+        typer.echo(
+            f"No sample log in '{where}': run the job with {contract.SAMPLE_LOG_ENV}=1 and "
+            f"call state.log_samples(ids) at every step.",
+            err=True,
+        )
+        raise typer.Exit(1)
+    report = samples.check(samples.read(where))
+    for line in report.lines:
+        typer.echo(one_line(line))
+    if report.problems:
+        raise typer.Exit(1)
