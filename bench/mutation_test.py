@@ -37,6 +37,7 @@ TEST_FILES = (
     "tests/test_rendezvous_state.py",
     "tests/test_rendezvous_handler.py",
     "tests/test_watchdog.py",
+    "tests/test_agent_rules.py",
     "tests/test_simulation.py",
     "tests/test_agent.py",
 )
