@@ -69,6 +69,9 @@ class Kind(enum.StrEnum):
     WORKERS_KEPT = "workers_kept"
     """The restart timeline, in-place mode: this agent handed its surviving workers the new
     round instead of stopping them (details: ranks, the survivors' new ranks)."""
+    STORE_CONNECTED = "store_connected"
+    """The restart timeline: every local rank holds a connection to the round's TCPStore, as
+    the agent sees it in ``/proc`` (agent/sockets.py; details: ranks, port)."""
     FIRST_HEARTBEAT = "first_heartbeat"
     """The restart timeline: every local rank of the round beat its heartbeat."""
     WORKER_READY = "worker_ready"

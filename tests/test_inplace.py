@@ -344,6 +344,7 @@ class Ranks:
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": port,
             "TORCHELASTIC_RESTART_COUNT": 0,
+            "TORCHELASTIC_USE_AGENT_STORE": False,  # rank 0 opens the store, no agent here
             "HPC_ELASTIC_ROUND": number,
         }
         return {key: str(value) for key, value in values.items()}

@@ -53,6 +53,8 @@ def test_the_training_helpers_first_step_wins_over_the_heartbeat() -> None:
         event("round", 11.1, 2, slot="1"),
         event("start", 11.2, 2),
         event("start", 11.4, 2, slot="1"),
+        event("store_connected", 11.5, 2, slot="1"),
+        event("store_connected", 11.6, 2),
         event("first_heartbeat", 12.0, 2),
         event("worker_ready", 12.5, 2),
         event("worker_ready", 12.6, 2, slot="1"),
@@ -67,11 +69,36 @@ def test_the_training_helpers_first_step_wins_over_the_heartbeat() -> None:
         "formed": 1.0,
         "spawned": 1.4,
         "kept": None,  # nothing survived in place
+        "connected": 1.6,  # the last agent to see its ranks connected to the store
         "ready": 2.6,
         "stepped": 2.9,
     }
     assert restart.seen == 10.0
     assert restart.reason == "changed"
+
+
+def test_a_plain_script_without_the_training_helpers_still_shows_when_its_ranks_connected() -> None:
+    """A torchrun script writes no ``worker_ready`` nor ``first_step``: the agents' own
+    ``store_connected`` (seen in /proc) is the last phase its restart has."""
+    history = [
+        event("start", 1.0, 1),
+        event("round_ended", 10.0, 1, outcome="failed"),
+        event("failure_reported", 10.01, 1),
+        event("workers_stopped", 10.1, 1),
+        event("round", 10.2, 2),
+        event("start", 10.25, 2),
+        event("start", 10.3, 2, slot="1"),
+        event("store_connected", 10.35, 2),
+        event("store_connected", 10.4, 2, slot="1"),
+    ]
+    (restart,) = restarts(history)
+    assert restart.after["connected"] is not None
+    assert round(restart.after["connected"], 3) == 0.4
+    assert restart.after["ready"] is None
+    assert restart.total is None
+    (header, row) = table([restart])
+    assert header.split()[-len(PHASES) :] == list(PHASES)
+    assert row.split()[4:] == ["0.01s", "0.10s", "0.20s", "0.30s", "0.40s", "-", "-"]
 
 
 def test_a_round_that_changed_before_it_started_is_part_of_the_next_restart() -> None:
@@ -115,7 +142,7 @@ def test_events_phases_prints_one_row_per_restart(tmp_path: Path) -> None:
     header, row = result.output.splitlines()
     assert header.split()[-len(PHASES) :] == list(PHASES)
     assert row.split()[:4] == ["1", "->", "2", "failed"]
-    assert row.split()[4:] == ["-", "-", "0.50s", "0.75s", "-", "-"]
+    assert row.split()[4:] == ["-", "-", "0.50s", "0.75s", "-", "-", "-"]
     assert table([]) == [header]
 
 
@@ -149,6 +176,8 @@ IN_PLACE_RESTART = [
     event("workers_kept", 10.6, 2, ranks=[0]),
     event("start", 10.6, 2, ranks=[0]),
     event("start", 10.7, 2, slot="1", ranks=[1]),
+    event("store_connected", 10.8, 2, slot="1", ranks=[1]),
+    event("store_connected", 10.9, 2, ranks=[0]),
     event("worker_ready", 11.0, 2),
     event("worker_ready", 11.2, 2, slot="1"),
     event("first_step", 11.5, 2),
@@ -163,7 +192,14 @@ def test_a_kept_round_shows_its_own_phases_instead_of_stopped_and_spawned(
     assert restart.in_place
     assert restart.phases == IN_PLACE_PHASES
     rounded = {phase: round(restart.after[phase] or -1, 3) for phase in IN_PLACE_PHASES}
-    assert rounded == {"told": 0.2, "formed": 0.5, "kept": 0.6, "ready": 1.2, "stepped": 1.5}
+    assert rounded == {
+        "told": 0.2,
+        "formed": 0.5,
+        "kept": 0.6,
+        "connected": 0.9,
+        "ready": 1.2,
+        "stepped": 1.5,
+    }
     job_dir = job_with_a_record(tmp_path)
     normal = [  # a normal restart after the in-place one: the header changes back
         event("round_ended", 20.0, 2, outcome="changed"),
@@ -185,8 +221,12 @@ def test_a_kept_round_shows_its_own_phases_instead_of_stopped_and_spawned(
         "0.20s",
         "0.50s",
         "0.60s",
+        "0.90s",
         "1.20s",
         "1.50s",
     ]
     assert header.split()[-len(PHASES) :] == list(PHASES)
-    assert row.split() == ["2", "->", "3", "changed", "-", "0.20s", "0.50s", "0.75s", "-", "-"]
+    assert row.split() == [
+        *("2", "->", "3", "changed"),
+        *("-", "0.20s", "0.50s", "0.75s", "-", "-", "-"),
+    ]

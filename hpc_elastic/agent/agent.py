@@ -31,10 +31,11 @@ from pathlib import Path
 from typing import TypeVar
 
 from hpc_elastic import events
-from hpc_elastic.agent import hangs, investigation, proc, rootcause, stops, watchdog
+from hpc_elastic.agent import hangs, investigation, proc, rootcause, sockets, stops, watchdog
 from hpc_elastic.agent.api import AgentSpec, ExitCode, Phase
 from hpc_elastic.agent.rundir import RunDir
 from hpc_elastic.agent.standby import StandbyPool, may_import, standby_command
+from hpc_elastic.agent.storehost import StoreHost, store_host_command, wants_store_host
 from hpc_elastic.agent.workers import (
     Worker,
     WorkerGroup,
@@ -58,6 +59,7 @@ from hpc_elastic.rendezvous.api import (
     RendezvousSettings,
     Round,
 )
+from hpc_elastic.rendezvous.handler import free_port
 from hpc_elastic.train import heartbeat
 from hpc_elastic.train.assignment import (
     ROUND_KEYS,
@@ -71,8 +73,18 @@ from hpc_elastic.train.exitcodes import FENCED_EXIT_CODE
 T = TypeVar("T")
 
 REFILL_AFTER = 30.0
-"""New standbys start importing once every local rank has beaten its heartbeat, or this many
-seconds into a round, so that they do not slow the round's own start."""
+"""New standbys start importing once every local rank has beaten its heartbeat, or has been
+connected to the round's store for ``REFILL_SETTLE``, or this many seconds into a round, so
+that they do not slow the round's own start."""
+
+REFILL_SETTLE = 1.0
+"""Seconds after every local rank connected to the round's store (``sockets``) before new
+standbys start importing. A script that never beats a heartbeat (a plain torchrun script)
+otherwise had none for the first ``REFILL_AFTER`` seconds of every round, so a failure in
+that time restarted cold: ``import torch`` again in every worker (2 s at best). Connected,
+a warm rank's group and first step follow within a few tenths of a second, a cold rank has
+finished its imports: the standbys' imports then compete with training steps only, as they do
+after a heartbeat."""
 
 WARM_UP_WAIT = 60.0
 """Seconds an agent arriving at a job that already trains waits for its standbys to finish
@@ -399,10 +411,15 @@ class Prepared:
     run: RunDir
     """Removed at the exit; one a SIGKILLed agent left is swept by the next (rundir.py)."""
     standbys: StandbyPool | None
+    store_host: StoreHost | None = None
+    """Opens each round's TCPStore before the workers start, when this node is the round's
+    group rank 0 (agent/storehost.py); kept beside torch standbys only."""
 
     def close(self) -> None:
         if self.standbys is not None:
             self.standbys.close()
+        if self.store_host is not None:
+            self.store_host.close()
         self.run.remove()
 
 
@@ -418,9 +435,23 @@ def prepare(
     arriving node is warm sooner, and joins sooner (``Agent._warm_up``)."""
     run = RunDir(run_id)
     standbys = standby_pool(spec, environ, say, run.path / "standbys")
+    store_host = None
     if standbys is not None:
         standbys.fill()
-    return Prepared(run, standbys)
+        store_host = make_store_host(spec, environ, run.path)
+    return Prepared(run, standbys, store_host)
+
+
+def make_store_host(spec: AgentSpec, environ: Mapping[str, str], run_dir: Path) -> StoreHost | None:
+    """A started store host for a node whose standbys prewarm torch; None otherwise."""
+    if not wants_store_host(spec.command, spec.prewarm):
+        return None
+    argv = store_host_command(spec.command[0], run_dir / "store_host.log")
+    env = {"OMP_NUM_THREADS": "1", **environ}
+    launcher = functools.partial(launch, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    host = StoreHost(argv, env, launcher)
+    host.start()
+    return host
 
 
 def standby_pool(
@@ -486,6 +517,12 @@ class Agent:
         stop on their own once it is older than the session timeout (self-fencing)."""
         self._phase = Phase.JOINING
         self._standbys = self._prepared.standbys
+        self._store_host = self._prepared.store_host
+        self._agent_store: int | None = None
+        """The port of the store this node's store host opened for the current round, if the
+        round's master port is one (then its workers join it as clients)."""
+        if self._store_host is not None:
+            rdzv.pick_master_port = self._open_master_store
         self._deadlines = watchdog.Deadlines(
             rules=dict(deadline_rules or watchdog.DEFAULT_RULES), override=spec.hang_timeout
         )
@@ -500,6 +537,14 @@ class Agent:
         self._acks: dict[int, tuple[int, float]] = {}
         """In-place mode: local rank -> (round, deadline) of each survivor yet to take it up."""
         rdzv.on_spare = self._waiting_as_spare
+
+    def _open_master_store(self) -> int:
+        """The port this node publishes as group rank 0 of a round (``pick_master_port``, on
+        the rendezvous' thread): the store host's new store, listening already; a free port
+        when the host is not ready (the script's rank 0 then opens the store itself)."""
+        assert self._store_host is not None
+        port = self._store_host.open(self.rdzv.node.host, free_port)
+        return free_port() if port is None else port
 
     def _waiting_as_spare(self, round_number: int) -> None:
         """A hot spare (``submit --spares``): its standbys are warm, it waits to replace a
@@ -566,7 +611,7 @@ class Agent:
         the job trains meanwhile and pauses only for the hand-over. At most ``WARM_UP_WAIT``
         seconds; False when a stop signal came meanwhile (the agent leaves without joining).
         """
-        if standbys.warm:
+        if self._warm(standbys):
             return True
         modules = ", ".join(self.spec.prewarm)
         self._say(
@@ -574,7 +619,7 @@ class Agent:
             "job, so that it trains meanwhile."
         )
         started = time.monotonic()
-        while not standbys.warm:
+        while not self._warm(standbys):
             if self._stop_signal is not None:
                 return False
             if time.monotonic() - started > WARM_UP_WAIT:
@@ -586,6 +631,13 @@ class Agent:
             time.sleep(WARM_UP_POLL)
         log.debug("%s: standbys warm after %.2f s", self._node, time.monotonic() - started)
         return True
+
+    def _warm(self, standbys: StandbyPool) -> bool:
+        """Every live standby imported its modules, and the store host (if it lives) too:
+        a node that joins as the next round's group rank 0 would otherwise publish a port
+        its workers' rank 0 must open itself."""
+        host = self._store_host
+        return standbys.warm and (host is None or host.ready or not host.alive)
 
     def _abort(self, error: Exception, code: ExitCode) -> ExitCode:
         """Leave after an unexpected error: workers get ``--grace``, the reason is said once."""
@@ -713,6 +765,7 @@ class Agent:
             LEASE_FILE_ENV: str(self._lease),
             LEASE_TIMEOUT_ENV: f"{fence_after(self.rdzv.settings.session_timeout):g}",
         }
+        agent_store = self._keep_stores(rdzv_round)
         envs = [
             worker_env(
                 environ,
@@ -722,12 +775,36 @@ class Agent:
                 run_id=self.rdzv.settings.run_id,
                 local_rank=local,
                 paths=paths[local],
+                agent_store=agent_store,
             )
             for local in range(self.spec.nproc_per_node)
         ]
         if self.spec.in_place:
             return self._start_in_place(rdzv_round.number, envs, paths)
         return WorkerGroup.start(self.spec, envs, paths, self._standbys)
+
+    def _keep_stores(self, rdzv_round: Round) -> bool:
+        """Whether the round's store is this node's store host's (it published the port as
+        group rank 0, once the store listened); the host keeps that store and the previous
+        round's (survivors of ``--in-place`` leave their old group at their next step), and
+        closes the rest (ports it opened for a proposal that lost its compare-and-set)."""
+        host = self._store_host
+        if host is None:
+            return False
+        previous = self._agent_store
+        ours = rdzv_round.group_rank(self.rdzv.node.node_id) == 0 and host.hosts(
+            rdzv_round.master_port
+        )
+        self._agent_store = rdzv_round.master_port if ours else None
+        host.keep(port for port in (previous, self._agent_store) if port is not None)
+        log.debug(
+            "%s: round %d's store on port %d is %s",
+            self._node,
+            rdzv_round.number,
+            rdzv_round.master_port,
+            "this agent's" if ours else "not this agent's",
+        )
+        return ours
 
     def _start_in_place(
         self, round_number: int, envs: list[dict[str, str]], paths: list[WorkerPaths]
@@ -772,12 +849,22 @@ class Agent:
         """Wake every ``poll_interval``: a few waitpid and stat calls, well under 1% CPU."""
         refill_at = time.monotonic() + REFILL_AFTER
         beating = False
+        port = self._round.master_port if self._round is not None else 0
+        store = sockets.StoreWatch(port, until=refill_at)
         while True:
             if not beating and self._training(group, float("inf")):
                 beating = True  # The restart timeline's first step when no helper reports it.
                 self._event(Kind.FIRST_HEARTBEAT, round=round_number)
+            pids = [worker.process.pid for worker in group.workers]
+            if store.look(pids, time.monotonic()):
+                # Seen in /proc: the phase exists for any script, helpers or not.
+                ranks = [worker.rank for worker in group.workers]
+                self._event(Kind.STORE_CONNECTED, round=round_number, ranks=ranks, port=port)
+                refill_at = min(refill_at, time.monotonic() + REFILL_SETTLE)
             if self._standbys is not None and self._training(group, refill_at):
                 self._standbys.fill()
+                if self._store_host is not None:
+                    self._store_host.start()  # again, if it died
             ended = self._poll(group)
             if ended is not None:
                 log.debug("%s: round ended: %s", self._node, ended.outcome.value)
@@ -929,6 +1016,7 @@ class Agent:
             self.spec.poll_interval,
             interrupted=lambda: self._stop_signal is not None,
             say=self._say,
+            keep_alive=self._lease_while_round_is_ours,
         ).run()
         if found is None:
             return None
@@ -939,6 +1027,12 @@ class Agent:
             self._watch.excuse(time.time())
             return None
         return self._hang_ended(found, group)
+
+    def _lease_while_round_is_ours(self) -> None:
+        """Renew the workers' lease as a poll would (``poll_decision``'s rule): while the round
+        is not superseded and the connection is up."""
+        if not self.rdzv.changed.is_set() and self.rdzv.suspended_since() is None:
+            self._renew_lease()
 
     def _hang_event(self, found: investigation.Finding, group: WorkerGroup) -> None:
         """This node's evidence and the agreed verdict: what ``events`` shows of a hang."""

@@ -143,8 +143,14 @@ def worker_env(
     run_id: str,
     local_rank: int,
     paths: WorkerPaths,
+    agent_store: bool = False,
 ) -> dict[str, str]:
-    """torchrun's environment for one worker, plus the HPC_ELASTIC_* training contract."""
+    """torchrun's environment for one worker, plus the HPC_ELASTIC_* training contract.
+
+    ``agent_store``: the round's TCPStore is already open on ``MASTER_PORT``, hosted by this
+    node's agent (agent/storehost.py): ``TORCHELASTIC_USE_AGENT_STORE=True`` makes torch's
+    ``env://`` connect every rank, rank 0 too, as a client instead of opening a second one.
+    """
     group_rank = rdzv_round.group_rank(node.node_id)
     rank = rdzv_round.first_rank(node.node_id) + local_rank
     env = without_agent_secrets(base)
@@ -169,7 +175,7 @@ def worker_env(
             "TORCHELASTIC_RESTART_COUNT": str(rdzv_round.restarts_used),
             "TORCHELASTIC_MAX_RESTARTS": str(rdzv_round.max_restarts),
             "TORCHELASTIC_RUN_ID": run_id,
-            "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCHELASTIC_USE_AGENT_STORE": str(agent_store),
             "TORCHELASTIC_ERROR_FILE": str(paths.error_file),
             contract.JOB_DIR_ENV: str(spec.job_dir),
             contract.EVENTS_FILE_ENV: str(spec.events_file),

@@ -10,6 +10,8 @@ moment the *last* node (or rank) reached it, because the job only moves on when 
     stopped   the old workers are gone                ``workers_stopped`` (latest)
     formed    the next round exists                   ``round`` (earliest)
     spawned   the new workers were started            ``start`` (latest)
+    connected every rank's store client connected ``store_connected`` (latest; the agents
+              see it in ``/proc``: a plain script without the training helpers has it too)
     ready     the new ranks reached their first step  ``worker_ready`` (latest; training helpers)
     stepped   the first step is done on every rank    ``first_step`` (latest; training helpers),
               else every rank's first heartbeat       ``first_heartbeat`` (latest; the agent)
@@ -20,8 +22,9 @@ of stopped and spawned, the moment the last agent handed its survivors the new r
 
     kept      every survivor was handed the round     ``workers_kept`` (latest)
 
-It comes after ``formed`` (an agent hands out a round once it exists); ``ready`` is then the
-survivors' new group (``InPlace`` writes ``worker_ready`` when it re-formed) and a newcomer's.
+It comes after ``formed`` (an agent hands out a round once it exists); ``connected`` is when
+the survivors and newcomers joined the new round's store, ``ready`` the survivors' new group
+(``InPlace`` writes ``worker_ready`` when it re-formed) and a newcomer's.
 
 Pure: events in, records out, so it is tested on recorded events and used by the CLI and the
 restart benchmark alike.
@@ -35,10 +38,10 @@ from dataclasses import dataclass
 
 from hpc_elastic.events import Event
 
-PHASES = ("told", "stopped", "formed", "spawned", "ready", "stepped")
+PHASES = ("told", "stopped", "formed", "spawned", "connected", "ready", "stepped")
 """The phases after ``seen``, in the order a restart goes through them."""
 
-IN_PLACE_PHASES = ("told", "formed", "kept", "ready", "stepped")
+IN_PLACE_PHASES = ("told", "formed", "kept", "connected", "ready", "stepped")
 """The phases of an in-place restart, in order: the survivors are neither stopped nor spawned."""
 
 _SOURCES: dict[str, tuple[str, bool, bool]] = {
@@ -48,6 +51,7 @@ _SOURCES: dict[str, tuple[str, bool, bool]] = {
     "formed": ("round", False, True),
     "spawned": ("start", False, False),
     "kept": ("workers_kept", False, False),
+    "connected": ("store_connected", False, False),
     "ready": ("worker_ready", False, False),
     "stepped": ("first_step", False, False),
 }
@@ -57,6 +61,7 @@ MARKERS = frozenset(
         "round_ended",
         "failure_reported",
         "workers_stopped",
+        "store_connected",
         "worker_ready",
         "first_step",
         _STEP_FALLBACK,
@@ -152,8 +157,8 @@ def table(breakdowns: Sequence[Restart]) -> list[str]:
 
 
 def _header(columns: Sequence[str]) -> str:
-    return f"{'round':>9}  {'ended':<10}" + "".join(f"{phase:>9}" for phase in columns)
+    return f"{'round':>9}  {'ended':<10}" + "".join(f"{phase:>10}" for phase in columns)
 
 
 def _seconds(value: float | None) -> str:
-    return f"{'-':>9}" if value is None else f"{value:>8.2f}s"
+    return f"{'-':>10}" if value is None else f"{value:>9.2f}s"

@@ -31,9 +31,12 @@ ROUND_KEYS = (
     "MASTER_ADDR",
     "MASTER_PORT",
     "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_USE_AGENT_STORE",
     contract.ROUND_ENV,
 )
-"""The worker variables that change from one round to the next; all else stays as spawned."""
+"""The worker variables that change from one round to the next; all else stays as spawned.
+``TORCHELASTIC_USE_AGENT_STORE`` does: whether the round's store is the agent's (then rank 0
+joins it as a client) or rank 0's own to open depends on the round (agent/storehost.py)."""
 
 _COLLECTIVE_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe")
 """Words of the errors a collective raises when a peer is gone (gloo says ``Connection closed
