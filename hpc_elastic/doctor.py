@@ -399,6 +399,35 @@ def session_rule(requested: float, bounds: tuple[float, float] | None) -> Check:
     )
 
 
+def restart_rule(session_timeout: float, prewarm: bool) -> Check:
+    """What a job with these settings pays at a failure, and the flag that changes it: the
+    defaults make a worker failure cost a few tenths of a second (warm standbys, the round's
+    store open before any rank knocks); without prewarming every restart imports torch again.
+    A node that stops answering is noticed after the session timeout (docs/agent.md, "The
+    defaults, and what they cost", says why 6 s and not 2)."""
+    node = (
+        f"a node that stops answering is noticed after {session_timeout:g} s (--session-timeout; "
+        "2 s suits a quiet cluster whose ensemble has tickTime <= 1000 ms, more where nodes "
+        "stall for seconds)"
+    )
+    if not prewarm:
+        return Check(
+            "Restart speed",
+            Level.WARN,
+            f"cold restarts: every worker imports torch again at each restart (2 s or more "
+            f"each, the ranks that import sooner wait in the store's backoff); {node}",
+            "drop --no-prewarm ('prewarm = false' in the config): standby workers with torch "
+            "imported make a worker failure cost a few tenths of a second, for about 250 MB "
+            "of host memory per worker",
+        )
+    return Check(
+        "Restart speed",
+        Level.PASS,
+        f"warm restarts: standby workers hold torch imported and the round's store listens "
+        f"before any rank knocks; {node}",
+    )
+
+
 def acl_rule(enforced: bool | None) -> Check:
     """Every job's nodes are guarded by a digest ACL: an ensemble that does not enforce ACLs
     lets every user read, forge and end every job."""
@@ -657,13 +686,17 @@ def diagnose(
     checkpoint_dir: Path | str,
     user_secret_file: Path | None = None,
     session_timeout: float = DEFAULT_SESSION_TIMEOUT,
+    *,
+    prewarm: bool = True,
 ) -> list[Check]:
     """Every check; ``checkpoint_dir`` is a local directory, or a URL (``is_url``) left as is.
-    ``zk`` is the ensemble to check and where it came from (a bare address: given by hand)."""
+    ``zk`` is the ensemble to check and where it came from (a bare address: given by hand).
+    ``session_timeout`` and ``prewarm``: what the user's jobs will get (the config file)."""
     choice = zk if isinstance(zk, ZkChoice) else ZkChoice(zk, "--zk")
     checks, chosen = slurm_checks(partition)
     ensemble = zookeeper_checks(choice, session_timeout)
     checks.extend(ensemble)
+    checks.append(restart_rule(session_timeout, prewarm))
     zk_ok = all(check.level is not Level.FAIL for check in ensemble[:2])
     checks.append(bad_nodes_check(choice.address, user_secret_file or _user_secret_file(), zk_ok))
     checks.extend(container_checks())

@@ -470,3 +470,16 @@ def test_doctor_prints_the_container_lines_and_no_srun_means_not_checked(tmp_pat
         )
     assert "✓ PASS  pyxis: not checked: srun is not usable here\n" in result.stdout
     assert "✓ PASS  apptainer: not on PATH here" in result.stdout
+
+
+def test_doctor_says_what_a_failure_costs_and_which_flag_makes_restarts_warm() -> None:
+    from hpc_elastic.doctor import restart_rule  # noqa: PLC0415
+
+    warm = restart_rule(6.0, prewarm=True)
+    assert warm.level is Level.PASS
+    assert "after 6 s (--session-timeout" in warm.message
+    cold = restart_rule(2.0, prewarm=False)
+    assert cold.level is Level.WARN
+    assert "imports torch again" in cold.message
+    assert "after 2 s" in cold.message
+    assert "--no-prewarm" in cold.hint

@@ -55,6 +55,7 @@ def doctor_command(
         choice,
         where if is_url(where) else _local_dir(where),
         session_timeout=float(cast(float, session)),
+        prewarm=values.get("prewarm") is not False,
     )
     for check in checks:
         for line in check.lines():
