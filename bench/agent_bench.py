@@ -31,6 +31,18 @@ ZooKeeper and gets the same one: ``--zk private`` starts one for the run (tickTi
 the dev cluster's) and stops it at the end::
 
     python bench/agent_bench.py --side-by-side --zk private --repeats 2 --give-up 60
+
+``--workload`` (repeatable) picks the training script, each one's rows beside the others':
+``gloo`` is tests/workloads/train_gloo.py (ours: it beats the heartbeat and writes the
+timeline's ready and first-step events); ``plain`` and ``plain-main`` are torchrun scripts that
+import nothing of hpc_elastic, with ``init_process_group`` at module level or inside
+``main()`` (tests/workloads/plain_module.py, plain_main.py); ``lightning`` is a Lightning
+script whose ``DDPStrategy`` starts the group (plain_lightning.py; its standbys prewarm
+``lightning.pytorch`` too; skipped when Lightning is not installed: ``pip install --no-deps
+lightning lightning-utilities torchmetrics tqdm``, never another torch)::
+
+    python bench/agent_bench.py --side-by-side --zk private --repeats 10 --give-up 60 \
+        --workload gloo --workload plain --workload plain-main --workload lightning
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.util
 import os
 import shutil
 import signal
@@ -59,6 +72,43 @@ from hpc_elastic.rendezvous.testing import ZooKeeperServer
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "tests" / "workloads" / "train_gloo.py"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A training script the launchers run (``--workload``)."""
+
+    name: str
+    script: Path
+    prewarm: tuple[str, ...] = ("torch",)
+    """The agent's ``--prewarm`` modules for it."""
+    needs: str | None = None
+    """A module that must be installed, else the workload is skipped."""
+
+    @property
+    def missing(self) -> bool:
+        return self.needs is not None and importlib.util.find_spec(self.needs) is None
+
+
+WORKLOADS = {
+    workload.name: workload
+    for workload in (
+        Workload("gloo", TRAIN),
+        Workload("plain", REPO / "tests" / "workloads" / "plain_module.py"),
+        Workload("plain-main", REPO / "tests" / "workloads" / "plain_main.py"),
+        Workload(
+            "lightning",
+            REPO / "tests" / "workloads" / "plain_lightning.py",
+            prewarm=("torch", "lightning.pytorch"),
+            needs="lightning",
+        ),
+    )
+}
+GLOO = WORKLOADS["gloo"]
+
+TIMELINE_WAIT = 1.0
+"""Seconds the agents keep running after the probe's answer, so that they write the new
+round's timeline events (``store_connected`` is seen at the agent's next poll)."""
 AGENTS = 4
 FULL = 3
 """The group's size in the hot-spare scenarios (``--nodes 3:3``): the 4th agent is the spare."""
@@ -77,6 +127,8 @@ class Launch:
     agents: list[subprocess.Popen[bytes]]
     out: Path
     standbys: bool = False
+    script: Path = TRAIN
+    """The training script the agents run (``Workload.script``)."""
     add: Callable[[], subprocess.Popen[bytes]] | None = None
     """Starts one more agent of the same job (the node-arrival scenario)."""
 
@@ -93,7 +145,7 @@ class Launch:
         return [
             pid
             for pid in _descendants(agent.pid)
-            if str(TRAIN) in _cmdline(pid)
+            if str(self.script) in _cmdline(pid)
             and "torch.distributed.run" not in _cmdline(pid)
             and not (self.standbys and _stdout(pid) == os.devnull)
         ]
@@ -119,8 +171,17 @@ class Launch:
             agent.wait()
 
 
-def ours(zk: str, nodes: str, out: Path, prewarm: bool, count: int = AGENTS) -> Launch:
+def ours(
+    zk: str,
+    nodes: str,
+    out: Path,
+    prewarm: bool,
+    *,
+    count: int = AGENTS,
+    workload: Workload = GLOO,
+) -> Launch:
     run_id = uuid.uuid4().hex[:8]
+    modules = [f"--prewarm={module}" for module in workload.prewarm] if prewarm else []
     env = {**os.environ, "PYTHONPATH": str(REPO)}
 
     def agent(index: int) -> subprocess.Popen[bytes]:
@@ -130,14 +191,17 @@ def ours(zk: str, nodes: str, out: Path, prewarm: bool, count: int = AGENTS) -> 
                 f"--run-id={run_id}", f"--job-dir={out / 'job'}", f"--zk={_chroot(zk)}",
                 f"--nodes={nodes}", "--zk-open-acl", "--session-timeout=2", "--last-call=1",
                 "--grace=3",
-                f"--slot=a{index}", "--host=127.0.0.1", *(["--prewarm=torch"] if prewarm else []),
-                "--", sys.executable, "-u", str(TRAIN), f"--out={out}", "--steps=100000",
+                f"--slot=a{index}", "--host=127.0.0.1", *modules,
+                "--", sys.executable, "-u", str(workload.script), f"--out={out}",
+                "--steps=100000",
             ],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True,
         )  # fmt: skip
 
-    launch = Launch([agent(index) for index in range(count)], out, standbys=prewarm)
+    launch = Launch(
+        [agent(index) for index in range(count)], out, standbys=prewarm, script=workload.script
+    )
     launch.add = lambda: _added(launch, agent(len(launch.agents)))
     return launch
 
@@ -147,7 +211,7 @@ def _added(launch: Launch, agent: subprocess.Popen[bytes]) -> subprocess.Popen[b
     return agent
 
 
-def torchrun(nodes: str, out: Path, count: int = AGENTS) -> Launch:
+def torchrun(nodes: str, out: Path, count: int = AGENTS, workload: Workload = GLOO) -> Launch:
     port = _free_port()
     run_id = uuid.uuid4().hex[:8]
     env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -159,7 +223,7 @@ def torchrun(nodes: str, out: Path, count: int = AGENTS) -> Launch:
                 "--nproc-per-node=1", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
                 "--max-restarts=3", "--monitor-interval=0.1", "--local-addr=127.0.0.1",
-                str(TRAIN), f"--out={out}", "--steps=100000",
+                str(workload.script), f"--out={out}", "--steps=100000",
             ],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True,
@@ -169,7 +233,7 @@ def torchrun(nodes: str, out: Path, count: int = AGENTS) -> Launch:
     for _ in range(count):
         agents.append(agent())
         time.sleep(0.3 if not agents[1:] else 0.0)  # The first one hosts the c10d store.
-    launch = Launch(agents, out)
+    launch = Launch(agents, out, script=workload.script)
     launch.add = lambda: _added(launch, agent())
     return launch
 
@@ -293,6 +357,8 @@ def measure(
         launch = start(Path(tmp))
         try:
             result = probe(launch, give_up)
+            if result is not None:
+                time.sleep(TIMELINE_WAIT)
         finally:
             launch.stop()
         timeline = phases.table(phases.restarts(events.read(Path(tmp) / "job" / "events.jsonl")))
@@ -371,13 +437,43 @@ def main() -> None:
         action="store_true",
         help="Issue 17's table: the three scenarios for torchrun, cold, prewarmed and in-place.",
     )
+    parser.add_argument(
+        "--workload",
+        choices=list(WORKLOADS),
+        action="append",
+        help="The training script (repeatable; default gloo): each one's rows beside the others'.",
+    )
     args = parser.parse_args()
+    args.workloads = chosen_workloads(args.workload)
     with _zookeeper(args.zk) as zk:
         args.zk = zk
         if args.side_by_side:
-            side_by_side(zk, args.repeats, args.give_up, args.only, args.scenario)
+            side_by_side(
+                zk, args.repeats, args.give_up, args.only, args.scenario, workloads=args.workloads
+            )
             return
         run(args)
+
+
+def chosen_workloads(names: list[str] | None) -> list[Workload]:
+    """The workloads of ``--workload`` (gloo alone by default), less those not installed."""
+    chosen = []
+    for name in dict.fromkeys(names or ["gloo"]):
+        workload = WORKLOADS[name]
+        if workload.missing:
+            print(
+                f"workload {name}: skipped, {workload.needs} is not installed "
+                "(pip install --no-deps lightning lightning-utilities torchmetrics tqdm)",
+                flush=True,
+            )
+            continue
+        chosen.append(workload)
+    return chosen
+
+
+def row_name(scenario: str, workload: Workload, workloads: list[Workload]) -> str:
+    """The table's row: the scenario, and the workload's name when it is not the only gloo."""
+    return scenario if workloads == [GLOO] else f"{scenario} [{workload.name}]"
 
 
 def run(args: argparse.Namespace) -> None:
@@ -393,26 +489,32 @@ def run(args: argparse.Namespace) -> None:
     chosen = [name for name in args.only or LAUNCHERS if name in LAUNCHERS]
     scenarios = [row for row in SCENARIOS if not args.scenario or row[0] in args.scenario]
 
-    def launcher(name: str, nodes: str, count: int) -> Callable[[Path], Launch]:
+    def launcher(
+        name: str, nodes: str, count: int, workload: Workload = GLOO
+    ) -> Callable[[Path], Launch]:
         if name == LAUNCHERS[0]:
-            return lambda out: torchrun(nodes, out, count)
+            return lambda out: torchrun(nodes, out, count, workload)
         prewarm = name == LAUNCHERS[2]
-        return lambda out: ours(args.zk, nodes, out, prewarm=prewarm, count=count)
+        return lambda out: ours(
+            args.zk, nodes, out, prewarm=prewarm, count=count, workload=workload
+        )
 
     rows = []
-    for scenario, nodes, count, probe in scenarios:
-        cells = []
-        for name in chosen:
-            if name == LAUNCHERS[0] and scenario in AGENT_ONLY:
-                cells.append("-")
-                continue
-            print(f"{scenario}: {name}", flush=True)
-            start = launcher(name, nodes, count)
-            results = [
-                measure(f"try {n + 1}", start, probe, args.give_up) for n in range(args.repeats)
-            ]
-            cells.append(cell(results))
-        rows.append(f"| {scenario} | {' | '.join(cells)} |")
+    for workload in args.workloads:
+        for scenario, nodes, count, probe in scenarios:
+            cells = []
+            row = row_name(scenario, workload, args.workloads)
+            for name in chosen:
+                if name == LAUNCHERS[0] and scenario in AGENT_ONLY:
+                    cells.append("-")
+                    continue
+                print(f"{row}: {name}", flush=True)
+                start = launcher(name, nodes, count, workload)
+                results = [
+                    measure(f"try {n + 1}", start, probe, args.give_up) for n in range(args.repeats)
+                ]
+                cells.append(cell(results))
+            rows.append(f"| {row} | {' | '.join(cells)} |")
     print(f"| scenario | {' | '.join(chosen)} |")
     print(f"|---|{'---|' * len(chosen)}")
     print("\n".join(rows))
@@ -456,37 +558,36 @@ def side_by_side(
     give_up: float,
     only: list[str] | None = None,
     scenarios: list[str] | None = None,
+    *,
+    workloads: list[Workload] | None = None,
 ) -> None:
     """Issue 17's table in one run: rows are the three scenarios, columns the launchers, the
     in-place column last (its own workload and probe: fault -> a step by every rank of the new
     round, and, after ";", the survivors' first step after their agent knew the round).
-    ``only`` and ``scenarios`` (``--only``, ``--scenario``) pick columns and rows."""
+    ``only`` and ``scenarios`` (``--only``, ``--scenario``) pick columns and rows; with other
+    ``workloads`` than gloo, each one's rows follow (the in-place column only for gloo: the
+    others do not use ``InPlace``)."""
+    workloads = workloads or [GLOO]
     columns = [name for name in (*LAUNCHERS, IN_PLACE_LAUNCHER) if not only or name in only]
     rows = []
-    for scenario, nodes, count, probe in SCENARIOS[:3]:
-        if scenarios and scenario not in scenarios:
-            continue
-        cells = []
-        for name in columns:
-            if name == IN_PLACE_LAUNCHER:
-                break
-            print(f"{scenario}: {name}", flush=True)
-            if name == LAUNCHERS[0]:
-                start: Callable[[Path], Launch] = functools.partial(torchrun, nodes, count=count)
-            else:
-                start = functools.partial(
-                    ours, zk, nodes, prewarm=name == LAUNCHERS[2], count=count
+    for workload in workloads:
+        for scenario, nodes, count, probe in SCENARIOS[:3]:
+            if scenarios and scenario not in scenarios:
+                continue
+            row = row_name(scenario, workload, workloads)
+            cells = [
+                _side_by_side_cell(
+                    zk,
+                    name,
+                    row,
+                    (nodes, count, probe),
+                    workload=workload,
+                    repeats=repeats,
+                    give_up=give_up,
                 )
-            results = [measure(f"try {n + 1}", start, probe, give_up) for n in range(repeats)]
-            cells.append(cell(results))
-        if IN_PLACE_LAUNCHER in columns:
-            fault = IN_PLACE_FAULTS[probe]
-            print(f"{scenario}: {IN_PLACE_LAUNCHER}", flush=True)
-            cell_text = in_place_cell(
-                zk, nodes, count, fault, repeats=repeats, give_up=give_up, prewarm=True
-            )
-            cells.append(cell_text)
-        rows.append(f"| {scenario} | {' | '.join(cells)} |")
+                for name in columns
+            ]
+            rows.append(f"| {row} | {' | '.join(cells)} |")
     print(f"| scenario | {' | '.join(columns)} |")
     print(f"|---|{'---|' * len(columns)}")
     print("\n".join(rows))
@@ -514,6 +615,38 @@ class TraceLine:
     rank: int
     world: int
     pid: int
+
+
+def _side_by_side_cell(
+    zk: str,
+    name: str,
+    row: str,
+    scenario: tuple[str, int, Probe],
+    *,
+    workload: Workload,
+    repeats: int,
+    give_up: float,
+) -> str:
+    """One cell of ``side_by_side``: ``repeats`` tries of one launcher on one scenario."""
+    nodes, count, probe = scenario
+    if name == IN_PLACE_LAUNCHER:
+        if workload != GLOO:
+            return "-"
+        print(f"{row}: {IN_PLACE_LAUNCHER}", flush=True)
+        fault = IN_PLACE_FAULTS[probe]
+        return in_place_cell(
+            zk, nodes, count, fault, repeats=repeats, give_up=give_up, prewarm=True
+        )
+    print(f"{row}: {name}", flush=True)
+    if name == LAUNCHERS[0]:
+        start: Callable[[Path], Launch] = functools.partial(
+            torchrun, nodes, count=count, workload=workload
+        )
+    else:
+        start = functools.partial(
+            ours, zk, nodes, prewarm=name == LAUNCHERS[2], count=count, workload=workload
+        )
+    return cell([measure(f"try {n + 1}", start, probe, give_up) for n in range(repeats)])
 
 
 def in_place_agents(zk: str, nodes: str, out: Path, count: int, prewarm: bool = False) -> Launch:
