@@ -90,6 +90,8 @@ CHECKPOINT_KEY_FILE = "checkpoint-key"
 """The user's checkpoint key (``hpc_elastic.checkpoint_key``), 0600: the workers seal every
 checkpoint manifest with it, so the user's next job resumes from them and nobody else's does."""
 SCRIPT_FILE = "sbatch.sh"
+GROW_SCRIPT_FILE = "sbatch-grow.sh"
+"""The growth slots' array script (``--grow-partition``/``--grow-qos``), beside ``SCRIPT_FILE``."""
 EVENTS_FILE = "events.jsonl"
 LOGS_DIR = "logs"
 CHECKPOINTS_DIR = "checkpoints"

@@ -6,6 +6,7 @@ A job directory holds everything one run needs and leaves behind::
         secret        per-job ZooKeeper secret, mode 0600; never on a command line or in the script
         checkpoint-key  the user's checkpoint key, mode 0600, which the workers seal with
         sbatch.sh     the script exactly as submitted, mode 0600 (it carries the --env values)
+        sbatch-grow.sh  the growth slots' array script, with --grow-partition/--grow-qos (0600)
         job.json      the job record (``JobRecord``); mode 0600
         events.jsonl  what happened, one JSON line per event, appended by agents and runner
         logs/         agent_<slot>.log (local mode), attempt_<round>/rank_<rank>.log (workers)
@@ -82,6 +83,11 @@ class JobDir:
     @property
     def sbatch_script(self) -> Path:
         return self.path / SCRIPT_FILE
+
+    @property
+    def grow_sbatch_script(self) -> Path:
+        """The growth slots' array script (``--grow-partition``/``--grow-qos``)."""
+        return self.path / contract.GROW_SCRIPT_FILE
 
     @property
     def events(self) -> Path:
@@ -324,6 +330,27 @@ class JobRecord:
     """Everything else the job was asked for, as JSON values, for people to read."""
     snapshot: CodeSnapshot | None = None
     """The code snapshot the job runs, or None (``--no-snapshot``, local runs, old jobs)."""
+    grow_job_id: str | None = None
+    """The growth slots' array job (``--grow-partition``/``--grow-qos``): the slots above MIN
+    are a second Slurm job of the same run; None for a job of one array."""
+    partition: str | None = None
+    qos: str | None = None
+    grow_partition: str | None = None
+    grow_qos: str | None = None
+    """Where the slots run, as submitted (None: Slurm's default, or the same as the core's)."""
+
+    def placement(self, task: int) -> tuple[str | None, str | None]:
+        """The partition and QoS array task ``task`` was submitted with: the slots above MIN
+        take ``--grow-partition``/``--grow-qos`` when the job has them."""
+        grows = self.grow_partition is not None or self.grow_qos is not None
+        if grows and self.nodes != "?" and task >= NodeRange.parse(self.nodes).min:
+            return self.grow_partition or self.partition, self.grow_qos or self.qos
+        return self.partition, self.qos
+
+    @property
+    def job_ids(self) -> tuple[str, ...]:
+        """Every Slurm job of the run: the array (or allocation), then the growth array."""
+        return tuple(job for job in (self.job_id, self.grow_job_id) if job is not None)
 
     @property
     def paths(self) -> JobDir:
@@ -358,6 +385,8 @@ class JobRecord:
             "job_id": self.job_id,
             "job_dir": str(self.job_dir),
         }
+        if self.grow_job_id is not None:
+            record["grow_job_id"] = self.grow_job_id
         if self.local:
             record.update(mode="local", zk=self.zk, pid=self.runner_pid)
         else:
@@ -412,6 +441,7 @@ class JobRecord:
         if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
             raise _bad(job_dir, f"its run_id {run_id!r:.80} is not letters, digits, '.', '_', '-'")
         job_id = _job_id(raw.get("job_id"), job_dir)
+        grow_job_id = _job_id(raw.get("grow_job_id"), job_dir, "grow_job_id")
         local = raw.get("mode") == "local"
         zk = raw.get("zk") or spec.get("zk")
         if zk is not None and not _is_address(zk, local=local):
@@ -434,14 +464,33 @@ class JobRecord:
             max_restarts=restarts,
             runner_pid=pid,
             snapshot=CodeSnapshot.from_json(raw.get("snapshot"), job_dir),
+            grow_job_id=grow_job_id,
+            partition=_word(spec.get("partition"), "partition", job_dir),
+            qos=_word(spec.get("qos"), "qos", job_dir),
+            grow_partition=_word(spec.get("grow_partition"), "grow_partition", job_dir),
+            grow_qos=_word(spec.get("grow_qos"), "grow_qos", job_dir),
         )
 
 
-def _job_id(job_id: object, job_dir: Path) -> str | None:
+def _word(value: object, key: str, job_dir: Path) -> str | None:
+    """One word as sbatch takes it (a partition or QoS name), or None when not given."""
+    if value is None:
+        return None
+    if (
+        not isinstance(value, str)
+        or not value
+        or len(value) > 200
+        or any(char.isspace() or not char.isprintable() for char in value)
+    ):
+        raise _bad(job_dir, f"its {key} {value!r:.80} is not one word")
+    return value
+
+
+def _job_id(job_id: object, job_dir: Path, key: str = "job_id") -> str | None:
     if isinstance(job_id, int) and not isinstance(job_id, bool):
         job_id = str(job_id)
     if job_id is not None and (not isinstance(job_id, str) or not _JOB_ID.match(job_id)):
-        raise _bad(job_dir, f"its job_id {job_id!r:.80} is not a Slurm job number")
+        raise _bad(job_dir, f"its {key} {job_id!r:.80} is not a Slurm job number")
     return job_id or None
 
 

@@ -520,6 +520,24 @@ SUBMIT_OPTIONS: tuple[Option, ...] = (
     _word("partition", "Slurm partition (see `sinfo -s`)."),
     _word("account", "Slurm account to charge."),
     _word("qos", "Slurm quality of service."),
+    replace(
+        _word(
+            "grow_partition",
+            "Run the slots above MIN in this partition, as a second array job of the same run: "
+            "the first MIN stay where --partition says.",
+        ),
+        sbatch=None,
+        show_default="--partition",
+    ),
+    replace(
+        _word(
+            "grow_qos",
+            "Run the slots above MIN under this QoS (e.g. a preemptible scavenger), as a second "
+            "array job of the same run: when they are preempted the job trains on at MIN.",
+        ),
+        sbatch=None,
+        show_default="--qos",
+    ),
     _text(
         "time",
         str | None,

@@ -35,7 +35,7 @@ from hpc_elastic.errors import TemplateError, UsageError, one_line
 from hpc_elastic.invocation import AgentInvocation
 from hpc_elastic.jobdir import JobDir
 from hpc_elastic.options import agent_options, job_environment, sbatch_options
-from hpc_elastic.spec import JobSpec, mounts_of
+from hpc_elastic.spec import ArrayPart, JobSpec, mounts_of
 from hpc_elastic.trust import unsafe_file_reason
 
 if TYPE_CHECKING:
@@ -79,18 +79,30 @@ class SbatchScript:
     template: str
 
 
-def render(spec: JobSpec, context: RenderContext) -> SbatchScript:
-    """Render the job's sbatch script; no clock, no randomness, no Slurm, same input same text."""
+def render(spec: JobSpec, context: RenderContext, part: ArrayPart | None = None) -> SbatchScript:
+    """Render the job's sbatch script (``part``: which of its arrays; default the first, the
+    only one unless the job grows elsewhere); no clock, no randomness, no Slurm, same input
+    same text."""
+    part = spec.array_parts()[0] if part is None else part
+    variables = template_variables(spec.for_part(part), context, part)
     if spec.template is None:
         name = ELASTIC_TEMPLATE if spec.is_array else FIXED_TEMPLATE
-        return SbatchScript(_render_builtin(name, template_variables(spec, context)), name)
-    return SbatchScript(
-        _render_user(spec.template, template_variables(spec, context)), str(spec.template)
-    )
+        return SbatchScript(_render_builtin(name, variables), name)
+    return SbatchScript(_render_user(spec.template, variables), str(spec.template))
 
 
-def template_variables(spec: JobSpec, context: RenderContext) -> dict[str, object]:
+def render_growth(spec: JobSpec, context: RenderContext) -> SbatchScript | None:
+    """The script of the growth slots' array (``--grow-partition``/``--grow-qos``), or None:
+    every slot is in the one array ``render`` gives."""
+    parts = spec.array_parts()
+    return render(spec, context, parts[1]) if len(parts) > 1 else None
+
+
+def template_variables(
+    spec: JobSpec, context: RenderContext, part: ArrayPart | None = None
+) -> dict[str, object]:
     """The variables every template gets; docs/submit.md lists them for template authors."""
+    part = spec.array_parts()[0] if part is None else part
     quote = shlex.quote
     python = quote(agent_python(spec, context))
     pyxis = spec.container == "pyxis"
@@ -106,6 +118,8 @@ def template_variables(spec: JobSpec, context: RenderContext) -> dict[str, objec
         "nodes_max": spec.nodes.max,
         "spares": spec.spares,
         "array_size": spec.array_size,
+        "array_range": part.range,
+        "array_part": part.name,
         "nproc_per_node": spec.nproc_per_node,
         "sbatch": _sbatch_options(spec),
         "setup": [f"eval {quote(line)}" for line in spec.setup],

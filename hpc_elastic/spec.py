@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from hpc_elastic import contract
@@ -408,6 +408,23 @@ def parse_setup_line(text: str) -> str:
 
 
 @dataclass(frozen=True)
+class ArrayPart:
+    """One Slurm array of an elastic job: its tasks ``first``..``last`` are slots of the same
+    run. A job with growth elsewhere (``--grow-partition``/``--grow-qos``) has two: the
+    guaranteed slots below MIN, and the growth slots above."""
+
+    name: str
+    """``all`` (the only array), ``core`` (the first MIN slots) or ``grow`` (the rest)."""
+    first: int
+    last: int
+
+    @property
+    def range(self) -> str:
+        """sbatch's ``--array`` value: ``0-3``, or ``2-3`` for growth slots above MIN 2."""
+        return f"{self.first}-{self.last}"
+
+
+@dataclass(frozen=True)
 class JobSpec:
     """Everything ``submit`` needs to know about a job, validated; the renderer trusts it."""
 
@@ -421,6 +438,10 @@ class JobSpec:
     partition: str | None = None
     account: str | None = None
     qos: str | None = None
+    grow_partition: str | None = None
+    """Where the slots above MIN run (a second array job), if not in ``partition``."""
+    grow_qos: str | None = None
+    """The QoS of the slots above MIN (typically a preemptible scavenger), if not ``qos``."""
     time: str | None = None
     gpus_per_node: int | None = None
     cpus_per_task: int | None = None
@@ -489,6 +510,24 @@ class JobSpec:
         self._check_passthrough()
         self._check_agent_knobs()
         self._check_containers()
+        self._check_growth()
+
+    def _check_growth(self) -> None:
+        """Growth elsewhere needs slots above MIN, and somewhere else for them to run."""
+        given = self.growth_options()
+        if not given:
+            return
+        option, value = given[0]
+        if self.array_size <= self.nodes.min:
+            raise UsageError(
+                f"{option} '{value}' places the slots above MIN, but --nodes {self.nodes} "
+                "has none; give --nodes MIN:MAX (or --spares K)."
+            )
+        if self.grow_partition in (None, self.partition) and self.grow_qos in (None, self.qos):
+            raise UsageError(
+                f"{option} '{value}' is where the guaranteed slots run already; give the "
+                "partition or QoS the slots above MIN should use instead, or drop it."
+            )
 
     def _check_log_dir(self) -> None:
         """sbatch's ``--output`` takes the log directory: no spaces, no ``%A``-breaking ``\\``."""
@@ -590,6 +629,39 @@ class JobSpec:
         """The array's tasks: MAX slots that train and the hot spares beside them."""
         return self.nodes.max + self.spares
 
+    @property
+    def grows_elsewhere(self) -> bool:
+        """Whether the slots above MIN are a second array job, on ``--grow-partition`` or
+        ``--grow-qos`` (Slurm gives every task of one array the same partition and QoS)."""
+        return self.is_array and bool(self.growth_options())
+
+    def array_parts(self) -> tuple[ArrayPart, ...]:
+        """The job's arrays: one of every slot, or the first MIN slots and the rest (hot
+        spares included: a spare is a slot the job may lose without stopping)."""
+        last = self.array_size - 1
+        if not self.grows_elsewhere:
+            return (ArrayPart("all", 0, last),)
+        core = self.nodes.min
+        return (ArrayPart("core", 0, core - 1), ArrayPart("grow", core, last))
+
+    def for_part(self, part: ArrayPart) -> JobSpec:
+        """The spec one array is submitted with: the growth array takes ``--grow-partition``
+        and ``--grow-qos`` as its partition and QoS."""
+        if part.name != "grow":
+            return self
+        return replace(
+            self,
+            partition=self.grow_partition or self.partition,
+            qos=self.grow_qos or self.qos,
+            grow_partition=None,
+            grow_qos=None,
+        )
+
+    def growth_options(self) -> tuple[tuple[str, str], ...]:
+        """The growth settings the user gave, as (option, value)."""
+        values = (("--grow-partition", self.grow_partition), ("--grow-qos", self.grow_qos))
+        return tuple((option, value) for option, value in values if value is not None)
+
     def values(self) -> dict[str, object]:
         """Field name -> value, as the option table's ``sbatch`` and ``agent`` columns read them."""
         return {field.name: getattr(self, field.name) for field in fields(self)}
@@ -600,6 +672,8 @@ class JobSpec:
             ("--partition", self.partition),
             ("--account", self.account),
             ("--qos", self.qos),
+            ("--grow-partition", self.grow_partition),
+            ("--grow-qos", self.grow_qos),
             ("--time", self.time),
             ("--mem", self.mem),
             ("--constraint", self.constraint),

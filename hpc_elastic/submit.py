@@ -39,7 +39,7 @@ from hpc_elastic.jobdir import (
     write_private,
     write_private_bytes,
 )
-from hpc_elastic.render import RenderContext, SbatchScript, render
+from hpc_elastic.render import RenderContext, SbatchScript, render, render_growth
 from hpc_elastic.spec import JobSpec
 
 _log = logging.getLogger(__name__)
@@ -61,11 +61,14 @@ __all__ = [
 
 
 class SlurmCommands(Protocol):
-    """The two Slurm calls submit needs; ``hpc_elastic.slurm.commands`` in real life."""
+    """The Slurm calls submit needs; ``hpc_elastic.slurm.commands`` in real life."""
 
     def sbatch(self, script_text: str, extra_args: Sequence[str] = ()) -> object: ...
 
     def partitions(self) -> list[str]: ...
+
+    def cancel(self, job_id: str) -> None:
+        """Take back a job submitted already (the first array, when the second is refused)."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,15 @@ class Plan:
     script: SbatchScript
     code: snapshot.Manifest | None = None
     """What the code snapshot will hold; None with ``--no-snapshot``."""
+    grow: SbatchScript | None = None
+    """The growth slots' array script (``--grow-partition``/``--grow-qos``), submitted right
+    after ``script`` as a second Slurm job of the same run; None: one array holds every slot."""
+
+    def shown(self) -> str:
+        """What ``render`` prints: the script, and the growth array's after a marked line."""
+        if self.grow is None:
+            return self.script.text
+        return f"{self.script.text}\n{GROW_SEPARATOR}\n{self.grow.text}"
 
     @property
     def job_dir(self) -> Path:
@@ -87,10 +99,15 @@ class Plan:
         return JobDir(self.context.job_dir)
 
 
+GROW_SEPARATOR = "# ---- the growth slots' array, submitted as a second job of the same run ----"
+"""The line ``render`` prints between the two scripts of a job that grows elsewhere."""
+
+
 @dataclass(frozen=True)
 class SubmittedJob:
     job_id: str
     plan: Plan
+    grow_job_id: str | None = None
 
     @property
     def log_pattern(self) -> Path:
@@ -138,7 +155,7 @@ def plan(
         run_id=run_id,
         job_dir=paths.path,
     )
-    return Plan(spec, context, render(spec, context), code)
+    return Plan(spec, context, render(spec, context), code, render_growth(spec, context))
 
 
 def run_from_copy(spec: JobSpec, code: snapshot.Manifest, copy: Path, cwd: Path) -> JobSpec:
@@ -170,7 +187,9 @@ def submit(
     """Write the job directory, then sbatch the script; on failure nothing is left behind.
 
     ``files`` (name -> bytes) are written into the job directory, mode 0600, before sbatch, so
-    the job never starts without them (the submitit plugin's pickled callable)."""
+    the job never starts without them (the submitit plugin's pickled callable). A job that
+    grows elsewhere is two sbatch calls: when Slurm refuses the growth array, the first one
+    is cancelled again, so a run is either both arrays or nothing."""
     _check_partition(job.spec, slurm)
     _write_job_dir(job, files or {})
     try:
@@ -178,19 +197,37 @@ def submit(
     except HpcElasticError:
         shutil.rmtree(job.job_dir, ignore_errors=True)
         raise
-    _write_job_json(job, job_id)
-    return SubmittedJob(job_id, job)
+    grow_job_id = None
+    if job.grow is not None:
+        try:
+            grow_job_id = str(slurm.sbatch(job.grow.text))
+        except HpcElasticError:
+            _log.debug("the growth array was refused: cancelling job %s", job_id)
+            slurm.cancel(job_id)
+            shutil.rmtree(job.job_dir, ignore_errors=True)
+            raise
+    _write_job_json(job, job_id, grow_job_id)
+    return SubmittedJob(job_id, job, grow_job_id)
 
 
 def _check_partition(spec: JobSpec, slurm: SlurmCommands) -> None:
-    if spec.partition is None:
+    given = [
+        (option, name)
+        for option, name in (
+            ("--partition", spec.partition),
+            ("--grow-partition", spec.grow_partition),
+        )
+        if name is not None
+    ]
+    if not given:
         return
     known = slurm.partitions()
-    if spec.partition not in known:
-        raise UsageError(
-            f"--partition '{spec.partition}' does not exist on this cluster; "
-            f"use one of {', '.join(known) or '(none found)'} (see `sinfo -s`)."
-        )
+    for option, name in given:
+        if name not in known:
+            raise UsageError(
+                f"{option} '{name}' does not exist on this cluster; "
+                f"use one of {', '.join(known) or '(none found)'} (see `sinfo -s`)."
+            )
 
 
 def _write_job_dir(job: Plan, files: Mapping[str, bytes]) -> None:
@@ -207,11 +244,13 @@ def _write_job_dir(job: Plan, files: Mapping[str, bytes]) -> None:
         write_private(job.paths.secret, secrets.token_hex(32), exclusive=True)
         checkpoint_key.write_key(job.paths.checkpoint_key)  # the user's, from the user's secret
         write_private(job.paths.sbatch_script, job.script.text)
+        if job.grow is not None:
+            write_private(job.paths.grow_sbatch_script, job.grow.text)
         for name, data in files.items():
             write_private_bytes(job.job_dir / name, data)
         if job.code is not None:
             snapshot.take(job.code, job.paths.code)
-        _write_job_json(job, None)
+        _write_job_json(job, None, None)
     except OSError as err:
         shutil.rmtree(job.job_dir, ignore_errors=True)
         raise _unwritable(job, err) from err
@@ -244,7 +283,7 @@ def _unwritable(job: Plan, err: OSError) -> UsageError:
     )
 
 
-def _write_job_json(job: Plan, job_id: str | None) -> None:
+def _write_job_json(job: Plan, job_id: str | None, grow_job_id: str | None) -> None:
     """Written once before sbatch (so a crash leaves a readable record) and once after."""
     spec = asdict(job.spec)
     spec.update(nodes=str(job.spec.nodes), signal=str(job.spec.signal), env=dict(job.spec.env))
@@ -262,6 +301,7 @@ def _write_job_json(job: Plan, job_id: str | None) -> None:
         template=job.script.template,
         spec=spec,
         snapshot=None if job.code is None else job.code.record(job.paths.code),
+        grow_job_id=grow_job_id,
     ).write()
 
 

@@ -130,6 +130,9 @@ class Sbatch:
     def partitions(self) -> list[str]:
         return ["low"]
 
+    def cancel(self, job_id: str) -> None:
+        raise AssertionError(f"submit cancelled job {job_id}, which it had no reason to")
+
 
 def array_slot(job_dir: Path, node: str = "n3", limits: SlotLimits | None = None) -> ElasticSlot:
     """Task 2 of array job 9 (``9_2``), running as Slurm job 12 on ``node``: the slot the

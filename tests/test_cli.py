@@ -28,15 +28,19 @@ class FakeSlurm:
         self.known = list(partitions)
         self.fail = fail
         self.submitted: list[str] = []
+        self.cancelled: list[str] = []
 
     def sbatch(self, script_text: str, extra_args: Sequence[str] = ()) -> str:
         if self.fail:
             raise SlurmError(self.fail)
         self.submitted.append(script_text)
-        return "42"
+        return str(42 + len(self.submitted) - 1)
 
     def partitions(self) -> list[str]:
         return self.known
+
+    def cancel(self, job_id: str) -> None:
+        self.cancelled.append(job_id)
 
 
 @pytest.fixture

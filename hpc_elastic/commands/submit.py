@@ -94,7 +94,7 @@ def submit_command(
     job = api.plan_settings(script, script_args or (), settings, ("hpc-elastic", *argv))
     warn_of_secrets(argv, f"hpc-elastic {ctx.info_name}")
     if dry_run or ctx.info_name == "render":
-        typer.echo(job.script.text, nl=False, color=True)  # the exact script, escapes and all
+        typer.echo(job.shown(), nl=False, color=True)  # the exact scripts, escapes and all
         return
     require_alive(zk.address)
     _submit(job)
@@ -121,12 +121,26 @@ def _submit(job: Plan) -> None:
     if job.spec.spares:
         shape += f" and {job.spec.spares} hot spare{'s' if job.spec.spares > 1 else ''}"
     typer.echo(f"Submitted batch job {submitted.job_id} (run {job.context.run_id}, {shape}).")
+    grow = submitted.record.grow_job_id
+    if grow is not None:
+        typer.echo(f"Growth slots: {describe_growth(job)}, as Slurm job {grow}.")
     typer.echo(f"Job directory: {job.job_dir}")
     logs = job.paths.slurm_output(str(submitted.job_id), elastic=job.spec.is_array)
     typer.echo(f"Logs: {logs}")
+    if grow is not None:
+        typer.echo(f"      {job.paths.slurm_output(grow, elastic=True)}")
     typer.echo(f"Code: {describe_snapshot(submitted.record.snapshot)}")
     if job.code is not None and job.code.left_out:
         typer.echo(f"Left out of the snapshot as secrets: {describe_left_out(job.code.left_out)}")
+
+
+def describe_growth(job: Plan) -> str:
+    """Which slots grow the job, and where: ``slots 2-3 with QoS scavenger``."""
+    spec = job.spec
+    part = spec.array_parts()[-1]
+    where = [f"partition {spec.grow_partition}"] if spec.grow_partition else []
+    where += [f"QoS {spec.grow_qos}"] if spec.grow_qos else []
+    return f"slots {part.range} with {' and '.join(where)}"
 
 
 def describe_snapshot(code: CodeSnapshot | None) -> str:

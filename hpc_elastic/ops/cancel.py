@@ -32,10 +32,12 @@ def cancel(
                 os.kill(record.runner_pid, signal.SIGTERM)
             done.append(f"stopped the local run (pid {record.runner_pid})")
     elif record.job_id is not None:
-        if not record.job_id.isdigit():  # parse_record already refuses it; never reach scancel
-            raise UsageError(f"Slurm job id '{record.job_id}' is not a number; not cancelling.")
-        scancel(record.job_id)
-        done.append(f"cancelled Slurm job {record.job_id} (every slot)")
+        for job_id in record.job_ids:  # the array, then the growth slots' array if any
+            if not job_id.isdigit():  # parse_record already refuses it; never reach scancel
+                raise UsageError(f"Slurm job id '{job_id}' is not a number; not cancelling.")
+        for job_id in record.job_ids:
+            scancel(job_id)
+        done.append(f"cancelled Slurm job {' and '.join(record.job_ids)} (every slot)")
     if record.zk is not None and not record.local:
         close(record)
         done.append("closed the rendezvous")

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from hpc_elastic.errors import HpcElasticError, one_line
@@ -29,6 +30,11 @@ class Slot:
     node: str = "-"
     agent: str = "-"
     """The agent's last event kind: join, round, start, restart, leave, preempt, ..."""
+    partition: str = "-"
+    qos: str = "-"
+    """Where the slot's array task was submitted (``JobRecord.placement``): the slots above
+    MIN of a job that grows elsewhere run on ``--grow-partition``/``--grow-qos``; ``-`` is
+    Slurm's default."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,8 @@ class JobView:
     """The code snapshot the job runs (commit, dirty); None without one."""
     goodput: lost_time.Goodput = field(default_factory=lost_time.Goodput)
     """Productive time over wall time and the time lost by cause, from the events."""
+    grow_job_id: str | None = None
+    """The growth slots' array job (``--grow-partition``/``--grow-qos``), if any."""
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -76,7 +84,7 @@ def gather(record: JobRecord, squeue: SlurmQuery) -> JobView:
     slurm: list[JobStatus] = []
     if record.job_id is not None:
         try:
-            slurm = squeue([record.job_id])
+            slurm = squeue(list(record.job_ids))
         except HpcElasticError as error:
             warnings.append(str(error))
     live = _live(record, summary, slurm)
@@ -114,10 +122,11 @@ def gather(record: JobRecord, squeue: SlurmQuery) -> JobView:
         last_checkpoint_step=summary.last_checkpoint_step,
         last_checkpoint_time=summary.last_checkpoint_time,
         last_failure=failure,
-        slots=_slots(history, slurm, finished=summary.outcome != "running"),
+        slots=_placed(record, _slots(history, slurm, finished=summary.outcome != "running")),
         warnings=warnings,
         restores=restore_tiers(history),
         code=record.snapshot,
+        grow_job_id=record.grow_job_id,
         # Only a job still at work counts its wall time up to now; a stopped one ended at its
         # last event, however long ago that was.
         goodput=lost_time.goodput(history, now=time.time() if overall == "running" else None),
@@ -188,7 +197,7 @@ def _live(record: JobRecord, summary: timeline.Summary, slurm: list[JobStatus]) 
 
 def of_job(record: JobRecord, queue: Sequence[JobStatus]) -> list[JobStatus]:
     """The lines of one ``squeue`` answer that belong to ``record``'s Slurm job."""
-    return [status for status in queue if str(status.job_id) == record.job_id]
+    return [status for status in queue if str(status.job_id) in record.job_ids]
 
 
 def job_states(
@@ -196,7 +205,7 @@ def job_states(
 ) -> tuple[list[str], list[str]]:
     """Each job's ``job_state``, asking Slurm once for all of them, and the warnings."""
     records = [record for record, _ in jobs]
-    ids = [record.job_id for record in records if record.job_id is not None]
+    ids = [job_id for record in records for job_id in record.job_ids]
     queue: list[JobStatus] = []
     warnings: list[str] = []
     if ids:
@@ -251,6 +260,29 @@ def _slots(history: list[Event], slurm: list[JobStatus], *, finished: bool) -> l
     return [slots[name] for name in sorted(slots, key=lambda s: (len(s), s))]
 
 
+_TASK = re.compile(r"^\[?(\d+)")
+"""An array slot's (first) task: ``3``, or ``[2-3]`` for tasks that pend together."""
+
+
+def _placed(record: JobRecord, slots: list[Slot]) -> list[Slot]:
+    """Each array slot with the partition and QoS its task was submitted with."""
+    placed = []
+    for slot in slots:
+        task = _TASK.match(slot.slot)
+        if task is None or record.local:
+            placed.append(slot)
+            continue
+        partition, qos = record.placement(int(task.group(1)))
+        placed.append(replace(slot, partition=partition or "-", qos=qos or "-"))
+    return placed
+
+
+def placed_apart(slots: Sequence[Slot]) -> bool:
+    """Whether the slots run in more than one place (a job that grows elsewhere): then the
+    slot table says where each one runs."""
+    return len({(slot.partition, slot.qos) for slot in slots if _TASK.match(slot.slot)}) > 1
+
+
 def render(view: JobView) -> None:
     """A rich summary and slot table on stdout.
 
@@ -264,6 +296,8 @@ def render(view: JobView) -> None:
 
     console = Console(highlight=False)
     where = "local run" if view.mode == "local" else f"Slurm job {_shown(view.job_id or '?')}"
+    if view.grow_job_id is not None:
+        where = f"Slurm jobs {_shown(view.job_id or '?')} and {_shown(view.grow_job_id)}"
     console.print(
         f"[bold]{_shown(view.run_id)}[/bold] ({where}, nodes {_shown(view.nodes)}, "
         f"{view.nproc_per_node} per node): [bold]{_shown(view.state.upper())}[/bold]"
@@ -308,13 +342,17 @@ def render(view: JobView) -> None:
     facts.add_row("Directory", _shown(view.job_dir))
     console.print(facts)
     if view.slots:
+        apart = placed_apart(view.slots)
         table = Table(box=box.SIMPLE_HEAD)
         for column in ("Slot", "Slurm state", "Node", "Agent"):
             table.add_column(column)
+        if apart:
+            table.add_column("Partition")
+            table.add_column("QoS")
         for slot in view.slots:
-            table.add_row(
-                *(_shown(cell) for cell in (slot.slot, slot.slurm_state, slot.node, slot.agent))
-            )
+            cells = [slot.slot, slot.slurm_state, slot.node, slot.agent]
+            cells += [slot.partition, slot.qos] if apart else []
+            table.add_row(*(_shown(cell) for cell in cells))
         console.print(table)
 
 

@@ -24,9 +24,9 @@ from pathlib import Path
 
 from hpc_elastic import events
 from hpc_elastic.contract import PREEMPTED_EXIT_CODE
-from hpc_elastic.errors import SlurmError
+from hpc_elastic.errors import HpcElasticError, SlurmError
 from hpc_elastic.events import CheckpointDetails, Event, Kind
-from hpc_elastic.jobdir import JobDir, write_private
+from hpc_elastic.jobdir import JobDir, JobRecord, write_private
 from hpc_elastic.slurm import commands
 from hpc_elastic.slurm.commands import JobStatus
 from hpc_elastic.slurm.env import SlurmContext
@@ -129,6 +129,18 @@ def coming_slots(statuses: Sequence[JobStatus]) -> int:
         if soon:
             count += len(task_indices(status.array_task))
     return count
+
+
+def task_arrays(statuses: Sequence[JobStatus]) -> dict[int, str]:
+    """Each array task squeue lists -> the array job it belongs to. A job that grows
+    elsewhere (``--grow-partition``/``--grow-qos``) is two arrays whose task ids never
+    overlap (0..MIN-1 and MIN..), so a task id alone names a slot, and this its Slurm job."""
+    return {
+        index: str(status.job_id)
+        for status in statuses
+        if status.array_task is not None
+        for index in task_indices(status.array_task)
+    }
 
 
 def pending_tasks(statuses: Sequence[JobStatus]) -> list[int]:
@@ -586,8 +598,11 @@ class ComingSlots:
         spawn: Spawn = in_background,
         *,
         on_statuses: Callable[[Sequence[JobStatus]], None] | None = None,
+        also: Callable[[], Sequence[str]] = tuple,
     ) -> None:
         self._array_job_id = array_job_id
+        self._also = also
+        """The job's other arrays (the growth slots'), asked in the same squeue."""
         self._on_statuses = on_statuses
         """Also shown each squeue answer (the held-task report), from the squeue thread."""
         self._squeue = squeue
@@ -613,7 +628,7 @@ class ComingSlots:
 
     def _refresh(self) -> None:
         try:
-            statuses = self._squeue([self._array_job_id])
+            statuses = self._squeue([self._array_job_id, *self._also()])
             answer = coming_slots(statuses) or None
             if self._on_statuses is not None:
                 self._on_statuses(statuses)
@@ -784,6 +799,10 @@ class ElasticSlot:
     remembered_bad: tuple[str, ...] = field(init=False, default=())
     """The user's bad nodes remembered across jobs (the health preflight read them): every
     requeue of this slot keeps away from them too, not only from the slot's own bad nodes."""
+    _others: tuple[str, ...] | None = field(init=False, default=None)
+    """The job's other arrays, once ``job.json`` names them all (``other_arrays``)."""
+    _task_arrays: dict[int, str] = field(init=False, default_factory=dict)
+    """Each sibling task's array job, from the last squeue answer (``task_arrays``)."""
 
     def __post_init__(self) -> None:
         try:
@@ -845,6 +864,7 @@ class ElasticSlot:
             self.context.array_job_id,
             lambda ids: commands.squeue(ids, self.env, timeout=SQUEUE_TIMEOUT),
             on_statuses=self.watch_held(emit) if emit is not None else None,
+            also=self.other_arrays,
         )
         coming()
         if emit is not None:
@@ -862,6 +882,7 @@ class ElasticSlot:
         """Tasks this process saw held and did not release: gone from the list, their hold ended."""
 
         def observe(statuses: Sequence[JobStatus]) -> None:
+            self._task_arrays.update(task_arrays(statuses))
             held = held_reasons(statuses)
             for task in sorted(still_held - set(held)):
                 self._hold_ended(task)
@@ -881,7 +902,43 @@ class ElasticSlot:
         return observe
 
     def _task_job_id(self, task: int) -> str:
-        return f"{self.context.array_job_id}_{task}"
+        return f"{self._task_arrays.get(task, self.context.array_job_id)}_{task}"
+
+    def other_arrays(self) -> tuple[str, ...]:
+        """The job's arrays besides this task's own: the growth slots' (or, from a growth
+        slot, the guaranteed ones'), from ``job.json``. ``submit`` writes the second job id
+        once sbatch has answered, which a slot of the first array may start before: until
+        then the answer is read again at every call."""
+        if self._others is not None:
+            return self._others
+        try:
+            record = JobRecord.load(self.job_dir)
+        except HpcElasticError as error:
+            log.debug("no job record to find the other arrays in: %s", error)
+            return ()
+        others = tuple(job for job in record.job_ids if job != self.context.array_job_id)
+        grows = record.grow_partition is not None or record.grow_qos is not None
+        if record.job_id is not None and (record.grow_job_id is not None or not grows):
+            self._others = others
+            log.debug("slot %s: the job's other arrays are %s", self.job_id, others)
+        return others
+
+    def arrays(self) -> list[str]:
+        """Every array of the job, this task's own first: what squeue is asked about."""
+        assert self.context.array_job_id is not None
+        return [self.context.array_job_id, *self.other_arrays()]
+
+    def _squeue_job(self, *, bounded: bool = True) -> list[JobStatus]:
+        """squeue for every array of the job; notes which array each task is in. Unbounded
+        (squeue's own timeout) at the end of the job, which has the time and may need it on a
+        busy slurmctld; else within SQUEUE_TIMEOUT."""
+        arrays = self.arrays()
+        if bounded:
+            statuses = commands.squeue(arrays, self.env, timeout=SQUEUE_TIMEOUT)
+        else:
+            statuses = commands.squeue(arrays, self.env)
+        self._task_arrays.update(task_arrays(statuses))
+        return statuses
 
     def _hold_ended(self, task: int) -> None:
         path = JobDir(self.job_dir).hold_record(task)
@@ -966,11 +1023,10 @@ class ElasticSlot:
         if isinstance(record, SlurmError) or record.get("Reason") != CHURN_HOLD:
             log.debug("slot %s reached %d restarts but is not held", self.job_id, limit)
             return False
-        array, me = self.context.array_job_id, self.context.array_task_id
-        assert array is not None
+        me = self.context.array_task_id
         assert me is not None
         try:
-            statuses = commands.squeue([array], self.env, timeout=SQUEUE_TIMEOUT)
+            statuses = self._squeue_job()
         except SlurmError:
             statuses = []  # Nobody known to be running: announce rather than stay silent.
         if [task for task in running_tasks(statuses) if task != me]:
@@ -1165,11 +1221,10 @@ class ElasticSlot:
     def _end_plan(self, lost: set[str]) -> EndPlan | None:
         """``end_plan`` over squeue's answer now and the siblings' ledgers; None if squeue
         failed."""
-        array, me = self.context.array_job_id, self.context.array_task_id
-        assert array is not None
+        me = self.context.array_task_id
         assert me is not None
         try:
-            statuses = commands.squeue([array], self.env)
+            statuses = self._squeue_job(bounded=False)
         except SlurmError as error:
             log.debug("no squeue answer at the end of the job: %s", error)
             return None
@@ -1182,17 +1237,28 @@ class ElasticSlot:
             return None
 
     def _cancel(self, tasks: list[int], running: list[int], emit: Callable[..., None]) -> list[int]:
-        """Cancel ``tasks`` (``running``: those Slurm showed running); the event says which."""
+        """Cancel ``tasks`` (``running``: those Slurm showed running), one scancel per array
+        of the job; the event says which."""
         assert self.context.array_job_id is not None
-        try:
-            cancel_tasks(self.context.array_job_id, tasks, self.env)
-        except SlurmError as error:
-            # Another slot's agent got there first (scancel fails for a task already ended).
-            log.debug("scancel of tasks %s: %s", tasks, error)
+        by_array: dict[str, list[int]] = {}
+        for task in tasks:
+            array = self._task_arrays.get(task, self.context.array_job_id)
+            by_array.setdefault(array, []).append(task)
+        cancelled: list[int] = []
+        for array, group in sorted(by_array.items()):
+            try:
+                cancel_tasks(array, group, self.env)
+            except SlurmError as error:
+                # Another slot's agent got there first (scancel fails for a task already ended).
+                log.debug("scancel of tasks %s of %s: %s", group, array, error)
+                continue
+            cancelled += group
+        if not cancelled:
             return []
-        log.debug("slot %s cancelled tasks %s (running: %s)", self.job_id, tasks, list(running))
-        emit(Kind.CANCEL_PENDING, tasks=tasks, running=running)
-        return tasks
+        shown = [task for task in running if task in cancelled]
+        log.debug("slot %s cancelled tasks %s (running: %s)", self.job_id, cancelled, shown)
+        emit(Kind.CANCEL_PENDING, tasks=cancelled, running=shown)
+        return cancelled
 
     def _save(self, ledger: SlotLedger) -> None:
         self._ledger = ledger
