@@ -211,3 +211,59 @@ def test_a_hung_group_dumps_every_ranks_stacks_and_the_root_cause_names_the_fram
     assert "Fatal Python error: Aborted" in rank0
     assert "in all_reduce_step" in rank0
     assert "in wait_for_the_others" in rank1
+
+
+SLOW_PEER = """
+import os, sys, time
+from pathlib import Path
+from hpc_elastic import events
+from hpc_elastic.train import lease
+from hpc_elastic.train.collectives import collective
+from hpc_elastic.train.heartbeat import Heartbeat
+
+beat = Heartbeat(min_interval=0.0)
+released = Path(sys.argv[1]) / "released"
+for step in range(20):
+    beat.beat(step)
+    time.sleep(0.05)
+if os.environ["RANK"] == "0":
+    with collective("all_reduce"):  # waits for rank 1, as in a collective
+        while not released.exists():
+            time.sleep(0.01)
+    beat.beat(20)
+else:
+    step = 20
+    def dismissed():
+        return any(e.kind == "hang" for e in events.read(os.environ["HPC_ELASTIC_EVENTS_FILE"]))
+    while not dismissed():  # rank 1 goes on stepping, slowly for its peer
+        step += 1
+        beat.beat(step)
+        lease.check()  # a stale lease would fence it: the agent must renew it meanwhile
+        time.sleep(0.05)
+    released.touch()
+for step in range(21, 31):
+    beat.beat(step)
+    lease.check()
+    time.sleep(0.05)
+beat.finish()
+"""
+"""Rank 0 waits in a marked collective for rank 1, which keeps stepping: the job moves."""
+
+
+def test_a_rank_waiting_for_a_peer_that_still_moves_is_not_killed(tmp_path: Path) -> None:
+    """The investigation finds rank 1 still stepping and rank 0 waiting in a collective for
+    it: the hang is dismissed, both ranks go on (neither killed, nor fenced by a lease left
+    stale meanwhile), and nothing counts as a failure."""
+    script = tmp_path / "train.py"
+    script.write_text(SLOW_PEER)
+    rules = {**DEFAULT_RULES, Phase.STEP: DeadlineRule(initial=20.0, floor=2.0, min_samples=5)}
+    job, codes, said, recorded = run_agents(
+        tmp_path, (sys.executable, str(script), str(tmp_path)), rules=rules
+    )
+    assert codes == {0: ExitCode.SUCCESS}, said
+    assert job.restarts_used == 0
+    assert [e.kind for e in recorded if e.kind in ("failure", "fenced")] == []
+    [hang] = [e.details for e in recorded if e.kind == "hang"]
+    assert (hang["verdict"], hang["rank"]) == ("dismissed", 1), hang
+    assert hang["sentence"].startswith("No hang: rank 1 still made progress"), hang
+    assert any(sentence.startswith("No hang: rank 1") for sentence in said)

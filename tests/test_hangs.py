@@ -315,7 +315,7 @@ def test_ddp_ranks_blocked_on_an_event_may_wait_for_a_moving_rank_once() -> None
     dismissed = first_look(look, MEMBERS)
     assert dismissed is not None
     assert dismissed.kind == DISMISSED
-    again = nodes(blocked(0, waited=121.0), slow, blocked(2), blocked(3), stage=1)
+    again = nodes(replace(blocked(0), age=121.0), slow, blocked(2), blocked(3), stage=1)
     assert first_look(again, MEMBERS) is None
     asleep = nodes(blocked(0, wchan="hrtimer_nanosleep"), slow, blocked(2), blocked(3), stage=1)
     assert first_look(asleep, MEMBERS) is None

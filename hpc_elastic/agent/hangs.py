@@ -43,8 +43,9 @@ SPIN_FLOOR = 0.5
 least ``SPIN_FLOOR`` CPU seconds, without a step spins (``RankEvidence.spinning``)."""
 
 EXCUSES = 2.0
-"""A stalled rank is waited for at most this many deadlines (wall) before its stack is asked
-for: one investigation may be dismissed for a slow rank, not every one."""
+"""A stalled rank is waited for at most this many deadlines (its wait counted as against the
+deadline) before its stack is asked for: one investigation may be dismissed for a slow rank,
+not every one."""
 
 BLOCKING = ("futex", "poll", "select", "sk_wait", "recv", "wait_woken", "unix_stream", "pipe")
 """Kernel functions (``/proc/PID/wchan``) a thread sleeps in until an event comes."""
@@ -297,7 +298,7 @@ def first_look(evidence: Mapping[str, NodeEvidence], members: Sequence[Member]) 
 def _may_wait(rank: RankEvidence) -> bool:
     """Whether a stalled rank may be waiting for a slow peer, and may be waited for more."""
     waiting = rank.in_collective is True or rank.blocked_on_an_event
-    return waiting and rank.stuck is None and rank.waited < EXCUSES * rank.deadline
+    return waiting and rank.stuck is None and rank.age < EXCUSES * rank.deadline
 
 
 def attribute(evidence: Mapping[str, NodeEvidence], members: Sequence[Member]) -> Verdict:

@@ -138,6 +138,9 @@ class Investigation:
     interrupted: Callable[[], bool]
     """A stop signal came: give up (the ranks are thawed by the drain that follows)."""
     say: Callable[[str], None] = log.info
+    keep_alive: Callable[[], None] = lambda: None
+    """Called at every poll while waiting: the agent renews its workers' lease, or a rank
+    thawed after a dismissal would fence itself at its next step (its lease gone stale)."""
     _frozen: list[Worker] = field(default_factory=list)
 
     @property
@@ -280,6 +283,7 @@ class Investigation:
             if self.interrupted() or (give_up_on_change and self.rdzv.changed.is_set()):
                 log.debug("hang %d: given up at %s", self.number, part)
                 return False
+            self.keep_alive()
             seen = self.rdzv.sharers(self._topic(""))
             if agreed in seen or wanted <= seen.get(shared, frozenset()):
                 return True
