@@ -401,16 +401,6 @@ def only_arrivals(state: JobState, alive: frozenset[str], round_number: int) -> 
     )
 
 
-def peer_lost(state: JobState, alive: frozenset[str], round_number: int) -> bool:
-    """Whether round ``round_number``'s group lost a rank: a worker failure was recorded for
-    it, or a member is gone (dead, left, or left out as stuck). Its other ranks then block or
-    fail in their next collective, so waiting for them to reach a step boundary is in vain
-    (only a rank that is saving is waited for, docs/agent.md)."""
-    return state.round == round_number and (
-        state.failed_round == round_number or not state.member_ids <= present(state, alive)
-    )
-
-
 def arrival_grace(settings: RendezvousSettings) -> float:
     """Seconds an agent gives its workers to reach their step boundary and save when its
     round ends only for arrivals (``only_arrivals``), instead of ``stop_grace``.
