@@ -85,6 +85,11 @@ class CheckpointFencedError(CheckpointError):
     """A writer from an older round tried to commit after a newer round began writing."""
 
 
+class EventsError(HpcElasticError):
+    """An event's details are not of the types its kind's readers expect: the line was not
+    written by hpc-elastic (``events.read`` skips such lines)."""
+
+
 class WaitTimeoutError(HpcElasticError, TimeoutError):
     """``Job.wait(timeout=...)`` ran out of time before the job ended (it keeps running)."""
 

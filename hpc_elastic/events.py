@@ -14,9 +14,21 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from hpc_elastic import contract
+from hpc_elastic.decoding import (
+    Check,
+    MalformedError,
+    flag,
+    mapping_of,
+    optional,
+    record,
+    text,
+    tuple_of,
+    whole,
+)
+from hpc_elastic.errors import EventsError, one_line
 
 EVENTS_FILE_ENV = contract.EVENTS_FILE_ENV
 """Kept here too, where workers and helpers imported it before ``contract`` existed."""
@@ -204,7 +216,7 @@ def _parse(lines: list[str]) -> list[Event]:
             event = Event(**raw)
         except (ValueError, TypeError, RecursionError):
             continue
-        if well_typed(event):
+        if well_typed(event) and details_problem(event) is None:
             events.append(replace(event, kind=kind_of(event.kind)))
     return events
 
@@ -232,9 +244,36 @@ def _int_or_none(text: str | None) -> int | None:
 
 # Typed details: what the readers (ops/timeline.py, ops/status.py, ops/plot.py, metrics.py)
 # look up in ``Event.details``. Writers spread a record's ``to_details()`` into the event;
-# readers call ``from_details`` and get the default for a field that is missing or has the
-# wrong type: every process of the job's user may append to the file, so no value in it is
-# trusted (a ``restarts_used`` of "many" once made ``status`` raise).
+# readers call ``from_details``. Every process of the job's user may append to the file, so no
+# value in it is trusted (a ``restarts_used`` of "many" once made ``status`` raise): each kind's
+# details are decoded by a table of checks (``hpc_elastic.decoding``, one entry per field), and
+# ``read`` skips a line whose details are not of their types, as it skips one whose own fields
+# are not. A field that is missing takes its default (an older writer, a line too long for its
+# details); fields beyond the table (``node_id``, ``phase``, a tier) are left to other readers.
+
+
+def decode_details(kind: str, details: object) -> object:
+    """The typed details of an event of ``kind`` (``DETAILS``), or one ``EventsError``
+    sentence naming the field and its value. A kind without a table has none: None."""
+    table = DETAILS.get(kind)  # a Kind is its own text: "round" finds Kind.ROUND's table
+    if table is None:
+        return None
+    try:
+        return table(details, "")
+    except MalformedError as error:
+        raise EventsError(
+            f"A '{one_line(kind)}' event's details are not of their types ({error}); the line "
+            "is not one hpc-elastic writes, so it is skipped."
+        ) from error
+
+
+def details_problem(event: Event) -> str | None:
+    """Why ``event``'s details cannot be read as its kind's, or None (for ``read``)."""
+    try:
+        decode_details(event.kind, event.details)
+    except EventsError as error:
+        return str(error)
+    return None
 
 
 @dataclass(frozen=True)
@@ -255,11 +294,7 @@ class RoundDetails:
 
     @classmethod
     def from_details(cls, details: dict[str, Any]) -> RoundDetails:
-        return cls(
-            world_size=_int(details, "world_size") or 0,
-            members=_texts(details, "members"),
-            restarts_used=_int(details, "restarts_used") or 0,
-        )
+        return cast(RoundDetails, decode_details(Kind.ROUND, details))
 
 
 @dataclass(frozen=True)
@@ -292,15 +327,7 @@ class FailureDetails:
 
     @classmethod
     def from_details(cls, details: dict[str, Any]) -> FailureDetails:
-        return cls(
-            rank=_int(details, "rank"),
-            exit_code=_int(details, "exit_code"),
-            signal=_text(details, "signal"),
-            message=_text(details, "message") or "",
-            hung=details.get("hung") is True,
-            sentence=_text(details, "sentence") or "",
-            node_fault=details.get("node_fault") is not False,
-        )
+        return cast(FailureDetails, decode_details(Kind.FAILURE, details))
 
 
 def charges_node(event: Event) -> bool:
@@ -341,15 +368,7 @@ class HangDetails:
 
     @classmethod
     def from_details(cls, details: dict[str, Any]) -> HangDetails:
-        return cls(
-            investigation=_int(details, "investigation") or 0,
-            verdict=_text(details, "verdict") or "",
-            rank=_int(details, "rank"),
-            culprit_slot=_text(details, "culprit_slot") or "",
-            sentence=_text(details, "sentence") or "",
-            evidence=_texts_by_key(details, "evidence"),
-            logs=_texts_by_key(details, "logs"),
-        )
+        return cast(HangDetails, decode_details(Kind.HANG, details))
 
 
 @dataclass(frozen=True)
@@ -363,7 +382,7 @@ class FailedDetails:
 
     @classmethod
     def from_details(cls, details: dict[str, Any]) -> FailedDetails:
-        return cls(reason=_text(details, "reason") or "")
+        return cast(FailedDetails, decode_details(Kind.FAILED, details))
 
 
 @dataclass(frozen=True)
@@ -378,7 +397,7 @@ class CheckpointDetails:
 
     @classmethod
     def from_details(cls, details: dict[str, Any]) -> CheckpointDetails:
-        return cls(step=_int(details, "step"), path=_text(details, "path") or "")
+        return cast(CheckpointDetails, decode_details(Kind.CHECKPOINT, details))
 
 
 @dataclass(frozen=True)
@@ -396,11 +415,7 @@ class LoadedDetails:
 
     @classmethod
     def from_details(cls, details: dict[str, Any]) -> LoadedDetails:
-        return cls(
-            step=_int(details, "step"),
-            tier=_text(details, "tier") or "",
-            rank=_int(details, "rank"),
-        )
+        return cast(LoadedDetails, decode_details(Kind.CHECKPOINT_LOADED, details))
 
 
 @dataclass(frozen=True)
@@ -416,26 +431,104 @@ class ChurnDetails:
 
     @classmethod
     def from_details(cls, details: dict[str, Any]) -> ChurnDetails:
-        return cls(action=_text(details, "action") or "", target=_text(details, "target") or "")
+        return cast(ChurnDetails, decode_details(Kind.CHURN, details))
 
 
-def _int(details: dict[str, Any], name: str) -> int | None:
-    value = details.get(name)
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+@dataclass(frozen=True)
+class JoinDetails:
+    """``Kind.JOIN``: an agent entered the rendezvous."""
+
+    host: str = ""
+    nproc: int = 0
+
+    @classmethod
+    def from_details(cls, details: dict[str, Any]) -> JoinDetails:
+        return cast(JoinDetails, decode_details(Kind.JOIN, details))
 
 
-def _text(details: dict[str, Any], name: str) -> str | None:
-    value = details.get(name)
-    return value if isinstance(value, str) else None
+@dataclass(frozen=True)
+class StartDetails:
+    """``Kind.START``: this agent's workers started, with these ranks."""
+
+    ranks: tuple[int, ...] = ()
+
+    @classmethod
+    def from_details(cls, details: dict[str, Any]) -> StartDetails:
+        return cast(StartDetails, decode_details(Kind.START, details))
 
 
-def _texts(details: dict[str, Any], name: str) -> tuple[str, ...]:
-    value = details.get(name)
-    return tuple(str(item) for item in value) if isinstance(value, list) else ()
+@dataclass(frozen=True)
+class StopDetails:
+    """``Kind.RESTART``, ``Kind.LEAVE`` and ``Kind.ERROR``: why this agent's workers stopped,
+    or why it left (and with which exit code)."""
+
+    reason: str = ""
+    exit_code: int | None = None
+
+    @classmethod
+    def from_details(cls, details: dict[str, Any]) -> StopDetails:
+        return cast(StopDetails, decode_details(Kind.LEAVE, details))
 
 
-def _texts_by_key(details: dict[str, Any], name: str) -> dict[str, str]:
-    value = details.get(name)
-    if not isinstance(value, dict):
-        return {}
-    return {str(key): text for key, text in value.items() if isinstance(text, str)}
+@dataclass(frozen=True)
+class NodesDetails:
+    """``Kind.NODE_LOST`` and ``Kind.NODE_ARRIVED``: the slots (or node ids) concerned."""
+
+    nodes: tuple[str, ...] = ()
+
+    @classmethod
+    def from_details(cls, details: dict[str, Any]) -> NodesDetails:
+        return cast(NodesDetails, decode_details(Kind.NODE_LOST, details))
+
+
+def _details(cls: type[Any], table: dict[str, Check]) -> Check:
+    """A kind's details: the table's fields, each optional, others left alone."""
+    return record(cls, table, defaults=True, others=True)
+
+
+_RANK = optional(whole(0))
+_STOP = _details(StopDetails, {"reason": text(), "exit_code": optional(whole(0))})
+_NODES = _details(NodesDetails, {"nodes": tuple_of(text())})
+DETAILS: dict[str, Check] = {
+    Kind.ROUND: _details(
+        RoundDetails,
+        {"world_size": whole(0), "members": tuple_of(text()), "restarts_used": whole(0)},
+    ),
+    Kind.FAILURE: _details(
+        FailureDetails,
+        {
+            "rank": _RANK,
+            "exit_code": optional(whole(0)),
+            "signal": optional(text()),
+            "message": text(),
+            "hung": flag,
+            "sentence": text(),
+            "node_fault": flag,
+        },
+    ),
+    Kind.HANG: _details(
+        HangDetails,
+        {
+            "investigation": whole(0),
+            "verdict": text(),
+            "rank": _RANK,
+            "culprit_slot": text(),
+            "sentence": text(),
+            "evidence": mapping_of(text()),
+            "logs": mapping_of(text()),
+        },
+    ),
+    Kind.FAILED: _details(FailedDetails, {"reason": text()}),
+    Kind.CHECKPOINT: _details(CheckpointDetails, {"step": _RANK, "path": text()}),
+    Kind.CHECKPOINT_LOADED: _details(LoadedDetails, {"step": _RANK, "tier": text(), "rank": _RANK}),
+    Kind.CHURN: _details(ChurnDetails, {"action": text(), "target": text()}),
+    Kind.JOIN: _details(JoinDetails, {"host": text(), "nproc": whole(0)}),
+    Kind.START: _details(StartDetails, {"ranks": tuple_of(whole(0))}),
+    Kind.RESTART: _STOP,
+    Kind.LEAVE: _STOP,
+    Kind.ERROR: _STOP,
+    Kind.NODE_LOST: _NODES,
+    Kind.NODE_ARRIVED: _NODES,
+}
+"""Each kind whose details a reader looks into, and the table they are decoded by; the
+details of other kinds are shown as they are (``ops/timeline.describe``)."""

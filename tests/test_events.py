@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from hpc_elastic import events
+from hpc_elastic.errors import EventsError
 from hpc_elastic.events import (
     CheckpointDetails,
     ChurnDetails,
@@ -56,12 +59,26 @@ def test_an_old_file_with_a_kind_this_version_does_not_know_keeps_the_line(
     assert timeline.describe(unknown) == "rebalanced shards=8"
 
 
-def test_details_of_the_wrong_type_read_as_the_defaults_instead_of_raising(
+def test_a_line_whose_details_are_of_the_wrong_types_is_skipped_not_read_as_defaults(
     tmp_path: Path,
 ) -> None:
+    """A world size of "four" once read as 0 and ``true`` as 1: neither is what any agent
+    wrote, so the line is skipped like a line of the wrong shape, and the next one counts."""
     path = tmp_path / "events.jsonl"
     hostile = {"world_size": "four", "members": "a,b", "restarts_used": True}
-    path.write_text(json.dumps({"kind": "round", "round": 1, "time": 1.0, "details": hostile}))
+    fine = RoundDetails(world_size=2, members=("a", "b"), restarts_used=1).to_details()
+    path.write_text(
+        json.dumps({"kind": "round", "round": 1, "time": 1.0, "details": fine})
+        + "\n"
+        + json.dumps({"kind": "round", "round": 2, "time": 2.0, "details": hostile})
+        + "\n"
+    )
     summary = timeline.summarize(events.read(path))
-    assert (summary.world_size, summary.members, summary.restarts_used) == (0, (), 0)
-    assert FailureDetails.from_details({"rank": "0", "message": 7}) == FailureDetails()
+    assert (summary.round, summary.world_size, summary.members) == (1, 2, ("a", "b"))
+    with pytest.raises(EventsError) as refused:
+        FailureDetails.from_details({"rank": "0", "message": 7})
+    assert str(refused.value) == (
+        "A 'failure' event's details are not of their types ('rank' is '0', not a whole "
+        "number); the line is not one hpc-elastic writes, so it is skipped."
+    )
+    assert FailureDetails.from_details({"node_id": "n1-7", "phase": "running"}) == FailureDetails()

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from hpc_elastic.contract import UNREACHABLE_EXIT_CODE
+from hpc_elastic.decoding import shown
+from hpc_elastic.errors import one_line
 from hpc_elastic.events import (
     CheckpointDetails,
     ChurnDetails,
@@ -14,8 +16,12 @@ from hpc_elastic.events import (
     FailedDetails,
     FailureDetails,
     HangDetails,
+    JoinDetails,
     Kind,
+    NodesDetails,
     RoundDetails,
+    StartDetails,
+    StopDetails,
 )
 
 FAILURE_KINDS = frozenset({Kind.FAILURE, Kind.FAILED})
@@ -92,8 +98,10 @@ def summarize(events: Iterable[Event]) -> Summary:
         elif event.kind == Kind.FAILED:
             failure = failure or FailedDetails.from_details(details).reason
             outcome = "failed"
-        elif event.kind == Kind.ERROR and details.get("exit_code") == UNREACHABLE_EXIT_CODE:
-            failure = str(details.get("reason"))  # ZooKeeper out of reach: the slot is gone
+        elif event.kind == Kind.ERROR:
+            error = StopDetails.from_details(details)
+            if error.exit_code == UNREACHABLE_EXIT_CODE:
+                failure = error.reason  # ZooKeeper out of reach: the slot is gone
         elif event.kind == Kind.DONE:
             outcome = "succeeded"
     return Summary(
@@ -161,11 +169,12 @@ def describe(event: Event) -> str:
             f"({', '.join(formed.members)}), restarts used {formed.restarts_used}"
         )
     if kind == Kind.JOIN:
-        return f"agent joined ({d.get('nproc')} workers on {d.get('host')})"
+        joined = JoinDetails.from_details(d)
+        return f"agent joined ({joined.nproc} workers on {joined.host})"
     if kind == Kind.START:
-        return f"workers started, ranks {d.get('ranks')}"
+        return f"workers started, ranks {list(StartDetails.from_details(d).ranks)}"
     if kind == Kind.RESTART:
-        return f"workers stopped: {d.get('reason')}"
+        return f"workers stopped: {StopDetails.from_details(d).reason}"
     if kind in (Kind.FAILURE, Kind.HANG):
         return _failure_or_hang(event)
     if kind == Kind.FAILED:
@@ -175,17 +184,31 @@ def describe(event: Event) -> str:
     if kind == Kind.PREEMPT:
         return "preempted: workers saved and stopped, waiting for requeue"
     if kind == Kind.LEAVE:
-        return f"agent left (exit code {d.get('exit_code')})"
+        return f"agent left (exit code {StopDetails.from_details(d).exit_code})"
     if kind == Kind.DONE:
         return "all workers finished"
     if kind in (Kind.NODE_LOST, Kind.NODE_ARRIVED):
-        nodes = ", ".join(str(node) for node in d.get("nodes", ()))
+        nodes = ", ".join(NodesDetails.from_details(d).nodes)
         return f"{'lost' if kind == Kind.NODE_LOST else 'new'} nodes: {nodes}"
     if kind == Kind.CHURN:
         churn = ChurnDetails.from_details(d)
         return f"simulated churn: {churn.action} {churn.target}".rstrip()
-    extra = " ".join(f"{key}={value}" for key, value in d.items() if key != "node_id")
+    extra = " ".join(f"{key}={_value(value)}" for key, value in d.items() if key != "node_id")
     return f"{kind} {extra}".rstrip()
+
+
+def _value(value: object) -> str:
+    """A detail of a kind no reader looks into, as a person reads it: text (escaped onto one
+    line) and numbers as they are, anything else (a list, an object) quoted; all cut short."""
+    if isinstance(value, str):
+        return one_line(value if len(value) <= VALUE_WIDTH else value[: VALUE_WIDTH - 3] + "...")
+    if isinstance(value, int | float) or value is None:
+        return str(value)
+    return shown(value, VALUE_WIDTH)
+
+
+VALUE_WIDTH = 120
+"""The most of one detail a timeline line shows: the whole value is in ``events --json``."""
 
 
 def line(event: Event) -> str:
