@@ -18,9 +18,11 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, cast
 
+from hpc_elastic import decoding
 from hpc_elastic.contract import USER_SECRET_FILE_ENV
+from hpc_elastic.decoding import Check, MalformedError, seconds, shown, text
 from hpc_elastic.errors import RendezvousError, UsageError, one_line
 
 logger = logging.getLogger(__name__)
@@ -42,19 +44,49 @@ class BadNode:
         return json.dumps(asdict(self), sort_keys=True).encode()
 
     @classmethod
-    def decode(cls, data: bytes) -> BadNode | None:
-        """None for a record we cannot read: a forgotten node is safer than a crash."""
+    def parse(cls, data: bytes) -> BadNode:
+        """The record in ``data``, each field of its type (``BADNODE_FIELDS``), or one
+        ``RendezvousError`` sentence naming the field and its value."""
         try:
-            raw = json.loads(data)
-            return cls(
-                host=str(raw["host"]),
-                reason=str(raw["reason"]),
-                since=float(raw["since"]),
-                until=float(raw["until"]),
-                job=str(raw.get("job", "")),
-            )
-        except (ValueError, KeyError, TypeError):
+            return cast(BadNode, _BADNODE(json.loads(data), ""))
+        except (ValueError, RecursionError) as error:  # MalformedError and JSON's errors
+            raise RendezvousError(
+                f"The bad-node record {data[:40]!r} is not one hpc-elastic writes ({error}); "
+                "clear it with 'hpc-elastic nodes clear NODE'."
+            ) from error
+
+    @classmethod
+    def decode(cls, data: bytes) -> BadNode | None:
+        """``parse``, but None for a record we cannot read: a forgotten node is safer than a
+        crash of the preflight or of ``hpc-elastic nodes``."""
+        try:
+            return cls.parse(data)
+        except RendezvousError as error:
+            logger.debug("badnodes: ignoring a record: %s", error)
             return None
+
+
+def _host(value: object, where: str) -> object:
+    """A node name as ``check_host`` accepts it: text, printable, usable as one znode name."""
+    if type(value) is not str:
+        raise MalformedError(f"'{where}' is {shown(value)}, not a string")
+    try:
+        return check_host(value)
+    except UsageError:
+        raise MalformedError(f"'{where}' is {shown(value)}, not a node name") from None
+
+
+BADNODE_FIELDS: dict[str, Check] = {
+    "host": _host,
+    "reason": text(),
+    "since": seconds,
+    "until": seconds,
+    "job": text(),
+}
+"""``BadNode``'s fields (``hpc_elastic.decoding``): a host of ``["x"]`` is no node (``str()``
+made it ``"['x']"``), a time is finite (NaN never expires); ``job`` may be missing (older
+records)."""
+_BADNODE = decoding.record(BadNode, BADNODE_FIELDS, defaults=True)
 
 
 def check_host(host: str) -> str:

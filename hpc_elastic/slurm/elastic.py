@@ -21,9 +21,20 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import cast
 
 from hpc_elastic import events
 from hpc_elastic.contract import PREEMPTED_EXIT_CODE
+from hpc_elastic.decoding import (
+    Check,
+    mapping_of,
+    one_of,
+    optional,
+    record,
+    text,
+    tuple_of,
+    whole,
+)
 from hpc_elastic.errors import HpcElasticError, SlurmError
 from hpc_elastic.events import CheckpointDetails, Event, Kind
 from hpc_elastic.jobdir import JobDir, JobRecord, write_private
@@ -358,19 +369,37 @@ def newest_checkpoint_step(timeline: Iterable[Event]) -> int | None:
     return max(known) if known else None
 
 
+HOLD_RECORD_FIELDS: dict[str, Check] = {
+    "releases": whole(0),
+    "released_at": optional(whole(0)),
+    "ended": whole(0),
+}
+"""``HoldRecord``'s fields (``decoding``): counts, and the checkpoint step of the last release;
+a field missing (an older record) takes its default."""
+_HOLD_RECORD = record(HoldRecord, HOLD_RECORD_FIELDS, defaults=True)
+
+
+def decode_hold_record(data: bytes, where: str) -> HoldRecord:
+    """The hold record in ``data`` (read from ``where``), each field of its type, or one
+    ``SlurmError`` sentence naming the field and its value."""
+    try:
+        return cast(HoldRecord, _HOLD_RECORD(json.loads(data), ""))
+    except (ValueError, RecursionError) as error:  # MalformedError and JSON's errors
+        raise SlurmError(
+            f"'{where}' is not a hold record hpc-elastic writes ({error}); delete it if this "
+            "keeps happening."
+        ) from error
+
+
 def load_hold_record(path: Path) -> HoldRecord:
     """A slot's release record; missing or unreadable reads as never released (at worst one
     more release, which the next hold's breaker then bounds)."""
     try:
-        raw = json.loads(path.read_text())
-        at = raw.get("released_at")
-        return HoldRecord(
-            int(raw.get("releases", 0)), None if at is None else int(at), int(raw.get("ended", 0))
-        )
+        return decode_hold_record(path.read_bytes(), str(path))
     except FileNotFoundError:
         return HoldRecord()
-    except (OSError, ValueError, TypeError, AttributeError) as error:
-        log.warning("'%s' is not a readable hold record (%s); it starts afresh", path, error)
+    except (OSError, SlurmError) as error:
+        log.warning("%s It starts afresh.", error)
         return HoldRecord()
 
 
@@ -517,32 +546,44 @@ def _known_departure(value: str | None) -> Departure | None:
     return known.get(value) if value is not None else None
 
 
+LEDGER_FIELDS: dict[str, Check] = {
+    "preemptions": whole(0),
+    "time_limits": whole(0),
+    "node_failures": mapping_of(whole(0)),
+    "excluded": tuple_of(text(empty=False)),
+    "running_on": optional(text()),
+    "leaving_for": optional(one_of([why.value for why in Departure])),
+}
+"""``SlotLedger``'s fields (``decoding``): a node name is text (a list there once made the next
+start crash, unhashable, and ``str()`` of it named no node), a count a whole number (never
+``true`` or ``2.9``); a field missing (an older ledger) takes its default."""
+_LEDGER = record(SlotLedger, LEDGER_FIELDS, defaults=True)
+
+
+def decode_ledger(data: bytes, where: str) -> SlotLedger:
+    """The slot ledger in ``data`` (read from ``where``), each field of its type, or one
+    ``SlurmError`` sentence naming the field and its value."""
+    try:
+        return cast(SlotLedger, _LEDGER(json.loads(data), ""))
+    except (ValueError, RecursionError) as error:  # MalformedError and JSON's errors
+        raise SlurmError(
+            f"'{where}' is not a readable slot record ({error}); "
+            "its counts start afresh, delete it if this keeps happening."
+        ) from error
+
+
 def load_ledger(path: Path) -> SlotLedger:
     """The slot's record; a missing file is an empty one, an unreadable one a SlurmError."""
     try:
-        raw = json.loads(path.read_text())
-        leaving_for = raw.get("leaving_for")
-        running_on = raw.get("running_on")
-        excluded = raw.get("excluded", ())
-        # A node name must be text: a list there made the next start crash on it, unhashable
-        # (tests/test_hostile.py, once its examples named the ledger's fields).
-        if not isinstance(running_on, str | None) or not isinstance(excluded, list | tuple):
-            raise TypeError(f"running_on {running_on!r} or excluded {excluded!r} is no name")
-        return SlotLedger(
-            preemptions=int(raw.get("preemptions", 0)),
-            time_limits=int(raw.get("time_limits", 0)),
-            node_failures={str(k): int(v) for k, v in raw.get("node_failures", {}).items()},
-            excluded=tuple(str(node) for node in excluded),
-            running_on=running_on,
-            leaving_for=None if leaving_for is None else Departure(leaving_for).value,
-        )
+        data = path.read_bytes()
     except FileNotFoundError:
         return SlotLedger()
-    except (OSError, ValueError, TypeError, AttributeError, OverflowError) as error:
+    except OSError as error:
         raise SlurmError(
-            f"'{path}' is not a readable slot record ({error}); "
+            f"'{path}' is not a readable slot record ({error.strerror}); "
             "its counts start afresh, delete it if this keeps happening."
         ) from error
+    return decode_ledger(data, str(path))
 
 
 def save_ledger(path: Path, ledger: SlotLedger) -> None:

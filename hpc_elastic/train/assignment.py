@@ -15,8 +15,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from hpc_elastic import contract
+from hpc_elastic.decoding import Check, record, text, whole
+from hpc_elastic.errors import AgentError
 
 log = logging.getLogger(__name__)
 
@@ -58,19 +61,36 @@ def write_assignment(path: Path, assignment: Assignment) -> None:
     os.replace(staged, path)
 
 
-def read_assignment(path: Path) -> Assignment | None:
-    """The round in ``path``, or None when there is none or it is not one the agent writes."""
+ASSIGNMENT_FIELDS: dict[str, Check] = {
+    "round": whole(0),
+    "env": record(dict, {name: text() for name in ROUND_KEYS}),
+}
+"""What ``write_assignment`` writes (``hpc_elastic.decoding``): a round number (never ``true``
+or ``2.0``) and exactly the variables of ``ROUND_KEYS``, as text: only the round's own
+variables may change under a running worker."""
+_ASSIGNMENT = record(Assignment, ASSIGNMENT_FIELDS)
+
+
+def decode_assignment(data: bytes) -> Assignment:
+    """The assignment in ``data``, each field of its type, or one ``AgentError`` sentence
+    naming the field and its value."""
     try:
-        data = json.loads(path.read_text())
-        number, env = data["round"], data["env"]
-    except (OSError, ValueError, TypeError, KeyError) as error:
+        return cast(Assignment, _ASSIGNMENT(json.loads(data), ""))
+    except (ValueError, RecursionError) as error:  # MalformedError and JSON's errors
+        raise AgentError(
+            f"The round assignment {data[:40]!r} is not one this agent writes ({error}); "
+            "check that the agent and the workers run the same hpc-elastic version."
+        ) from error
+
+
+def read_assignment(path: Path) -> Assignment | None:
+    """The round in ``path``, or None when there is none or it is not one the agent writes
+    (the worker goes on in its round; the agent, without an acknowledgement, restarts it)."""
+    try:
+        return decode_assignment(path.read_bytes())
+    except (OSError, AgentError) as error:
         log.debug("no assignment in %s: %s", path, error)
         return None
-    if not isinstance(number, int) or not isinstance(env, dict):
-        return None
-    if set(env) != set(ROUND_KEYS) or not all(isinstance(v, str) for v in env.values()):
-        return None  # only the round's own variables may change under a running worker
-    return Assignment(number, env)
 
 
 def ack_path(assignment_file: Path) -> Path:
