@@ -35,7 +35,7 @@ from hpc_elastic.contract import (
 from hpc_elastic.ensemble import fourletter, zoocfg
 from hpc_elastic.ensemble.choice import ZkChoice
 from hpc_elastic.errors import HpcElasticError, SlurmError, one_line
-from hpc_elastic.slurm import commands
+from hpc_elastic.slurm import commands, grace
 
 log = logging.getLogger(__name__)
 
@@ -538,6 +538,57 @@ def checkpoint_checks(directory: Path, partition: str | None, slurm_ok: bool) ->
     return checks
 
 
+TEST_SAVE_BYTES = 64 * 1024 * 1024
+"""What doctor writes to time a save when not told the save's size (``--save-size``)."""
+SAVE_CHUNK = 8 * 1024 * 1024
+
+
+def measure_save(directory: Path, size: int) -> float:
+    """Seconds to write ``size`` bytes to a new file in ``directory`` and fsync it, as a
+    checkpoint's commit does; the file is removed again."""
+    path = directory / f".hpc-elastic-doctor-save-{secrets.token_hex(4)}"
+    chunk = b"\0" * min(SAVE_CHUNK, size)
+    started = time.monotonic()
+    try:
+        with path.open("wb") as out:
+            left = size
+            while left > 0:
+                out.write(chunk[: min(left, len(chunk))])
+                left -= len(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        return time.monotonic() - started
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def save_fit_rule(fit: grace.Fit, how: str) -> Check:
+    """The agents' own check (slurm/grace.py) on the save doctor timed or was given."""
+    message = f"{fit.sentence()} ({how})"
+    if fit.fits:
+        return Check("checkpoint save", Level.PASS, message)
+    return Check("checkpoint save", Level.WARN, message, fit.advice())
+
+
+def save_fit_check(
+    partition: str | None, qos: str | None, lead_s: float, save_s: float, how: str
+) -> Check:
+    """Whether a save of ``save_s`` (plus no step: doctor runs none) fits the ``--signal``
+    lead and what a preemption in ``partition`` (or of ``qos``) leaves."""
+    try:
+        config = commands.show_config()
+        record = commands.partition_record(partition) or {}
+        table = {}
+        if config.get("PreemptType") == "preempt/qos":
+            rows = commands.qos_table()
+            table = {name: grace.QosRow(name, *row) for name, row in rows.items()}
+    except SlurmError as error:
+        return Check("checkpoint save", Level.WARN, f"not checked: {error}")
+    job = {"Partition": record.get("PartitionName", partition or ""), "QOS": qos or "normal"}
+    limits = grace.limits_from(lead_s, job, config, record, table)
+    return save_fit_rule(grace.check(save_s, 0.0, limits), how)
+
+
 def shared_filesystem_check(marker: Path, token: str, partition: str | None) -> Check:
     """A compute node must read back the token just written to ``marker`` on this host."""
     try:
@@ -688,10 +739,12 @@ def diagnose(
     session_timeout: float = DEFAULT_SESSION_TIMEOUT,
     *,
     prewarm: bool = True,
+    save: SavePlan | None = None,
 ) -> list[Check]:
     """Every check; ``checkpoint_dir`` is a local directory, or a URL (``is_url``) left as is.
     ``zk`` is the ensemble to check and where it came from (a bare address: given by hand).
-    ``session_timeout`` and ``prewarm``: what the user's jobs will get (the config file)."""
+    ``session_timeout`` and ``prewarm``: what the user's jobs will get (the config file).
+    ``save``: the save to check against the partition's GraceTime and the signal lead."""
     choice = zk if isinstance(zk, ZkChoice) else ZkChoice(zk, "--zk")
     checks, chosen = slurm_checks(partition)
     ensemble = zookeeper_checks(choice, session_timeout)
@@ -704,4 +757,35 @@ def diagnose(
         checks.append(object_store_check(checkpoint_dir))
     else:
         checks.extend(checkpoint_checks(checkpoint_dir, chosen, chosen is not None))
+    if chosen is not None and save is not None:
+        checks.append(save.check(chosen, checkpoint_dir))
     return checks
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    """The save doctor checks (``save_fit_check``): given in seconds, else timed by writing
+    ``size`` bytes to the checkpoint directory."""
+
+    lead_s: float
+    """The ``--signal`` lead the jobs will have."""
+    seconds: float | None = None
+    size: int = TEST_SAVE_BYTES
+    qos: str | None = None
+
+    def check(self, partition: str, directory: Path | str) -> Check:
+        if self.seconds is not None:
+            return save_fit_check(partition, self.qos, self.lead_s, self.seconds, "as given")
+        if isinstance(directory, str):
+            return Check(
+                "checkpoint save",
+                Level.WARN,
+                f"not timed: '{directory}' is object storage",
+                "time one save yourself and give --save-seconds S",
+            )
+        try:
+            seconds = measure_save(directory, self.size)
+        except OSError as error:
+            return Check("checkpoint save", Level.WARN, f"not timed ({error.strerror})")
+        how = f"a test save of {self.size / 1e6:.0f} MB to '{directory}' took {seconds:.1f} s"
+        return save_fit_check(partition, self.qos, self.lead_s, seconds, how)

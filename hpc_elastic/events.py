@@ -126,6 +126,13 @@ class Kind(enum.StrEnum):
     pending slots cancelled, the job found cancelled, the last incarnation's end judged."""
     CANCEL = "cancel"
     """``hpc-elastic cancel`` stopped the job."""
+    DRAIN = "drain"
+    """Slurm drains (or fails) the node under a running slot, which leaves at the next
+    committed checkpoint and requeues elsewhere (slurm/drain.py; details: node, state,
+    reason, since, by, action)."""
+    GRACE = "grace"
+    """A checkpoint save no longer fits the time Slurm leaves after its warning signal or
+    preemption (slurm/grace.py; details: the figures, the verdict, the action taken)."""
     CHURN = "churn"
     """Local mode's simulated churn (``ChurnDetails``)."""
 

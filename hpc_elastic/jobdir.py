@@ -136,6 +136,12 @@ class JobDir:
         progress (slurm/elastic.py's no-progress breaker for releases)."""
         return self.slots / f"{array_task_id}.holds.json"
 
+    @property
+    def drained(self) -> Path:
+        """The nodes Slurm drains, as one agent of the job last asked (slurm/drain.py): every
+        other agent reads it instead of asking Slurm itself."""
+        return self.slots / "drained.json"
+
     def hold_alert(self, array_task_id: int | str, hold: int) -> Path:
         """Created once by the agent that reports hold number ``hold`` of the slot: the
         marker that keeps every other agent, and every later incarnation, from repeating it."""

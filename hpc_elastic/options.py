@@ -37,6 +37,7 @@ import typer
 from hpc_elastic import contract
 from hpc_elastic.errors import UsageError
 from hpc_elastic.notify import check_url
+from hpc_elastic.slurm.grace import GRACE_ACTIONS
 from hpc_elastic.spec import (
     NodeRange,
     PreemptSignal,
@@ -340,6 +341,17 @@ def _exported_unless_default(
     """Export ``name`` only for a value other than the training helpers' own default, so a job
     that sets nothing gets the same script as before (and a user's ``--env`` still applies)."""
     return lambda value: () if value is None or value == default else ((name, text(value)),)
+
+
+def parse_grace_action(text: str) -> str:
+    """What an agent does when a save no longer fits the time Slurm leaves (slurm/grace.py)."""
+    if text not in GRACE_ACTIONS:
+        raise UsageError(
+            f"--grace-action {text!r:.100} is not one of {', '.join(GRACE_ACTIONS)}; give 'warn' "
+            "(say so in the events and status) or 'lead' (also stop before the time limit's "
+            "signal, early enough for the save)."
+        )
+    return text
 
 
 def parse_when_busy(text: str) -> str:
@@ -661,6 +673,17 @@ SUBMIT_OPTIONS: tuple[Option, ...] = (
         "bad_node_ttl",
         "Seconds a node that failed its preflight stays excluded.",
         _agent_default(contract.DEFAULT_BAD_NODE_TTL),
+    ),
+    _text(
+        "grace_action",
+        str,
+        "When a checkpoint save plus a step no longer fit the --signal lead or the "
+        "partition's (or QoS's) GraceTime: 'warn' in the events and status, or 'lead': also "
+        "stop each slot early enough before its time limit.",
+        parse_grace_action,
+        default=GRACE_ACTIONS[0],
+        metavar="warn|lead",
+        agent=lambda value: () if value == GRACE_ACTIONS[0] else (("--grace-action", value),),
     ),
     Option(
         "exclude_stragglers",
@@ -1082,6 +1105,7 @@ AGENT_OPTIONS: tuple[Option, ...] = (
         "Move this slot to another node when a rank here straggles.",
         False,
     ),
+    _on_the_agent("grace_action"),
     Option(
         "in_place",
         bool,

@@ -468,6 +468,8 @@ class JobSpec:
     expected_gpus: int | None = None
     bad_node_ttl: float | None = None
     exclude_stragglers: bool = False
+    grace_action: str = "warn"
+    """``--grace-action``: what agents do when a save no longer fits (slurm/grace.py)."""
     prewarm: bool = True
     in_place: bool = False
     checkpoint_async: bool = False

@@ -33,6 +33,7 @@ from hpc_elastic.rendezvous import local_store
 from hpc_elastic.rendezvous.api import NodeInfo, RendezvousSettings
 from hpc_elastic.rendezvous.handler import StoreRendezvous, unreachable_sentence
 from hpc_elastic.rendezvous.secret import read_secret_file
+from hpc_elastic.slurm.commands import NodeDrain
 from hpc_elastic.slurm.elastic import ElasticSlot, SlotLimits
 from hpc_elastic.spec import NodeRange
 
@@ -87,6 +88,7 @@ class AgentArguments:
     user_secret_file: Path
     bad_node_ttl: float
     exclude_stragglers: bool
+    grace_action: str
     in_place: bool
 
     @classmethod
@@ -160,6 +162,8 @@ def _run_agent(
             code = _preflight(spec, args, array_slot, signals)
             if code is not None:
                 return code
+        if array_slot is not None and (drained := array_slot.drained_here()) is not None:
+            return _leave_drained(array_slot, drained, slot_emit)
         expected = (
             array_slot.expected_nodes(slot_emit) if array_slot is not None else _slurm_node_count
         )
@@ -297,10 +301,23 @@ def _supervise(
         leader = notify.RankZero()  # job-level alerts come from rank 0's agent only
         observers += [leader.observe, notify.observer(notifier, leader)]
     runner, exporter = _start(spec, args, rdzv, slot, observers, prepared=prepared)
-    watch = None
+    watch = drains = saves = None
     if array_slot is not None:
         observers.append(_bad_node_watch(array_slot, runner, spec))
         watch = array_slot.watch_departure(spec.grace)
+        # Leaves a node Slurm drains at the next checkpoint, as a preemption would.
+        drains = array_slot.watch_drains(
+            lambda: runner.request_stop(spec.preempt_signal),
+            _emitter(spec, args.run_id, array_slot, notifier),
+        )
+        # Times this node's saves against what Slurm leaves after its warning signal.
+        saves = array_slot.watch_grace(
+            prepared.run.path,
+            spec.grace,
+            args.grace_action,
+            lambda: runner.request_stop(spec.preempt_signal),
+            _emitter(spec, args.run_id, array_slot, notifier),
+        )
 
     def on_signal(signum: int) -> None:
         runner.request_stop(signum)
@@ -311,6 +328,10 @@ def _supervise(
     try:
         return int(runner.run())
     finally:
+        if drains is not None:
+            drains.stop()
+        if saves is not None:
+            saves.stop()
         if exporter is not None:
             exporter.stop()
 
@@ -527,6 +548,21 @@ def check_before_joining(
     previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         return array_slot.move_away("unhealthy", emit, reason=checked.reason)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _leave_drained(array_slot: ElasticSlot, drained: NodeDrain, emit: Callable[..., None]) -> int:
+    """A node Slurm drained between granting it and this agent's start: leave before joining.
+    ``scontrol requeue`` signals the whole step, this agent too (as in the preflight's move)."""
+    typer.echo(
+        f"hpc-elastic agent: node '{drained.node}' is {drained.state} ({drained.reason}); "
+        "requeueing this slot elsewhere before it joins.",
+        err=True,
+    )
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        return array_slot.leave_drained(drained, emit)
     finally:
         signal.signal(signal.SIGTERM, previous)
 

@@ -8,11 +8,27 @@ from typing import Annotated, cast
 import typer
 
 from hpc_elastic.config import load_config
-from hpc_elastic.contract import DEFAULT_RUNS_DIR, DEFAULT_SESSION_TIMEOUT, DEFAULT_ZK
-from hpc_elastic.doctor import Level, diagnose, is_url
+from hpc_elastic.contract import (
+    DEFAULT_PREEMPT_SIGNAL,
+    DEFAULT_RUNS_DIR,
+    DEFAULT_SESSION_TIMEOUT,
+    DEFAULT_ZK,
+)
+from hpc_elastic.doctor import TEST_SAVE_BYTES, Level, SavePlan, diagnose, is_url
 from hpc_elastic.ensemble.choice import choose_zk
 from hpc_elastic.errors import UsageError
-from hpc_elastic.spec import parse_zk
+from hpc_elastic.spec import PreemptSignal, parse_mem, parse_zk, seconds_parser
+
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _bytes(text: str) -> int:
+    """``--save-size``: a size as ``--mem`` takes it (``512M``, ``2G``), above zero."""
+    value = parse_mem(text)
+    number, unit = value.rstrip("KMGT"), value[len(value.rstrip("KMGT")) :]
+    if int(number) <= 0:
+        raise UsageError(f"--save-size '{text}' is no size; give the checkpoint's size, e.g. '2G'.")
+    return int(number) * _UNITS[unit]
 
 
 def _local_dir(text: str) -> Path:
@@ -43,6 +59,35 @@ def doctor_command(
             "created or checked here.",
         ),
     ] = None,
+    *,
+    signal: Annotated[
+        str,
+        typer.Option(
+            metavar="SIG[@SECONDS]",
+            help="The --signal your jobs will have: its lead must hold a save.",
+        ),
+    ] = DEFAULT_PREEMPT_SIGNAL,
+    save_seconds: Annotated[
+        float | None,
+        typer.Option(
+            parser=seconds_parser("--save-seconds"),
+            metavar="S",
+            help="How long one checkpoint save takes (status shows the agents' figure); "
+            "default: time a test save.",
+        ),
+    ] = None,
+    save_size: Annotated[
+        str | None,
+        typer.Option(
+            metavar="SIZE",
+            help=f"Time a test save of this size (e.g. 2G) in the checkpoint directory; "
+            f"default {TEST_SAVE_BYTES // 2**20}M.",
+        ),
+    ] = None,
+    qos: Annotated[
+        str | None,
+        typer.Option(metavar="NAME", help="The QoS your jobs will run under (preempt/qos)."),
+    ] = None,
 ) -> None:
     """Check a cluster before the first submit: one line per check, pass, warn or fail."""
     config = load_config(Path.cwd())
@@ -50,12 +95,19 @@ def doctor_command(
     choice = choose_zk(zk, values, config.path)
     where = checkpoint_dir or str(values.get("log_dir", DEFAULT_RUNS_DIR))
     session = values.get("session_timeout") or DEFAULT_SESSION_TIMEOUT
+    save = SavePlan(
+        lead_s=float(PreemptSignal.parse(signal).seconds),
+        seconds=save_seconds,
+        size=TEST_SAVE_BYTES if save_size is None else _bytes(save_size),
+        qos=qos,
+    )
     checks = diagnose(
         partition,
         choice,
         where if is_url(where) else _local_dir(where),
         session_timeout=float(cast(float, session)),
         prewarm=values.get("prewarm") is not False,
+        save=save,
     )
     for check in checks:
         for line in check.lines():

@@ -68,6 +68,9 @@ class JobView:
     """Productive time over wall time and the time lost by cause, from the events."""
     grow_job_id: str | None = None
     """The growth slots' array job (``--grow-partition``/``--grow-qos``), if any."""
+    saves: str | None = None
+    """The agents' warning that a checkpoint save no longer fits what Slurm leaves after its
+    signal (the ``grace`` event, slurm/grace.py), with the figures and the advice; None: none."""
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -127,10 +130,27 @@ def gather(record: JobRecord, squeue: SlurmQuery) -> JobView:
         restores=restore_tiers(history),
         code=record.snapshot,
         grow_job_id=record.grow_job_id,
+        saves=save_warning(history),
         # Only a job still at work counts its wall time up to now; a stopped one ended at its
         # last event, however long ago that was.
         goodput=lost_time.goodput(history, now=time.time() if overall == "running" else None),
     )
+
+
+def save_warning(history: list[Event]) -> str | None:
+    """The first ``grace`` warning of the job (one per job), with its advice and, when the
+    agents moved their time-limit signal, what they did."""
+    warnings = [event for event in history if event.kind == Kind.GRACE]
+    first = next((event for event in warnings if "advice" in event.details), None)
+    if first is None:
+        return None
+    message, advice = first.details.get("message"), first.details.get("advice")
+    text = f"{message} (said {timeline.clock(first.time)})"
+    if isinstance(advice, str) and advice:
+        text += f"; {advice}"
+    if first.details.get("action") == "lead":
+        text += "; the slots stop early enough before their time limit (--grace-action lead)"
+    return text
 
 
 def restore_tiers(history: list[Event]) -> list[str]:
@@ -338,6 +358,8 @@ def render(view: JobView) -> None:
     facts.add_row("Restored", _shown(shown))
     facts.add_row("Last failure", _shown(view.last_failure or "none"))
     facts.add_row("Goodput", _shown(lost_time.breakdown(view.goodput)))
+    if view.saves is not None:
+        facts.add_row("Saves", _shown(view.saves))
     facts.add_row("Code", _shown(describe_code(view.code)))
     facts.add_row("Directory", _shown(view.job_dir))
     console.print(facts)

@@ -44,6 +44,23 @@ class JobStatus:
     """Slurm node list (``n[1-2]``); empty while pending."""
 
 
+@dataclass(frozen=True)
+class NodeDrain:
+    """A node Slurm drains or fails: no new work starts there, and its admin (or a health
+    check) wants the running work gone (one line of ``sinfo -t drain,fail``)."""
+
+    node: str
+    state: str
+    """sinfo's long state, lower case: ``draining`` (jobs still run), ``drained``,
+    ``failing``, ``fail``; a ``*`` (not responding) or other suffix stays on it."""
+    since: str
+    """When the state was set, as Slurm prints it (``2026-12-03T07:18:34``)."""
+    by: str
+    """Who set it."""
+    reason: str
+    """The reason Slurm gives (``scontrol update ... reason=...``)."""
+
+
 # --- pure parsers (unit-tested on captured output) ----------------------------------------
 
 
@@ -72,6 +89,29 @@ def explain_sbatch_error(stderr: str) -> str:
             "run `sinfo` to see its nodes and ask for fewer."
         )
     return f"sbatch refused the job: {_last_error(stderr)}; fix the request and submit again."
+
+
+DRAIN_FORMAT = "%N|%T|%H|%u|%E"
+"""sinfo's fields for a drained node: name, state, since, by whom, reason (last: it may
+hold ``|`` itself)."""
+
+
+def parse_drains(stdout: str) -> dict[str, NodeDrain]:
+    """``sinfo -h -N -t drain,fail -o DRAIN_FORMAT``: each node once (sinfo prints a node once
+    per partition it is in)."""
+    drains: dict[str, NodeDrain] = {}
+    for line in stdout.splitlines():
+        if not line.strip():
+            continue
+        fields = line.split("|", 4)
+        if len(fields) != 5 or not fields[0].strip():
+            raise SlurmError(
+                f"sinfo printed '{line}', which is not '{DRAIN_FORMAT}'; "
+                "check that `sinfo` is Slurm's and not a wrapper."
+            )
+        node, state, since, by, reason = (field.strip() for field in fields)
+        drains.setdefault(node, NodeDrain(node, state.lower(), since, by, reason))
+    return drains
 
 
 def parse_partitions(stdout: str) -> list[str]:
@@ -286,6 +326,15 @@ def update_job(job_id: str, env: Mapping[str, str] | None = None, **fields: str)
     _checked(["scontrol", "update", f"JobId={job_id}", *pairs], env, _JOB_HINT)
 
 
+def drained_nodes(
+    env: Mapping[str, str] | None = None, *, timeout: float = _TIMEOUT_S
+) -> dict[str, NodeDrain]:
+    """Every node of the cluster that Slurm drains or fails, by name: one ``sinfo``, whose
+    answer grows with the drained nodes, not with the cluster or the job."""
+    argv = ["sinfo", "-h", "-N", "-t", "drain,fail", "-o", DRAIN_FORMAT]
+    return parse_drains(_checked(argv, env, timeout=timeout))
+
+
 def node_state(name: str, env: Mapping[str, str] | None = None) -> str:
     """Slurm's state of one node as sinfo prints it: ``idle``, ``allocated``, ``down*``, ..."""
     states = _checked(["sinfo", "-h", "-N", "-n", name, "-o", "%T"], env).split()
@@ -340,6 +389,39 @@ def partition_record(
             return None
         raise SlurmError(f"`{' '.join(argv)}` failed: {_last_error(result.stderr)}; {_CONF_HINT}.")
     return pick_partition(parse_scontrol_records(result.stdout), name)
+
+
+QOS_FORMAT = "format=Name,GraceTime,PreemptMode,Preempt"
+
+
+def parse_qos_table(stdout: str) -> dict[str, tuple[str, str, tuple[str, ...]]]:
+    """``sacctmgr -nP show qos QOS_FORMAT``: name -> (GraceTime, PreemptMode, the QoS it
+    preempts)."""
+    table: dict[str, tuple[str, str, tuple[str, ...]]] = {}
+    for line in stdout.splitlines():
+        if not line.strip():
+            continue
+        fields = line.split("|")
+        if len(fields) != 4:
+            raise SlurmError(
+                f"sacctmgr printed '{line}', which is not '{QOS_FORMAT}'; check that "
+                "`sacctmgr` is Slurm's and not a wrapper."
+            )
+        name, grace, mode, preempts = (field.strip() for field in fields)
+        table[name] = (grace, mode, tuple(item for item in preempts.split(",") if item))
+    return table
+
+
+def qos_table(
+    env: Mapping[str, str] | None = None, *, timeout: float = _TIMEOUT_S
+) -> dict[str, tuple[str, str, tuple[str, ...]]]:
+    """Every QoS of the cluster (``parse_qos_table``); a cluster without accounting has none,
+    and sacctmgr then fails: that is no QoS, not an error."""
+    result = _run(["sacctmgr", "-nP", "show", "qos", QOS_FORMAT], env, timeout=timeout)
+    if result.returncode != 0:
+        log.debug("sacctmgr show qos: %s", _last_error(result.stderr))
+        return {}
+    return parse_qos_table(result.stdout)
 
 
 def srun_help(env: Mapping[str, str] | None = None) -> str:

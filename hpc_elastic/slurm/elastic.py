@@ -38,8 +38,8 @@ from hpc_elastic.decoding import (
 from hpc_elastic.errors import HpcElasticError, SlurmError
 from hpc_elastic.events import CheckpointDetails, Event, Kind
 from hpc_elastic.jobdir import JobDir, JobRecord, write_private
-from hpc_elastic.slurm import commands
-from hpc_elastic.slurm.commands import JobStatus
+from hpc_elastic.slurm import commands, drain, grace
+from hpc_elastic.slurm.commands import JobStatus, NodeDrain
 from hpc_elastic.slurm.env import SlurmContext
 
 log = logging.getLogger(__name__)
@@ -100,6 +100,9 @@ class Departure(enum.Enum):
     BY_HAND = "by_hand"
     CANCELLED = "cancelled"
     """scancel, or Slurm no longer runs the job: nothing to requeue."""
+    DRAIN = "drain"
+    """Slurm drains the node (slurm/drain.py): the slot left it at a checkpoint. No budget
+    counts it: the node's admin decided, and Slurm starts nothing on a drained node."""
 
 
 @dataclass(frozen=True)
@@ -844,6 +847,13 @@ class ElasticSlot:
     """The job's other arrays, once ``job.json`` names them all (``other_arrays``)."""
     _task_arrays: dict[int, str] = field(init=False, default_factory=dict)
     """Each sibling task's array job, from the last squeue answer (``task_arrays``)."""
+    _statuses: Sequence[JobStatus] = field(init=False, default=())
+    """The last squeue answer: who is the job's lowest running slot (``elected``)."""
+    _drained: NodeDrain | None = field(init=False, default=None)
+    """The drain this slot left its node for (``watch_drains``), for ``why_stopping``."""
+    moved_lead: float | None = field(init=False, default=None)
+    """The time-limit lead this slot moved itself to (``--grace-action lead``): a stop that
+    comes within it of the time limit is the time limit's (``why_stopping``)."""
 
     def __post_init__(self) -> None:
         try:
@@ -924,6 +934,7 @@ class ElasticSlot:
 
         def observe(statuses: Sequence[JobStatus]) -> None:
             self._task_arrays.update(task_arrays(statuses))
+            self._statuses = statuses
             held = held_reasons(statuses)
             for task in sorted(still_held - set(held)):
                 self._hold_ended(task)
@@ -1124,10 +1135,15 @@ class ElasticSlot:
         the bad-node watch or the workers themselves stopped the slot."""
         deadline = SCONTROL_TRIES * (SCONTROL_TIMEOUT + SCONTROL_PAUSE)
         recorded = self._watch.answer(deadline) if self._watch is not None else None
+        warning_s = max(warning_s, self.moved_lead or 0.0)
         why, evidence = recorded if recorded is not None else self.ask_slurm_why(warning_s)
         evidence = {**evidence, "asked": "at the signal" if recorded else "after the drain"}
         if why is not Departure.CANCELLED and self.placed_badly():
             return Departure.BAD_NODE, evidence
+        if why is Departure.BY_HAND and self._drained is not None:
+            # Nothing else from Slurm (no preemption, no time limit): we left for the drain.
+            drain = self._drained
+            return Departure.DRAIN, {**evidence, "state": drain.state, "reason": drain.reason}
         return why, evidence
 
     def requeue(self, why: Departure, emit: Callable[..., None] | None = None) -> str | None:
@@ -1156,8 +1172,155 @@ class ElasticSlot:
         return None
 
     def excluded(self) -> list[str]:
-        """The requeue's ``ExcNodeList``: the slot's own bad nodes and the user's."""
-        return sorted({*self._ledger.excluded, *self.remembered_bad})
+        """The requeue's ``ExcNodeList``: the slot's own bad nodes and the user's, and the
+        nodes Slurm drains now (``drain.drained_now``): a node resumed while the task pends is
+        avoided until its next requeue, the price of never landing on one drained meanwhile."""
+        drained = drain.drained_now(JobDir(self.job_dir).drained)
+        return sorted({*self._ledger.excluded, *self.remembered_bad, *drained})
+
+    def elected(self) -> bool:
+        """Whether this slot asks Slurm for the whole job (the drained nodes): the lowest
+        running slot of the last squeue answer, as for held tasks (``reports_held``)."""
+        me = self.context.array_task_id
+        return me is not None and reports_held(self._statuses, me)
+
+    def watch_drains(self, stop: Callable[[], None], emit: Callable[..., None]) -> drain.DrainWatch:
+        """Start the thread that leaves this node once Slurm drains it (slurm/drain.py): at
+        the next committed checkpoint it calls ``stop`` (the agent's stop, as for a
+        preemption); ``settle`` then requeues the slot for ``Departure.DRAIN``."""
+        paths = JobDir(self.job_dir)
+
+        def leave(found: NodeDrain, why: str) -> None:
+            self._drained = found
+            log.debug("slot %s leaves drained node %s: %s", self.job_id, found.node, why)
+            stop()
+
+        watch = drain.DrainWatch(
+            self.node,
+            paths.drained,
+            paths.events,
+            elected=self.elected,
+            query=lambda: commands.drained_nodes(self.env, timeout=SQUEUE_TIMEOUT),
+            leave=leave,
+            emit=emit,
+        )
+        return watch.start()
+
+    def grace_limits(self, lead_s: float) -> grace.Limits | None:
+        """What Slurm leaves this slot to save in (``grace.limits_from``), or None if Slurm
+        cannot say now (asked again after the next save)."""
+        try:
+            job = commands.scontrol_show_job(self.job_id, self.env, timeout=SCONTROL_TIMEOUT)
+            config = commands.show_config(self.env)
+            partition = commands.partition_record(job.get("Partition") or None, self.env) or {}
+            table = {}
+            if config.get("PreemptType") == "preempt/qos":
+                rows = commands.qos_table(self.env, timeout=SCONTROL_TIMEOUT)
+                table = {name: grace.QosRow(name, *row) for name, row in rows.items()}
+        except SlurmError as error:
+            log.debug("no grace limits from Slurm now: %s", error)
+            return None
+        return grace.limits_from(lead_s, job, config, partition, table)
+
+    def watch_grace(
+        self,
+        run_dir: Path,
+        lead_s: float,
+        action: str,
+        stop: Callable[[], None],
+        emit: Callable[..., None],
+    ) -> grace.GraceWatch:
+        """Start the thread that times this node's saves (slurm/grace.py): when a save and a
+        step no longer fit what Slurm leaves, the job's timeline gets one ``grace`` event
+        (the first agent to claim ``slots/grace-warned``), and with ``action`` ``lead`` this
+        slot stops itself (``stop``) early enough before its own time limit."""
+        paths = JobDir(self.job_dir)
+
+        def warn(fit: grace.Fit) -> None:
+            if claim(paths.slots / "grace-warned"):
+                emit(
+                    Kind.GRACE,
+                    message=fit.sentence(),
+                    advice=fit.advice(),
+                    save_s=round(fit.save_s, 2),
+                    step_s=round(fit.step_s, 2),
+                    lead_s=fit.limits.lead_s,
+                    grace_s=fit.limits.grace_s,
+                    where=fit.limits.where,
+                    preempt_mode=fit.limits.preempt_mode,
+                    action=action,
+                )
+            log.warning("slot %s: %s", self.job_id, fit.sentence())
+
+        def stop_at(lead: float) -> None:
+            self.moved_lead = lead
+            threading.Thread(
+                target=self._stop_before_the_end,
+                args=(lead, stop, emit),
+                name="hpc-elastic-lead",
+                daemon=True,
+            ).start()
+
+        watch = grace.GraceWatch(
+            run_dir,
+            limits=lambda: self.grace_limits(lead_s),
+            warn=warn,
+            stop_at=stop_at if action == "lead" else None,
+        )
+        return watch.start()
+
+    def _stop_before_the_end(
+        self, lead: float, stop: Callable[[], None], emit: Callable[..., None]
+    ) -> None:
+        """``--grace-action lead``: sleep until ``lead`` seconds before this task's end (asked
+        again before acting, in case its time limit changed), then stop the slot, which the
+        time-limit path requeues (``moved_lead``)."""
+        while True:
+            try:
+                job = commands.scontrol_show_job(self.job_id, self.env, timeout=SCONTROL_TIMEOUT)
+            except SlurmError as error:
+                log.debug("no end time from Slurm, trying again: %s", error)
+                time.sleep(grace.LEAD_MARGIN_S)
+                continue
+            end = grace.parse_end_time(job.get("EndTime", ""))
+            if end is None or job.get("TimeLimit") in ("UNLIMITED", "Partition_Limit"):
+                log.debug("slot %s has no end time: the lead is not moved", self.job_id)
+                return
+            wait = end - lead - time.time()
+            if wait <= 0:
+                log.debug("slot %s stops %.0f s before its end (moved lead)", self.job_id, lead)
+                emit(
+                    Kind.GRACE,
+                    message=f"stopping {lead:.0f} s before the time limit",
+                    action="lead",
+                )
+                stop()
+                return
+            time.sleep(min(wait, 60.0))
+
+    def drained_here(self) -> NodeDrain | None:
+        """Whether the job's board shows this node drained already, when the slot arrives: a
+        task granted the node just before its drain leaves before it joins."""
+        return drain.drain_of(
+            drain.read_board(JobDir(self.job_dir).drained), self.node, time.time()
+        )
+
+    def leave_drained(self, found: NodeDrain, emit: Callable[..., None]) -> int:
+        """Requeue the slot off a node drained before it joined; the exit code (75, or 1 if
+        Slurm refused)."""
+        emit(Kind.DRAIN, **asdict(found), action="leaving before joining")
+        self._drained = found
+        refused = self.requeue(Departure.DRAIN, emit)
+        if refused is not None:
+            emit(Kind.LEAVE, reason=f"slot {self.context.array_task_id} is not requeued: {refused}")
+            return 1
+        emit(
+            Kind.REQUEUE,
+            cause=Departure.DRAIN.value,
+            slurm_job=self.job_id,
+            excluded=self.excluded(),
+        )
+        return PREEMPTED_EXIT_CODE
 
     def move_away(self, cause: str, emit: Callable[..., None], **details: object) -> int:
         """Leave this node for good and requeue the slot elsewhere, before or instead of
