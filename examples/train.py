@@ -12,11 +12,14 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
+import itertools
 import os
 import random
+import signal
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,12 +41,33 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=256, help="width of the model")
     parser.add_argument("--dataset-size", type=int, default=4800)
     parser.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
+    parser.add_argument(
+        "--data",
+        choices=["sampler", "shards"],
+        default="sampler",
+        help="an ElasticSampler over the dataset, or the dataset cut into ElasticShards",
+    )
+    parser.add_argument("--shards", type=int, default=16, help="with --data shards: how many")
+    parser.add_argument("--lanes", type=int, default=12, help="with --data shards: read lanes")
+    parser.add_argument(
+        "--loader",
+        choices=["torch", "stateful"],
+        default="torch",
+        help="torch's DataLoader, or torchdata's StatefulDataLoader (its state is checkpointed)",
+    )
     parser.add_argument("--checkpoint-every", type=int, default=50)
     parser.add_argument("--checkpoint-dir", type=Path, default=None, help="default: the job's")
     parser.add_argument("--log-file", type=Path, default=None, help="append step lines here too")
     parser.add_argument("--log-indices", type=Path, default=None, help="append sample indices")
     parser.add_argument("--sleep-per-step", type=float, default=0.0, help="seconds, for tests")
     parser.add_argument("--stop-after-steps", type=int, default=None, help="save and stop early")
+    parser.add_argument(
+        "--crash-mid-step",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="for tests: with STEP's micro-batches drawn but not trained, save, then SIGKILL",
+    )
     parser.add_argument(
         "--slow-file",
         type=Path,
@@ -72,6 +96,53 @@ def synthetic_dataset(size: int, seed: int) -> TensorDataset:
     targets = inputs @ torch.randn(32, 1, generator=generator)
     targets += 0.1 * torch.randn(size, 1, generator=generator)
     return TensorDataset(inputs, targets, torch.arange(size))
+
+
+class DatasetSlices:
+    """``read(shard, start, stop)`` for ElasticShards: rows of the dataset, shard after shard.
+    A class at module level, so that loader workers started with spawn can unpickle it."""
+
+    def __init__(self, dataset: TensorDataset, firsts: dict[str, int]) -> None:
+        self.dataset = dataset
+        self.firsts = firsts
+
+    def __call__(self, shard: str, start: int, stop: int) -> list[tuple[torch.Tensor, ...]]:
+        first = self.firsts[shard]
+        return [self.dataset[first + offset] for offset in range(start, stop)]
+
+
+def shard_lengths(size: int, count: int) -> list[int]:
+    """``count`` shards of uneven lengths (a few samples more or less each) covering ``size``."""
+    cuts = [0, *(round(i * size / count) + (i * 7) % 5 - 2 for i in range(1, count)), size]
+    return [high - low for low, high in itertools.pairwise(cuts)]
+
+
+def build_loader(
+    args: argparse.Namespace, dataset: TensorDataset, plan: elastic.BatchPlan
+) -> tuple[Any, elastic.ElasticSampler | None]:
+    """The loader the flags ask for, and its ElasticSampler when there is one."""
+    make = elastic.stateful_loader if args.loader == "stateful" else DataLoader
+    # A generator of the loader's own: creating an iterator draws a seed from it, and from the
+    # global RNG (dropout's) without one; a resumed run creates one iterator more.
+    generator = torch.Generator().manual_seed(args.seed)
+    if args.data == "shards":
+        lengths = shard_lengths(len(dataset), args.shards)
+        names = [f"shard-{i:03d}" for i in range(args.shards)]
+        firsts = dict(zip(names, np.cumsum([0, *lengths[:-1]]).tolist(), strict=True))
+        shards = elastic.ElasticShards(
+            names, lengths, DatasetSlices(dataset, firsts), plan=plan, lanes=args.lanes
+        )
+        micro, workers = plan.micro_batch_size, args.num_workers
+        return make(shards, batch_size=micro, num_workers=workers, generator=generator), None
+    sampler = elastic.ElasticSampler(dataset, args.batch_size, seed=args.seed)
+    loader = make(
+        dataset,
+        batch_size=plan.micro_batch_size,
+        sampler=sampler,
+        num_workers=args.num_workers,
+        generator=generator,
+    )
+    return loader, sampler
 
 
 def build_model(hidden: int, seed: int) -> nn.Module:
@@ -137,16 +208,9 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=100, gamma=0.5)
     dataset = synthetic_dataset(args.dataset_size, args.seed)
-    sampler = elastic.ElasticSampler(dataset, args.batch_size, seed=args.seed)
-    loader = DataLoader(
-        dataset,
-        batch_size=plan.micro_batch_size,
-        sampler=sampler,
-        num_workers=args.num_workers,
-        generator=torch.Generator().manual_seed(args.seed),
-    )
+    loader, sampler = build_loader(args, dataset, plan)
     replicated = replicate(model) if dist.is_initialized() else model
-    state = elastic.TrainState(replicated, optimizer, scheduler, sampler)
+    state = elastic.TrainState(replicated, optimizer, scheduler, sampler, loader=loader)
     checkpoints = elastic.Checkpointer.at(args.checkpoint_dir)
     checkpoints.load(state)
     last_step = args.steps
@@ -155,12 +219,20 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
 
     while state.step < last_step:
         for micro_batches in elastic.group(loader, plan.accumulation_steps):
+            if state.step + 1 == args.crash_mid_step:
+                crash_mid_step(checkpoints, state)
             loss = train_step(state.model, optimizer, micro_batches, device)
             scheduler.step()
+            trained = [i for _, _, batch in micro_batches for i in batch.tolist()]
+            state.log_samples(trained)  # the sample log, when $HPC_ELASTIC_SAMPLE_LOG asks
             if args.log_indices is not None:
-                indices = ",".join(str(i) for _, _, batch in micro_batches for i in batch.tolist())
+                indices = ",".join(map(str, trained))
+                attempt = os.environ.get("HPC_ELASTIC_ROUND", "0")
                 with open(args.log_indices, "a") as file:
-                    file.write(f"step={state.step + 1} rank={rank} world={world} {indices}\n")
+                    file.write(
+                        f"step={state.step + 1} rank={rank} world={world} round={attempt} "
+                        f"{indices}\n"
+                    )
             state.finish_step()
             if rank == 0:
                 log_line(f"step={state.step} loss={loss!r} world={world}", args.log_file)
@@ -187,6 +259,14 @@ def leave_process_group() -> None:
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def crash_mid_step(checkpoints: elastic.Checkpointer, state: elastic.TrainState) -> None:
+    """A kill in the middle of an accumulation step, after a save there: the loader has
+    handed out this step's micro-batches, yet the checkpoint must resume at its first sample."""
+    checkpoints.save(state)
+    checkpoints.wait()
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def slowdown(slow_file: Path | None, rank: int) -> float:

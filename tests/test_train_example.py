@@ -118,6 +118,24 @@ def test_sigkilled_run_resumes_bitwise_identical(
     monkeypatch.setenv("HPC_ELASTIC_CHECKPOINT_ASYNC", asynchronous)  # every run's workers
     common = ["--steps", "50", "--batch-size", "16", "--micro-batch-size", "8"]
     common += ["--dataset-size", "320"]
+    sigkill_and_compare(tmp_path, common)
+
+
+def test_sigkilled_run_reading_shards_through_a_stateful_loader_resumes_bitwise_identical(
+    tmp_path: Path,
+) -> None:
+    """The same with ElasticShards read by torchdata's StatefulDataLoader (two workers a rank)
+    in place of the sampler: the loader's state, workers included, is what resumes. The kill
+    comes two steps into the second epoch, whose first step is the last checkpoint's."""
+    common = ["--steps", "50", "--batch-size", "16", "--micro-batch-size", "8"]
+    common += ["--dataset-size", "320", "--data", "shards", "--loader", "stateful"]
+    common += ["--num-workers", "2", "--lanes", "8"]
+    sigkill_and_compare(tmp_path, common)
+
+
+def sigkill_and_compare(tmp_path: Path, common: list[str]) -> None:
+    """Run A trains 50 steps; run B is SIGKILLed at step 22 (last checkpoint: 20) and run
+    again: every loss of B, the redone steps included, and the final weights equal A's."""
     run(torchrun_command(2, *common, "--checkpoint-dir", "a", "--log-file", "a.log"), tmp_path)
 
     log_b = tmp_path / "b.log"
@@ -166,7 +184,7 @@ def test_four_two_four_ranks_see_every_sample_once(tmp_path: Path) -> None:
     per_step: dict[int, list[int]] = {}
     worlds: dict[int, int] = {}
     for line in (tmp_path / "indices.log").read_text().splitlines():
-        step, _, world, indices = line.split(" ")
+        step, _, world, _, indices = line.split(" ")
         number = int(step.removeprefix("step="))
         per_step.setdefault(number, []).extend(int(i) for i in indices.split(","))
         worlds[number] = int(world.removeprefix("world="))
