@@ -344,12 +344,24 @@ class JobRecord:
     grow_partition: str | None = None
     grow_qos: str | None = None
     """Where the slots run, as submitted (None: Slurm's default, or the same as the core's)."""
+    grow_time_min: str | None = None
+    """``--grow-time-min``: the slots above MIN were submitted for backfill holes."""
+
+    @property
+    def grows(self) -> bool:
+        """Whether the slots above MIN are an array of their own (``--grow-partition``,
+        ``--grow-qos`` or ``--grow-time-min``)."""
+        growth = (self.grow_partition, self.grow_qos, self.grow_time_min)
+        return any(value is not None for value in growth)
+
+    def growth_slot(self, task: int) -> bool:
+        """Whether array task ``task`` is one of the growth array's."""
+        return self.grows and self.nodes != "?" and task >= NodeRange.parse(self.nodes).min
 
     def placement(self, task: int) -> tuple[str | None, str | None]:
         """The partition and QoS array task ``task`` was submitted with: the slots above MIN
         take ``--grow-partition``/``--grow-qos`` when the job has them."""
-        grows = self.grow_partition is not None or self.grow_qos is not None
-        if grows and self.nodes != "?" and task >= NodeRange.parse(self.nodes).min:
+        if self.growth_slot(task):
             return self.grow_partition or self.partition, self.grow_qos or self.qos
         return self.partition, self.qos
 
@@ -475,6 +487,7 @@ class JobRecord:
             qos=_word(spec.get("qos"), "qos", job_dir),
             grow_partition=_word(spec.get("grow_partition"), "grow_partition", job_dir),
             grow_qos=_word(spec.get("grow_qos"), "grow_qos", job_dir),
+            grow_time_min=_word(spec.get("grow_time_min"), "grow_time_min", job_dir),
         )
 
 

@@ -57,6 +57,7 @@ from hpc_elastic.spec import (
     parse_sbatch_value,
     parse_setup_line,
     parse_time,
+    parse_time_min,
     parse_zk,
     seconds_parser,
 )
@@ -540,6 +541,16 @@ SUBMIT_OPTIONS: tuple[Option, ...] = (
         ),
         sbatch=None,
         show_default="--partition",
+    ),
+    _text(
+        "grow_time_min",
+        str | None,
+        "Submit the slots above MIN with sbatch --time-min TIME, so backfill can fit them into "
+        "holes shorter than --time; each leaves through the time-limit path when its time ends.",
+        parse_time_min,
+        numbers=True,
+        metavar="TIME",
+        show_default="none",
     ),
     replace(
         _word(

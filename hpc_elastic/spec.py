@@ -159,6 +159,17 @@ def parse_time(text: str) -> str:
     )
 
 
+def parse_time_min(text: str) -> str:
+    """``--grow-time-min``: a Slurm time, as ``--time`` takes it."""
+    try:
+        return parse_time(text)
+    except UsageError:
+        raise UsageError(
+            f"--grow-time-min '{text}' is not a Slurm time; give MM, MM:SS, HH:MM:SS, D-HH, "
+            "D-HH:MM or D-HH:MM:SS, e.g. '30' or '2:00:00'."
+        ) from None
+
+
 def parse_mem(text: str) -> str:
     """Memory per node as sbatch reads it: a number with an optional K/M/G/T unit (0 = all)."""
     value = text.strip()
@@ -442,6 +453,9 @@ class JobSpec:
     """Where the slots above MIN run (a second array job), if not in ``partition``."""
     grow_qos: str | None = None
     """The QoS of the slots above MIN (typically a preemptible scavenger), if not ``qos``."""
+    grow_time_min: str | None = None
+    """``sbatch --time-min`` for the slots above MIN: backfill may start them in holes shorter
+    than ``--time``, and each leaves through the time-limit path when its time is up."""
     time: str | None = None
     gpus_per_node: int | None = None
     cpus_per_task: int | None = None
@@ -506,6 +520,8 @@ class JobSpec:
                 parse_positive(option, count)
         if self.time is not None:
             parse_time(self.time)
+        if self.grow_time_min is not None:
+            parse_time_min(self.grow_time_min)
         if self.mem is not None:
             parse_mem(self.mem)
         self._check_log_dir()
@@ -525,7 +541,11 @@ class JobSpec:
                 f"{option} '{value}' places the slots above MIN, but --nodes {self.nodes} "
                 "has none; give --nodes MIN:MAX (or --spares K)."
             )
-        if self.grow_partition in (None, self.partition) and self.grow_qos in (None, self.qos):
+        elsewhere = self.grow_partition not in (None, self.partition) or self.grow_qos not in (
+            None,
+            self.qos,
+        )
+        if not elsewhere and self.grow_time_min is None:
             raise UsageError(
                 f"{option} '{value}' is where the guaranteed slots run already; give the "
                 "partition or QoS the slots above MIN should use instead, or drop it."
@@ -651,17 +671,24 @@ class JobSpec:
         and ``--grow-qos`` as its partition and QoS."""
         if part.name != "grow":
             return self
+        time_min = () if self.grow_time_min is None else (f"--time-min={self.grow_time_min}",)
         return replace(
             self,
             partition=self.grow_partition or self.partition,
             qos=self.grow_qos or self.qos,
             grow_partition=None,
             grow_qos=None,
+            grow_time_min=None,
+            sbatch_args=(*self.sbatch_args, *time_min),
         )
 
     def growth_options(self) -> tuple[tuple[str, str], ...]:
         """The growth settings the user gave, as (option, value)."""
-        values = (("--grow-partition", self.grow_partition), ("--grow-qos", self.grow_qos))
+        values = (
+            ("--grow-partition", self.grow_partition),
+            ("--grow-qos", self.grow_qos),
+            ("--grow-time-min", self.grow_time_min),
+        )
         return tuple((option, value) for option, value in values if value is not None)
 
     def values(self) -> dict[str, object]:

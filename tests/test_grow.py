@@ -12,8 +12,10 @@ import pytest
 from slurm_fake import mocked_slurm
 from test_cli import FakeSlurm, invoke
 
+from hpc_elastic import events
 from hpc_elastic.commands import submit as submit_command
 from hpc_elastic.errors import SlurmError, UsageError
+from hpc_elastic.events import Event, Kind
 from hpc_elastic.jobdir import JobRecord
 from hpc_elastic.ops import cancel, status
 from hpc_elastic.render import RenderContext, render, render_growth
@@ -293,3 +295,57 @@ def test_a_hold_in_the_other_array_is_released_by_its_own_job_id(tmp_path: Path)
 
 def test_squeue_lines_name_their_array(tmp_path: Path) -> None:
     assert [status.job_id for status in squeue_lines("10|2|RUNNING|None|n3")] == [SlurmJobId("10")]
+
+
+def test_backfill_growth_asks_for_its_time_min_in_the_growth_array_only() -> None:
+    spec = JobSpec(
+        script=Path("/home/ada/train.py"), nodes=NodeRange(2, 4), time="4:00:00", grow_time_min="30"
+    )
+    grow = render_growth(spec, CONTEXT)
+    assert grow is not None
+    assert {"#SBATCH --array=2-3", "#SBATCH --time-min=30", "#SBATCH --time=4:00:00"} <= set(
+        sbatch_lines(grow.text)
+    )
+    assert "--time-min" not in render(spec, CONTEXT).text
+    with pytest.raises(UsageError, match="--grow-time-min 'soon' is not a Slurm time"):
+        JobSpec(script=Path("/home/ada/train.py"), nodes=NodeRange(2, 4), grow_time_min="soon")
+
+
+def test_a_backfill_slots_time_limit_requeues_it_for_the_next_hole_without_spending_a_budget() -> (
+    None
+):
+    job = {"JobState": "RUNNING", "PreemptTime": "None", "RunTime": "00:29:10"}
+    job |= {"TimeLimit": "00:30:00", "TimeMin": "00:30:00"}
+    assert elastic.departure(job, 90.0) is elastic.Departure.BACKFILL_END
+    assert elastic.departure({**job, "TimeMin": "N/A"}, 90.0) is elastic.Departure.TIME_LIMIT
+    ledger = elastic.SlotLedger().requeued(elastic.Departure.BACKFILL_END)
+    assert (ledger.time_limits, ledger.preemptions) == (0, 0)
+
+
+def test_status_counts_the_node_hours_the_backfill_slots_ran(tmp_path: Path) -> None:
+    JobRecord(
+        run_id=RUN_ID,
+        job_dir=tmp_path,
+        job_id="9",
+        local=False,
+        zk="127.0.0.1:2181",
+        nodes="2:4",
+        nproc_per_node=1,
+        max_restarts=3,
+        spec={"grow_time_min": "30"},
+        grow_job_id="10",
+    ).write()
+    history = [
+        Event(kind=Kind.JOIN, slot="0", time=0.0),  # a guaranteed slot: not counted
+        Event(kind=Kind.JOIN, slot="2", time=0.0),
+        Event(kind=Kind.REQUEUE, slot="2", time=1800.0),  # its hole ended after half an hour
+        Event(kind=Kind.JOIN, slot="2", time=3600.0),
+        Event(kind=Kind.JOIN, slot="3", time=5400.0),
+        Event(kind=Kind.DONE, slot="3", time=7200.0),
+        Event(kind=Kind.DONE, slot="2", time=7200.0),
+    ]
+    for event in history:
+        events.append(tmp_path / "events.jsonl", event)
+    view = status.gather(JobRecord.load(tmp_path), lambda ids: [])
+    assert view.backfill_node_hours == pytest.approx(0.5 + 1.0 + 0.5)
+    assert status.node_hours(history, {"2"}, now=None) == pytest.approx(1.5)

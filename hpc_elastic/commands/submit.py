@@ -140,6 +140,7 @@ def describe_growth(job: Plan) -> str:
     part = spec.array_parts()[-1]
     where = [f"partition {spec.grow_partition}"] if spec.grow_partition else []
     where += [f"QoS {spec.grow_qos}"] if spec.grow_qos else []
+    where += [f"--time-min {spec.grow_time_min} for backfill"] if spec.grow_time_min else []
     return f"slots {part.range} with {' and '.join(where)}"
 
 

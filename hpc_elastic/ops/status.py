@@ -68,6 +68,9 @@ class JobView:
     """Productive time over wall time and the time lost by cause, from the events."""
     grow_job_id: str | None = None
     """The growth slots' array job (``--grow-partition``/``--grow-qos``), if any."""
+    backfill_node_hours: float | None = None
+    """Node-hours the growth slots ran in backfill holes (``--grow-time-min``); None for a job
+    without them."""
     saves: str | None = None
     """The agents' warning that a checkpoint save no longer fits what Slurm leaves after its
     signal (the ``grace`` event, slurm/grace.py), with the figures and the advice; None: none."""
@@ -131,10 +134,43 @@ def gather(record: JobRecord, squeue: SlurmQuery) -> JobView:
         code=record.snapshot,
         grow_job_id=record.grow_job_id,
         saves=save_warning(history),
+        backfill_node_hours=backfilled(
+            record, history, time.time() if overall == "running" else None
+        ),
         # Only a job still at work counts its wall time up to now; a stopped one ended at its
         # last event, however long ago that was.
         goodput=lost_time.goodput(history, now=time.time() if overall == "running" else None),
     )
+
+
+_ARRIVES = frozenset({Kind.JOIN})
+_DEPARTS = frozenset({Kind.REQUEUE, Kind.LEAVE, Kind.DONE, Kind.FAILED, Kind.CANCELLED, Kind.ERROR})
+
+
+def node_hours(history: list[Event], slots: set[str], now: float | None) -> float:
+    """Node-hours the agents of ``slots`` spent in the job: from each agent's arrival
+    (``join``) to its departure (its ``requeue``, ``leave``, ``done``, ...), or to ``now`` (to
+    the job's last event when ``now`` is None) for one still there."""
+    since: dict[str, float] = {}
+    total = 0.0
+    for event in history:
+        if event.slot not in slots:
+            continue
+        if event.kind in _ARRIVES and event.slot not in since:
+            since[event.slot] = event.time
+        elif event.kind in _DEPARTS and event.slot in since:
+            total += event.time - since.pop(event.slot)
+    end = now if now is not None else max((event.time for event in history), default=0.0)
+    total += sum(max(0.0, end - start) for start in since.values())
+    return total / 3600.0
+
+
+def backfilled(record: JobRecord, history: list[Event], now: float | None) -> float | None:
+    """The node-hours the job gained from its backfill slots (``--grow-time-min``)."""
+    if record.grow_time_min is None:
+        return None
+    slots = {event.slot for event in history if event.slot.isdigit()}
+    return node_hours(history, {s for s in slots if record.growth_slot(int(s))}, now)
 
 
 def save_warning(history: list[Event]) -> str | None:
@@ -360,6 +396,9 @@ def render(view: JobView) -> None:
     facts.add_row("Goodput", _shown(lost_time.breakdown(view.goodput)))
     if view.saves is not None:
         facts.add_row("Saves", _shown(view.saves))
+    if view.backfill_node_hours is not None:
+        gained = f"{view.backfill_node_hours:.2f} node-hours gained by the slots above MIN"
+        facts.add_row("Backfill", _shown(f"{gained} in holes backfill found for them"))
     facts.add_row("Code", _shown(describe_code(view.code)))
     facts.add_row("Directory", _shown(view.job_dir))
     console.print(facts)

@@ -103,6 +103,10 @@ class Departure(enum.Enum):
     DRAIN = "drain"
     """Slurm drains the node (slurm/drain.py): the slot left it at a checkpoint. No budget
     counts it: the node's admin decided, and Slurm starts nothing on a drained node."""
+    BACKFILL_END = "backfill_end"
+    """The time limit of a task submitted with ``--time-min`` (``--grow-time-min``): backfill
+    gave it a hole that has ended. It leaves as at any time limit and requeues for the next
+    hole; no budget counts it, since that is what such a slot is for."""
 
 
 @dataclass(frozen=True)
@@ -432,11 +436,15 @@ def parse_duration(text: str) -> float | None:
 
 
 _DEPARTURE_FIELDS = ("JobState", "PreemptTime", "RunTime", "TimeLimit")
-"""What ``departure`` reads; kept in the requeue event so a surprising cause can be checked."""
+"""What ``departure`` reads; kept in the requeue event so a surprising cause can be checked
+(and ``TimeMin``, for a task that has one: ``--grow-time-min``)."""
 
 
 def _evidence(job: Mapping[str, str]) -> dict[str, str]:
-    return {key: job.get(key, "") for key in _DEPARTURE_FIELDS}
+    found = {key: job.get(key, "") for key in _DEPARTURE_FIELDS}
+    if job.get("TimeMin", "N/A") not in ("N/A", "None", "", "0"):
+        found["TimeMin"] = job["TimeMin"]
+    return found
 
 
 _STILL_RUNNING = ("RUNNING", "SIGNALING")
@@ -460,7 +468,8 @@ def departure(job: Mapping[str, str], warning_s: float) -> Departure:
     elapsed = parse_duration(job.get("RunTime", "00:00"))
     left = None if limit is None or elapsed is None else limit - elapsed
     if left is not None and left <= warning_s + _TIME_LIMIT_MARGIN:
-        return Departure.TIME_LIMIT
+        backfilled = job.get("TimeMin", "N/A") not in ("N/A", "None", "", "0")
+        return Departure.BACKFILL_END if backfilled else Departure.TIME_LIMIT
     return Departure.BY_HAND
 
 
@@ -540,7 +549,9 @@ class Arrival:
         return self.crashed_on if self.killed_leaving is None else None
 
 
-_KILLED_LEAVING_IS_EXPECTED = frozenset({Departure.PREEMPTION, Departure.TIME_LIMIT})
+_KILLED_LEAVING_IS_EXPECTED = frozenset(
+    {Departure.PREEMPTION, Departure.TIME_LIMIT, Departure.BACKFILL_END}
+)
 """Causes whose stop Slurm itself ends with SIGKILL after GraceTime (or at the time limit)."""
 
 
@@ -969,8 +980,7 @@ class ElasticSlot:
             log.debug("no job record to find the other arrays in: %s", error)
             return ()
         others = tuple(job for job in record.job_ids if job != self.context.array_job_id)
-        grows = record.grow_partition is not None or record.grow_qos is not None
-        if record.job_id is not None and (record.grow_job_id is not None or not grows):
+        if record.job_id is not None and (record.grow_job_id is not None or not record.grows):
             self._others = others
             log.debug("slot %s: the job's other arrays are %s", self.job_id, others)
         return others
