@@ -578,3 +578,44 @@ def test_hpc_elastic_log_accepts_levels_and_ignores_anything_else() -> None:
     assert logs.level_from_env({"HPC_ELASTIC_LOG": "warning"}) == logging.WARNING
     assert logs.level_from_env({"HPC_ELASTIC_LOG": "loud"}) is None
     assert logs.level_from_env({}) is None
+
+
+def test_a_failure_elsewhere_stops_a_rank_that_outlives_its_sigterm_without_the_grace(
+    tmp_path: Path,
+) -> None:
+    """A framework's rank may outlive the collective that failed on a dead peer (Lightning
+    tears down first) and catch SIGTERM: it can never reach a step boundary, so only a saving
+    rank is waited for, even on the node whose own worker did not fail."""
+    cluster = Cluster(tmp_path, nodes="2", stop_grace=600.0, grace=1.0)
+    cluster.start(
+        2,
+        FAKE_WORKER_SECONDS="600",
+        FAKE_WORKER_SAVE_SECONDS="600",  # takes SIGTERM and "saves" for 10 minutes
+        FAKE_WORKER_FAIL="1:1:1:1.0",  # round 1's rank 1 fails after a second
+    )
+    try:
+        # Round 2 starts long before the 600-s stop grace could have run out.
+        _wait_for(lambda: sorted(cluster.envs(2)) == [0, 1], timeout=120.0)
+    finally:
+        for agent in cluster.agents:
+            agent.request_stop(signal.SIGTERM)
+    cluster.join()
+    history = list(events.read(cluster.job_dir / "events.jsonl"))
+    outcomes = sorted(
+        str(e.details.get("outcome")) for e in history if e.kind == "round_ended" and e.round == 1
+    )
+    # One node's worker failed; the other saw its round end for a change, and stopped anyway.
+    assert outcomes == ["changed", "failed"], outcomes
+    assert not list(cluster.out.glob("saved_*"))  # nobody was left the time to "save"
+
+
+def test_a_round_lost_a_rank_when_a_failure_was_recorded_or_a_member_is_gone() -> None:
+    members = tuple(NodeInfo(f"n{i}", "127.0.0.1", 1, f"n{i}") for i in range(2))
+    state = st.JobState(max_restarts=3, round=4, members=members)
+    everyone = frozenset({"n0", "n1"})
+    assert not st.peer_lost(state, everyone, 4)
+    assert not st.peer_lost(replace(state), everyone | {"n2"}, 4)  # an arrival: all alive
+    assert st.peer_lost(state, frozenset({"n0"}), 4)  # n1 is gone
+    assert st.peer_lost(replace(state, failed_round=4), everyone, 4)
+    assert st.peer_lost(replace(state, excluded=("n1",)), everyone, 4)  # left out as stuck
+    assert not st.peer_lost(state, frozenset({"n0"}), 3)  # not the round that ended

@@ -1211,7 +1211,12 @@ class Agent:
             self._stop_with_grace(group, signal.SIGTERM, grace, self._lease_while_arrivals)
         else:
             # After a worker's death the others are blocked on it: only a saving rank waits.
-            group.stop(self.spec.stop_grace, peer_dead=outcome is Outcome.FAILED)
+            # So after a failure or a loss elsewhere: a framework's rank may outlive its
+            # failed collective (Lightning tears down first) and would hold the stop grace.
+            peer_dead = outcome is Outcome.FAILED or (
+                outcome is Outcome.CHANGED and self.rdzv.peer_lost()
+            )
+            group.stop(self.spec.stop_grace, peer_dead=peer_dead)
         self._event(Kind.WORKERS_STOPPED, round=round_number)
         self._group = None
 

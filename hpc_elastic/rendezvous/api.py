@@ -216,6 +216,12 @@ class Rendezvous(ABC):
         False when it cannot tell (the short grace is the safe one)."""
         return False
 
+    def peer_lost(self) -> bool:
+        """Whether the round that ``changed`` ended lost a rank (a failure was recorded for
+        it, or a member is gone): its other ranks cannot reach a step boundary, so the agent
+        stops them without waiting its grace (``state.peer_lost``). False by default."""
+        return False
+
     @abstractmethod
     def share(self, topic: str, data: bytes) -> None:
         """Publish this node's note on ``topic`` (replacing its earlier one), for every member

@@ -161,6 +161,8 @@ class StoreRendezvous(Rendezvous):
         """Whether every change that superseded the round was an arrival (``only_arrivals``):
         decided in the watch thread from what it read anyway, so the agent never waits on
         the store (it may be cut off) to choose its workers' grace."""
+        self._peer_lost = False
+        """Whether the superseded round lost a rank (``state.peer_lost``), decided alike."""
         self._generation = 0
         self._waiting_on: st.Action | None = None
         self._wake = threading.Condition()
@@ -211,6 +213,7 @@ class StoreRendezvous(Rendezvous):
         self._in_round = False
         self.changed.clear()
         self._arrivals_only = False
+        self._peer_lost = False
         self._join()
         self._min_deadline = self._clock() + self.settings.min_wait
         self._last_call_deadline = self._propose_at = None
@@ -497,6 +500,9 @@ class StoreRendezvous(Rendezvous):
     def only_arrivals(self) -> bool:
         return self._arrivals_only
 
+    def peer_lost(self) -> bool:
+        return self._peer_lost
+
     def _on_connection(self, state: ConnectionState) -> None:
         """Note when the connection went down; it is up again only once CONNECTED (after LOST
         a new session follows, and this node's membership must be remade)."""
@@ -693,6 +699,7 @@ class StoreRendezvous(Rendezvous):
         if not superseded and first:
             return
         self._arrivals_only = state is not None and st.only_arrivals(state, alive, self._round)
+        self._peer_lost = state is not None and st.peer_lost(state, alive, self._round)
         if first:
             log.debug(
                 "%s: round %d superseded (%s)",
