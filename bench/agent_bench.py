@@ -150,6 +150,21 @@ class Launch:
             and not (self.standbys and _stdout(pid) == os.devnull)
         ]
 
+    def standbys_warm(self) -> bool:
+        """Every agent's standbys (the script's processes whose output still goes to
+        /dev/null) have imported their modules: each made its file in the agent's ready
+        directory (``HPC_ELASTIC_STANDBY_READY_DIR``). A fault before that restarts cold, and
+        a workload whose standbys import more (Lightning) needs longer than ``SETTLE``."""
+        for agent in self.agents:
+            standbys = [
+                pid
+                for pid in _descendants(agent.pid)
+                if str(self.script) in _cmdline(pid) and _stdout(pid) == os.devnull
+            ]
+            if not standbys or not all(_standby_ready(pid) for pid in standbys):
+                return False
+        return True
+
     def workers_of(self, agent: subprocess.Popen[bytes], script: Path) -> list[int]:
         """Like ``workers``, for another training script (the in-place column's)."""
         return [
@@ -239,9 +254,10 @@ def torchrun(nodes: str, out: Path, count: int = AGENTS, workload: Workload = GL
 
 
 def _trained(launch: Launch, world: int = AGENTS) -> bool:
-    """Training has run for ``SETTLE`` seconds at this world size, so standbys are warm."""
+    """Training has run for ``SETTLE`` seconds at this world size, and the standbys are warm."""
     rows = launch.progress()
-    return bool(rows) and rows[-1][2] == world and time.time() - rows[0][0] > SETTLE
+    settled = bool(rows) and rows[-1][2] == world and time.time() - rows[0][0] > SETTLE
+    return settled and (not launch.standbys or launch.standbys_warm())
 
 
 def _wait(condition: Callable[[], bool], timeout: float) -> bool:
@@ -878,6 +894,17 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return ""
+
+
+def _standby_ready(pid: int) -> bool:
+    """Whether standby ``pid`` made its ready file (agent/standby.py)."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    prefix = b"HPC_ELASTIC_STANDBY_READY_DIR="
+    found = [entry[len(prefix) :] for entry in environ if entry.startswith(prefix)]
+    return bool(found) and (Path(found[0].decode()) / str(pid)).exists()
 
 
 def _stdout(pid: int) -> str:
