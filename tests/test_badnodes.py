@@ -162,7 +162,7 @@ def test_nodes_lists_the_users_bad_nodes_as_a_table_and_as_json(
     book.remember(remembered("node3", "disk full in /scratch", now, 3600.0, job="llm"))
     book.remember(remembered("node1", "old", now - 7200, 3600.0))
     code, out, err = nodes(secret)
-    assert (code, err) == (0, "")
+    assert (code, err) == (0, "ZooKeeper: zk1:2181 (--zk)\n")
     lines = out.splitlines()
     assert lines[0].split() == ["NODE", "SINCE", "UNTIL", "REASON"]
     assert len(lines) == 2, out

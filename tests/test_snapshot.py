@@ -276,8 +276,8 @@ def test_submit_says_which_commit_it_snapshotted_whether_dirty_and_how_big(
     result = CliRunner().invoke(cli.app, ["submit", "--nodes", "1", "train.py"])
     assert (result.exit_code, result.stderr) == (0, "")
     commit = git(project, "rev-parse", "HEAD")[:12]
-    said = result.stdout.splitlines()[-1]
-    assert said == f"Code: snapshot of commit {commit}, with uncommitted changes, 4 files, 0.3 MB"
+    said = [line for line in result.stdout.splitlines() if line.startswith("Code:")]
+    assert said == [f"Code: snapshot of commit {commit}, with uncommitted changes, 4 files, 0.3 MB"]
 
 
 def test_submit_without_a_snapshot_says_the_script_runs_as_it_is_on_disk(
@@ -292,9 +292,10 @@ def test_submit_without_a_snapshot_says_the_script_runs_as_it_is_on_disk(
     monkeypatch.chdir(project)
     result = CliRunner().invoke(cli.app, ["submit", "--no-snapshot", "train.py"])
     assert result.exit_code == 0
-    assert result.stdout.splitlines()[-1] == (
+    said = [line for line in result.stdout.splitlines() if line.startswith("Code:")]
+    assert said == [
         "Code: not snapshotted (--no-snapshot): each slot runs the script as it is on disk"
-    )
+    ]
 
 
 def test_a_snapshot_that_cannot_be_copied_leaves_no_job_directory_and_sbatches_nothing(

@@ -81,12 +81,14 @@ def nodes_command(
     config = load_config(Path.cwd())
     typed = None if zk == os.environ.get(ZK_ENV) else zk  # Typer fills --zk from the variable
     choice = choose_zk(typed, config.values, config.path)
-    typer.echo(choice.line(), err=True)
     with badnodes.open_book(choice.address, user_secret_file) as book:
         if action is Action.LIST:
             _show(badnodes.listing(book, time.time()), as_json=as_json)
         else:
             _report(badnodes.clear(book, hosts or ()), as_json=as_json)
+    # On standard error, after the answer: --json stays parseable, and a failure says one
+    # sentence (which names the address) instead of this line and then the error.
+    typer.echo(choice.line(), err=True)
 
 
 def _show(records: list[badnodes.BadNode], *, as_json: bool) -> None:
