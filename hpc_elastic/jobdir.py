@@ -346,6 +346,9 @@ class JobRecord:
     """Where the slots run, as submitted (None: Slurm's default, or the same as the core's)."""
     grow_time_min: str | None = None
     """``--grow-time-min``: the slots above MIN were submitted for backfill holes."""
+    notify: str | None = None
+    """The job's ``--notify`` webhook (``job.json`` is 0600), for alerts from outside the job
+    (``hpc-elastic watch``)."""
 
     @property
     def grows(self) -> bool:
@@ -488,6 +491,7 @@ class JobRecord:
             grow_partition=_word(spec.get("grow_partition"), "grow_partition", job_dir),
             grow_qos=_word(spec.get("grow_qos"), "grow_qos", job_dir),
             grow_time_min=_word(spec.get("grow_time_min"), "grow_time_min", job_dir),
+            notify=_url(spec.get("notify"), job_dir),
         )
 
 
@@ -503,6 +507,18 @@ def _word(value: object, key: str, job_dir: Path) -> str | None:
     ):
         raise _bad(job_dir, f"its {key} {value!r:.80} is not one word")
     return value
+
+
+def _url(value: object, job_dir: Path) -> str | None:
+    """The job's ``--notify`` URL, or None; one that is not an http(s) URL refuses the record."""
+    if value is None:
+        return None
+    from hpc_elastic.notify import check_url  # noqa: PLC0415 (notify -> events -> jobdir)
+
+    try:
+        return check_url(_word(value, "notify", job_dir) or "")
+    except UsageError:
+        raise _bad(job_dir, f"its notify {value!r:.40} is not an http(s) URL") from None
 
 
 def _job_id(job_id: object, job_dir: Path, key: str = "job_id") -> str | None:

@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -325,15 +326,40 @@ def _supervise(
             watch.signalled(signum)  # Ask Slurm why now: after the drain it may have moved on.
 
     signals.listen(on_signal)  # also of a signal caught while connecting
+    beating = _beat_the_job(spec.job_dir, slot, runner, array_slot)
     try:
         return int(runner.run())
     finally:
+        beating.set()
         if drains is not None:
             drains.stop()
         if saves is not None:
             saves.stop()
         if exporter is not None:
             exporter.stop()
+
+
+def _beat_the_job(
+    job_dir: Path, slot: str, runner: Agent, array_slot: ElasticSlot | None
+) -> threading.Event:
+    """The job's own heartbeat for a watcher outside it (``hpc-elastic watch``): every
+    ``BEAT_S``, the job's lowest running slot (every agent of a job that is not an array)
+    writes the time and the training step. Set the returned event to stop."""
+    from hpc_elastic.ops.watch import BEAT_S, write_beat  # noqa: PLC0415
+
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(BEAT_S):
+            if array_slot is not None and not array_slot.elected():
+                continue
+            try:
+                write_beat(job_dir, time.time(), runner.step(), slot)
+            except OSError as error:
+                _log.debug("could not write the job's heartbeat: %s", error)
+
+    threading.Thread(target=beat, name="hpc-elastic-beat", daemon=True).start()
+    return stop
 
 
 def _start(

@@ -424,6 +424,31 @@ def qos_table(
     return parse_qos_table(result.stdout)
 
 
+def scrontab_read(env: Mapping[str, str] | None = None) -> str:
+    """The user's scrontab (``scrontab -l``); empty when there is none yet."""
+    result = _run(["scrontab", "-l"], env)
+    if result.returncode != 0:
+        error = _last_error(result.stderr)
+        if "no crontab" in error.lower():
+            return ""
+        raise SlurmError(f"`scrontab -l` failed: {error}; {_scrontab_hint(error)}.")
+    return result.stdout
+
+
+def scrontab_write(path: str, env: Mapping[str, str] | None = None) -> None:
+    """Replace the user's scrontab with the file at ``path`` (``scrontab FILE``)."""
+    result = _run(["scrontab", path], env)
+    if result.returncode != 0:
+        error = _last_error(result.stderr)
+        raise SlurmError(f"`scrontab {path}` failed: {error}; {_scrontab_hint(error)}.")
+
+
+def _scrontab_hint(error: str) -> str:
+    if "disabled" in error.lower():
+        return "ask the admins for ScronParameters=enable, or run the line from cron instead"
+    return _PING_HINT
+
+
 def srun_help(env: Mapping[str, str] | None = None) -> str:
     """``srun --help`` as printed: SPANK plugins such as pyxis add their options to it."""
     return _checked(["srun", "--help"], env, _CONF_HINT)
