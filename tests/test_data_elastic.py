@@ -221,6 +221,8 @@ class Job:
             *WORKLOAD,
             "--log-indices",
             str(self.root / "indices.log"),
+            "--slow-file",
+            str(self.slow_file),
         ]
         with (self.root / f"agent-{slot}.log").open("ab") as log:
             self.agents[slot] = subprocess.Popen(
@@ -255,6 +257,25 @@ class Job:
                 )
                 pytest.fail(f"never saw {what}; the agents said:\n{logs}")
             time.sleep(0.2)
+
+    @property
+    def slow_file(self) -> Path:
+        return self.root / "slow"
+
+    def round_of(self, world: int, after: int) -> Callable[[], bool]:
+        """Whether a round of ``world`` formed after one of ``after``."""
+
+        def formed() -> bool:
+            path = self.job_dir / "events.jsonl"
+            lines = path.read_text().splitlines() if path.exists() else []
+            sizes = [
+                event["details"].get("world_size")
+                for event in map(json.loads, lines)
+                if event["kind"] == "round"
+            ]
+            return after in sizes and world in sizes[sizes.index(after) :]
+
+        return formed
 
     def reached(self, world: int, step: int) -> Callable[[], bool]:
         return lambda: any(w == world and s >= step for s, _, w, _, _ in self.lines())
@@ -320,8 +341,13 @@ def test_a_stateful_loader_with_two_workers_goes_4_2_3_ranks_through_a_sigkill_o
         job.agents[slot].send_signal(signal.SIGKILL)  # their workers die with them
     for slot in ("node2", "node3"):
         job.agents[slot].wait()
-    job.wait_for("step 13 at world 2", job.reached(2, 13))
+    # Rank 0 takes 1.5 s more a step until the third round forms, so that the two ranks are
+    # still training when node2 comes back, however long its agent takes to start.
+    job.slow_file.write_text("0 1.5")
+    job.wait_for("step 10 at world 2", job.reached(2, 10))
     job.start("node2")
+    job.wait_for("a round of 3 after the round of 2", job.round_of(3, after=2))
+    job.slow_file.unlink()
     for slot in ("node0", "node1", "node2"):
         assert job.agents[slot].wait(600) == 0, (job.root / f"agent-{slot}.log").read_text()[-3000:]
 
