@@ -79,10 +79,12 @@ for line in sys.stdin:
 STORE_TIMEOUT = 300.0
 """Seconds the host's own client waits on its store (torch's default); it makes no request."""
 
-ANSWER_WAIT = 2.0
+ANSWER_WAIT = 5.0
 """Seconds the agent waits for the host to open a store before it publishes a free port
-instead (the script's rank 0 then opens it): a host that does not answer must not hold up the
-round. Opening takes milliseconds."""
+instead (the script's rank 0 then opens it) and kills the host (a new one starts with the next
+standbys): a host that does not answer must not hold up the round for long. Opening takes
+milliseconds; the margin is for a host that a loaded machine leaves without a CPU for a while,
+which would otherwise lose the round its store and cost an import of torch to replace."""
 
 OPEN_TRIES = 3
 """Ports tried when the one picked was taken meanwhile (``--master-port-range``'s race)."""
