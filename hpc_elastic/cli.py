@@ -44,6 +44,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str, dict[str, str]]] = {
     "doctor": ("hpc_elastic.commands.doctor", "doctor_command", {}),
     "nodes": ("hpc_elastic.commands.nodes", "nodes_command", {}),
     "watch": ("hpc_elastic.commands.watch", "watch_command", {}),
+    "drill": ("hpc_elastic.commands.drill", "drill_command", {}),
     "zk": ("hpc_elastic.commands.zk", "zk_app", {}),
 }
 """Command name -> (module, function, settings of ``app.command`` read from that module); a

@@ -36,7 +36,7 @@ from typing import Any
 
 from hpc_elastic import contract, events, trust
 from hpc_elastic.errors import UsageError
-from hpc_elastic.spec import NodeRange, parse_zk
+from hpc_elastic.spec import NodeRange, PreemptSignal, parse_zk
 
 JOB_FILE = contract.JOB_FILE
 SECRET_FILE = contract.SECRET_FILE
@@ -349,6 +349,8 @@ class JobRecord:
     notify: str | None = None
     """The job's ``--notify`` webhook (``job.json`` is 0600), for alerts from outside the job
     (``hpc-elastic watch``)."""
+    signal: str | None = None
+    """The job's ``--signal`` (``USR2@90``), for ``hpc-elastic drill``."""
 
     @property
     def grows(self) -> bool:
@@ -492,6 +494,7 @@ class JobRecord:
             grow_qos=_word(spec.get("grow_qos"), "grow_qos", job_dir),
             grow_time_min=_word(spec.get("grow_time_min"), "grow_time_min", job_dir),
             notify=_url(spec.get("notify"), job_dir),
+            signal=_signal(spec.get("signal"), job_dir),
         )
 
 
@@ -507,6 +510,16 @@ def _word(value: object, key: str, job_dir: Path) -> str | None:
     ):
         raise _bad(job_dir, f"its {key} {value!r:.80} is not one word")
     return value
+
+
+def _signal(value: object, job_dir: Path) -> str | None:
+    """The job's ``--signal`` as submit wrote it (``USR2@90``), or None."""
+    if value is None:
+        return None
+    try:
+        return str(PreemptSignal.parse(_word(value, "signal", job_dir) or ""))
+    except UsageError:
+        raise _bad(job_dir, f"its signal {value!r:.40} is not SIGNAL@SECONDS") from None
 
 
 def _url(value: object, job_dir: Path) -> str | None:

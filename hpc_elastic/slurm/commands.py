@@ -304,9 +304,17 @@ def job_steps(
     return {record["StepId"]: record for record in records if "StepId" in record}
 
 
-def cancel(job_id: str, signal: str | None = None, env: Mapping[str, str] | None = None) -> None:
-    """Cancel the job, or with ``signal`` only send that signal to its steps (``scancel -s``)."""
-    _checked(["scancel", *(["-s", signal] if signal else []), job_id], env, _JOB_HINT)
+def cancel(
+    job_id: str,
+    signal: str | None = None,
+    env: Mapping[str, str] | None = None,
+    *,
+    full: bool = False,
+) -> None:
+    """Cancel the job, or with ``signal`` only send that signal to its steps (``scancel -s``);
+    ``full``: to the batch shell too, every process of the job (``scancel --full``)."""
+    argv = ["scancel", *(["-s", signal] if signal else []), *(["--full"] if full else []), job_id]
+    _checked(argv, env, _JOB_HINT)
 
 
 def requeue(job_id: str, env: Mapping[str, str] | None = None) -> None:
