@@ -4,6 +4,7 @@ from Slurm's records, the verdict, and the watch on real heartbeat files."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -187,3 +188,39 @@ def test_doctor_times_a_test_save_in_the_checkpoint_directory(tmp_path: Path) ->
         found = doctor.SavePlan(lead_s=90.0, size=1024 * 1024).check("grace5", tmp_path)
     assert "a test save of 1 MB to" in found.message
     assert not list(tmp_path.iterdir()), "the test save is removed"
+
+
+def test_a_moved_lead_stops_the_slot_before_its_end_and_is_read_as_the_time_limit(
+    tmp_path: Path,
+) -> None:
+    stopped: list[str] = []
+    said: list[tuple[str, dict[str, object]]] = []
+    soon = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() + 20))
+    with mocked_slurm() as slurm:
+        slurm.answer(
+            "scontrol", "-o", "show", "job",
+            stdout=f"JobId=12 JobState=RUNNING TimeLimit=00:30:00 EndTime={soon}\n",
+        )  # fmt: skip
+        slot = array_slot(tmp_path)
+        slot.moved_lead = 34.0
+        slot._stop_before_the_end(
+            34.0, lambda: stopped.append("stop"), lambda kind, **d: said.append((kind, d))
+        )
+    assert stopped == ["stop"], "20 s before the end is within the moved lead of 34 s"
+    assert said == [
+        (Kind.GRACE, {"message": "stopping 34 s before the time limit", "action": "lead"})
+    ]
+    job = {"JobState": "RUNNING", "PreemptTime": "None", "RunTime": "00:29:40"}
+    job["TimeLimit"] = "00:30:00"
+    assert departure(job, max(15.0, slot.moved_lead)) is Departure.TIME_LIMIT
+
+
+def test_a_job_without_a_time_limit_never_moves_its_lead(tmp_path: Path) -> None:
+    stopped: list[str] = []
+    with mocked_slurm() as slurm:
+        slurm.answer(
+            "scontrol", "-o", "show", "job",
+            stdout="JobId=12 JobState=RUNNING TimeLimit=UNLIMITED EndTime=Unknown\n",
+        )  # fmt: skip
+        array_slot(tmp_path)._stop_before_the_end(34.0, lambda: stopped.append("stop"), print)
+    assert stopped == []
