@@ -205,7 +205,9 @@ def test_a_frozen_rank_is_blamed_with_its_node_not_the_ranks_that_wait_for_it(
     [failure] = hang_failures(run)
     details = FailureDetails.from_details(failure.details)
     assert (failure.slot, details.rank, details.node_fault) == ("n1", 2, True), story
-    assert details.sentence.startswith("Rank 2 on n1 was stopped (state T) while ranks 0, 1 and 3")
+    assert details.sentence.startswith(
+        "Rank 2 on node 'n1' was stopped (state T) while ranks 0, 1 and 3"
+    )
     assert "learned deadline" in details.sentence
     assert "Fatal Python error" in details.message, "the dump stays in the detail"
     assert [e.slot for e in run.events() if events.charges_node(e)] == ["n1"]
@@ -236,7 +238,9 @@ def test_a_rank_that_hangs_in_its_own_loop_is_blamed(tmp_path: Path, busy: None)
     [failure] = hang_failures(run)
     details = FailureDetails.from_details(failure.details)
     assert (failure.slot, details.rank, details.node_fault) == ("n0", 1, True), story
-    assert details.sentence.startswith("Rank 1 on n0 was outside every collective while"), story
+    assert details.sentence.startswith("Rank 1 on node 'n0' was outside every collective while"), (
+        story
+    )
     assert "it hung in train_hang.py:" in details.sentence
     assert [e.slot for e in run.events() if events.charges_node(e)] == ["n0"]
     assert str(status(run)["last_failure"]).startswith(details.sentence)

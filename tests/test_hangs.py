@@ -97,8 +97,8 @@ def test_a_stopped_rank_is_blamed_and_not_the_ranks_of_another_node_that_wait_fo
     assert (verdict.kind, verdict.rank, verdict.node_id, verdict.slot) == (CULPRIT, 2, "id1", "n1")
     assert verdict.reporter == "id1", "the culprit's own agent records the failure"
     assert verdict.sentence == (
-        "Rank 2 on n1 was stopped (state T) while ranks 0, 1 and 3 waited in backward for it; "
-        "the job made no progress for 61.0 s in step (learned deadline 60.0 s)."
+        "Rank 2 on node 'n1' was stopped (state T) while ranks 0, 1 and 3 waited in backward "
+        "for it; the job made no progress for 61.0 s in step (learned deadline 60.0 s)."
     )
     assert verdict.blames_a_node
 
@@ -114,14 +114,14 @@ def test_a_stopped_rank_is_blamed_and_not_the_ranks_of_another_node_that_wait_fo
 def test_a_rank_that_cannot_answer_is_the_culprit(rank: RankEvidence, why: str) -> None:
     verdict = attribute(nodes(waiting(0), waiting(1), waiting(2), rank), MEMBERS)
     assert (verdict.kind, verdict.rank) == (CULPRIT, 3)
-    assert f"Rank 3 on n1 was {why} while ranks 0, 1 and 2 waited in" in verdict.sentence
+    assert f"Rank 3 on node 'n1' was {why} while ranks 0, 1 and 2 waited in" in verdict.sentence
 
 
 def test_the_rank_that_never_entered_the_collective_is_blamed_with_where_it_hung() -> None:
     verdict = attribute(nodes(waiting(0), own_code(1), waiting(2), waiting(3)), MEMBERS)
     assert (verdict.kind, verdict.rank, verdict.slot) == (CULPRIT, 1, "n0")
     assert verdict.sentence.startswith(
-        "Rank 1 on n0 was outside every collective while ranks 0, 2 and 3 waited in "
+        "Rank 1 on node 'n0' was outside every collective while ranks 0, 2 and 3 waited in "
         "all_reduce #12 for it; it hung in train.py:42 in spin;"
     )
 
@@ -164,15 +164,16 @@ def test_a_node_that_did_not_answer_leaves_the_hang_ambiguous_and_says_so() -> N
 def test_ranks_stuck_on_two_nodes_blame_no_node() -> None:
     verdict = attribute(nodes(stopped(0), waiting(1), stopped(2), waiting(3)), MEMBERS)
     assert verdict.kind == AMBIGUOUS
-    assert "Ranks 0 (n0) and 2 (n1) on different nodes were each stopped (state T)" in (
-        verdict.sentence
+    assert (
+        "Ranks 0 (node 'n0') and 2 (node 'n1') on different nodes were each stopped (state T)"
+        in (verdict.sentence)
     )
 
 
 def test_two_stuck_ranks_of_one_node_blame_that_node_and_name_both() -> None:
     verdict = attribute(nodes(waiting(0), waiting(1), stopped(2), stopped(3, "D")), MEMBERS)
     assert (verdict.kind, verdict.rank, verdict.node_id) == (CULPRIT, 2, "id1")
-    assert verdict.sentence.startswith("Ranks 2 and 3 on n1 were stopped (state T) while")
+    assert verdict.sentence.startswith("Ranks 2 and 3 on node 'n1' were stopped (state T) while")
     assert "for them;" in verdict.sentence
 
 

@@ -365,7 +365,7 @@ def _blame(
     assert member is not None
     first = culprits[0]
     also = culprits[1:]
-    place = member.slot or member.node_id
+    place = f"node '{member.slot or member.node_id}'"  # "on node '3'", not "on 3": a slot
     who = f"Rank {first.rank} on {place}"
     if also:
         who = f"Ranks {_and([str(rank.rank) for rank in culprits])} on {place}"
@@ -469,7 +469,7 @@ def _member_of(rank: int, members: Sequence[Member]) -> Member | None:
 
 def _slot(rank: int, members: Sequence[Member]) -> str:
     member = _member_of(rank, members)
-    return "an unknown node" if member is None else member.slot or member.node_id
+    return "an unknown node" if member is None else f"node '{member.slot or member.node_id}'"
 
 
 def _ranks_word(ranks: Sequence[int]) -> str:

@@ -146,7 +146,7 @@ def _hang_line(event: Event) -> str:
     hang = HangDetails.from_details(event.details)
     seen = "; ".join(f"rank {rank}: {line}" for rank, line in sorted(hang.evidence.items()))
     if hang.verdict == "culprit":
-        verdict = f"rank {hang.rank} on {hang.culprit_slot} blamed"
+        verdict = f"rank {hang.rank} on node '{hang.culprit_slot}' blamed"
     elif hang.verdict == "dismissed":
         verdict = f"dismissed: {hang.sentence}"
     else:
