@@ -20,13 +20,13 @@ from typing import Annotated, Any, NoReturn
 import typer
 from typer.core import TyperGroup
 
-from hpc_elastic import __version__
 from hpc_elastic._click_compat import (
     ClickException,
     Command,
     Context,
     NoArgsIsHelpError,
 )
+from hpc_elastic._version import __version__
 from hpc_elastic.commands import submit as submit_command
 from hpc_elastic.commands.submit import Invocation
 from hpc_elastic.contract import DEBUG_ENV

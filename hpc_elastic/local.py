@@ -25,7 +25,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO
 
-from hpc_elastic import __version__, checkpoint_key, events
+from hpc_elastic import checkpoint_key, events
+from hpc_elastic._version import __version__
 from hpc_elastic.contract import RUN_ID_ENV
 from hpc_elastic.errors import UsageError
 from hpc_elastic.events import ChurnDetails, Kind

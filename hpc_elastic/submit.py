@@ -24,7 +24,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Protocol
 
-from hpc_elastic import __version__, checkpoint_key, snapshot, trust
+from hpc_elastic import checkpoint_key, snapshot, trust
+from hpc_elastic._version import __version__
 from hpc_elastic.errors import HpcElasticError, SnapshotError, UsageError
 from hpc_elastic.jobdir import (
     JOB_FILE,

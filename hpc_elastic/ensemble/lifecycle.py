@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from hpc_elastic import __version__, contract, trust
+from hpc_elastic import contract, trust
+from hpc_elastic._version import __version__
 from hpc_elastic.ensemble import files, fourletter, install, zoocfg
 from hpc_elastic.ensemble.files import Ensemble, Found, Layout, Server, StartRecord
 from hpc_elastic.ensemble.server import CANNOT_START
