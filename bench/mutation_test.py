@@ -16,13 +16,16 @@ mutant's verdict per stage (with the test or the seed that killed it) and the tw
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -137,24 +140,45 @@ def copy_repository(into: Path) -> Path:
     return into
 
 
+STOPPING = threading.Event()
+"""Set when the script ends early: the workers start nothing more."""
+RUNNING: set[int] = set()
+"""Process groups of the stages running now, ended with this script (``main``'s finally)."""
+
+
 def run(command: list[str], copy: Path, timeout: float) -> tuple[int | None, str]:
-    """Run in the copy, with the copy's package first on the path; None on a timeout."""
+    """Run in the copy, with the copy's package first on the path; None on a timeout. The
+    stage runs in a process group of its own, ended whole on a timeout (a test's workers
+    included) and when this script ends."""
     env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
     env.pop("HPC_ELASTIC_TEST_CLUSTER", None)
-    try:
-        done = subprocess.run(
-            command,
-            cwd=copy,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-            stdin=subprocess.DEVNULL,
-        )
-    except subprocess.TimeoutExpired:
+    if STOPPING.is_set():
         return None, ""
-    return done.returncode, done.stdout + done.stderr
+    with subprocess.Popen(
+        command,
+        cwd=copy,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    ) as process:
+        RUNNING.add(process.pid)
+        try:
+            output, _ = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            end_group(process.pid)
+            process.communicate()
+            return None, ""
+        finally:
+            RUNNING.discard(process.pid)
+    return process.returncode, output
+
+
+def end_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 def tests_stage(copy: Path, timeout: float) -> Verdict:
@@ -232,12 +256,16 @@ def worker(
         files = sorted({mutant.file for mutant in mutants})
         pristine = {name: (copy / name).read_text() for name in files}
         for mutant in mutants:
+            if STOPPING.is_set():
+                break
             apply(mutant, copy, pristine)
             outcome = Outcome(mutant)
             if args.stage in ("both", "tests"):
                 outcome.tests = tests_stage(copy, args.tests_timeout)
             if args.stage in ("both", "simulation"):
                 outcome.simulation = simulation_stage(copy, args.seeds, args.simulation_timeout)
+            if STOPPING.is_set():
+                break  # its stages were ended, not judged
             say(line(outcome))
             outcomes.append(outcome)
         apply(None, copy, pristine)
@@ -306,8 +334,14 @@ def main(argv: list[str] | None = None) -> int:
 
     jobs = max(1, min(args.jobs, len(mutants)))
     shares = [mutants[index::jobs] for index in range(jobs)]
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     with ThreadPoolExecutor(jobs) as pool:
-        results = list(pool.map(lambda share: worker(share, args, say), shares))
+        try:
+            results = list(pool.map(lambda share: worker(share, args, say), shares))
+        finally:  # on SIGTERM or ^C too: no stage outlives this script
+            STOPPING.set()
+            for pid in list(RUNNING):
+                end_group(pid)
     outcomes = sorted((o for part in results for o in part), key=lambda o: mutants.index(o.mutant))
     print()
     for stage in ("tests", "simulation"):

@@ -29,15 +29,15 @@ SPENT_ON_NOTHING = "spent the budget, but no worker really failed in it"
 
 FIGURES = {
     "outcomes": {
-        "failed (below_min)": 18,
-        "failed (budget)": 572,
-        "failed (member_lost)": 541,
-        "failed (unfinished)": 464,
-        "stuck": 186,
-        "succeeded": 18219,
+        "failed (below_min)": 33,
+        "failed (budget)": 611,
+        "failed (member_lost)": 1901,
+        "failed (unfinished)": 440,
+        "stuck": 213,
+        "succeeded": 16802,
     },
-    "restarts": 836,
-    "rounds": 26574,
+    "restarts": 902,
+    "rounds": 29538,
 }
 """What seeds 0-19,999 come to: outcomes by cause (``Result.kind``), restarts spent and rounds
 formed. A change of the rules or of the world that changes any schedule's end shows up here
@@ -47,19 +47,20 @@ hpc_elastic.simulation --seed N`` before and after."""
 FIRST_SEEDS = 2000
 FIRST_FIGURES = {
     "outcomes": {
-        "failed (below_min)": 3,
-        "failed (budget)": 48,
-        "failed (member_lost)": 47,
-        "failed (unfinished)": 48,
-        "stuck": 20,
-        "succeeded": 1834,
+        "failed (below_min)": 4,
+        "failed (budget)": 49,
+        "failed (member_lost)": 180,
+        "failed (unfinished)": 45,
+        "stuck": 23,
+        "succeeded": 1699,
     },
-    "restarts": 83,
-    "rounds": 2671,
+    "restarts": 89,
+    "rounds": 2965,
 }
 """The same for seeds 0-1,999: a change shows up in a few seconds, before the big run."""
 
 
+@pytest.mark.timeout(900)  # about a minute of CPU; a loaded 2-core machine may triple it
 def test_every_property_holds_on_twenty_thousand_schedules() -> None:
     report = run_many(0, SCHEDULES)
     print(report.summary())  # The figure in docs/reliability.md (pytest -s shows it).
@@ -353,6 +354,7 @@ def test_the_agents_fence_alone_stops_a_cut_off_node_within_a_third_of_the_sessi
     A frozen agent fences nothing (only the lease covers a freeze), so these schedules run
     without their freezes. Fencing after a full session, as it once did, is too late."""
     monkeypatch.setattr(world, "LEASE", float("inf"))
+    monkeypatch.setattr(world, "BUGGIFY_SHARE", 0.0)  # its planted freezes are freezes too
     assert without_split_brain(2000, freezes=False) == ""
     monkeypatch.setattr(agent, "FENCE_FRACTION", 1.0)
     assert "two groups train at once" in without_split_brain(3000, freezes=False)
@@ -405,8 +407,12 @@ def test_the_simulation_finds_a_node_done_before_all_its_workers_exited_0(
     assert "workers exited [0, None" in found or "None, 0" in found, found
 
 
-def test_a_job_without_faults_succeeds_on_every_node_with_its_workers() -> None:
-    """Schedules whose nodes run one, two or three workers each, and no fault at all."""
+def test_a_job_without_faults_succeeds_on_every_node_with_its_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Schedules whose nodes run one, two or three workers each, and no fault at all (none
+    drawn, none planted)."""
+    monkeypatch.setattr(world, "BUGGIFY_SHARE", 0.0)
     for seed in range(200):
         result = simulate(seed, ())
         assert result.violation is None, result.summary()

@@ -80,6 +80,10 @@ PROPERTIES = frozenset(
     {"liveness", "ranks", "rounds", "budget", "closure", "success", "state", "cause", "crash"}
 )
 """The properties a violation names first (``violated_property``)."""
+BUGGIFY_SHARE = 0.25
+"""The share of schedules in which faults are also planted at the moments that matter."""
+BUGGIFY_CHANCE = 0.3
+"""How often such a moment gets its fault in a buggified schedule (once per node and round)."""
 PORT_BASE = 29500
 SPARE_SHARE = 0.25
 """The share of schedules whose job has one hot spare (``submit --spares 1``): a slot beyond
@@ -484,6 +488,10 @@ class SimAgent:
         if decided is None:
             return
         outcome, failed = decided
+        if outcome is Outcome.SUCCEEDED and world.buggify(
+            self, "freeze", "as its workers finished"
+        ):
+            return  # frozen before it could act on its success: it decides again once awake
         world.log(f"{self.node.node_id} round {self.last_started} ends: {outcome.value}")
         # The sim's workers have no in-place loop, and there are no user errors or breaker:
         # those inputs are False. An echo is known from how the worker died, as the agent
@@ -521,6 +529,7 @@ class SimAgent:
                 self._barrier_step()
                 return
             if action is AfterRound.WAIT_FOR_CHANGE:
+                self.world.buggify_later(self, st.echo_wait(self.world.settings))
                 self.ending = end
                 self.phase = "waiting"
                 self.wait_started = self.world.now
@@ -641,6 +650,11 @@ class World:
         self.workers_rng = random.Random(f"{seed}:workers")
         """So have the workers beyond one per node: how many, which one fails, when the others
         end. A schedule whose nodes all run one worker is the schedule it was before."""
+        self.buggify_rng = random.Random(f"{seed}:buggify")
+        """Faults planted at the moments that matter (``buggify``), from a generator of
+        their own: a schedule none of them hits is drawn as before."""
+        self.buggified = self.buggify_rng.random() < BUGGIFY_SHARE
+        self.buggified_rounds: set[tuple[str, int]] = set()
         self.clock = ManualClock()
         self.nodes = rng.choice(
             [NodeRange(1, 1), NodeRange(1, 2), NodeRange(2, 2), NodeRange(2, 3)]
@@ -814,9 +828,38 @@ class World:
             if not (other.gone or other.stuck):
                 other.fail_a_worker()
 
-    def _cut_off(self, agent: SimAgent, kind: str) -> None:
+    def buggify(self, agent: SimAgent, kind: str, when: str) -> bool:
+        """In a buggified schedule, now and then (once per node and round), plant ``kind``
+        (a freeze or a partition) on ``agent`` at this moment, as FoundationDB's BUGGIFY
+        does: the races that need a fault at one exact moment are rare in drawn schedules."""
+        key = (agent.node.node_id, agent.last_started)
+        if not self.buggified or key in self.buggified_rounds or agent.gone or agent.stuck:
+            return False
+        if self.buggify_rng.random() >= BUGGIFY_CHANCE:
+            return False
+        self.buggified_rounds.add(key)
+        self.last_fault = self.now
+        self.injected.append(kind)
+        self.log(f"FAULT {kind} on {agent.node.node_id} (planted {when})")
+        self._cut_off(agent, kind, self.buggify_rng.uniform(SESSION, 3 * SESSION))
+        return True
+
+    def buggify_later(self, agent: SimAgent, within: float) -> None:
+        """Maybe plant a freeze or a partition on ``agent`` at some moment of its echo wait."""
+        if not self.buggified:
+            return
+        kind = self.buggify_rng.choice(("freeze", "partition"))
+        delay = self.buggify_rng.uniform(0.0, within)
+
+        def plant() -> None:
+            self.buggify(agent, kind, "during an echo wait")
+
+        self.at(self.now + delay, plant)
+
+    def _cut_off(self, agent: SimAgent, kind: str, duration: float | None = None) -> None:
         """A partition (the connection) or a freeze (the whole agent) for up to 18 s."""
-        duration = self.rng.uniform(1.0, 3 * SESSION)
+        if duration is None:
+            duration = self.rng.uniform(1.0, 3 * SESSION)
         agent.store.disconnect()
         if kind == "freeze":
             agent.frozen_until = self.now + duration
