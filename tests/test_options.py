@@ -168,6 +168,9 @@ def test_every_flag_an_invocation_writes_is_one_the_agent_reads(
         return 0
 
     monkeypatch.setattr(command, "run_agent", run_agent)
+    # The flags are under test, not the environment: the suite's own user secret (conftest)
+    # would otherwise stand in for the table's default.
+    monkeypatch.delenv(contract.USER_SECRET_FILE_ENV)
 
     result = runner.invoke(cli.app, invocation.argv()[3:])
 
