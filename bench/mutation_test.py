@@ -176,6 +176,13 @@ def run(command: list[str], copy: Path, timeout: float) -> tuple[int | None, str
     return process.returncode, output
 
 
+def stop() -> None:
+    """Start nothing more, and end every stage running now."""
+    STOPPING.set()
+    for pid in list(RUNNING):
+        end_group(pid)
+
+
 def end_group(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
@@ -303,7 +310,7 @@ def baseline(args: argparse.Namespace) -> None:
                 raise SystemExit(f"error: the simulation fails without any mutant ({verdict.by}).")
 
 
-def main(argv: list[str] | None = None) -> int:
+def arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="scripts/mutation-test", description=__doc__)
     parser.add_argument("--only", help="comma-separated mutant ids (default: every one)")
     parser.add_argument("--stage", choices=("both", "tests", "simulation"), default="both")
@@ -313,10 +320,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--simulation-timeout", type=float, default=SIMULATION_TIMEOUT)
     parser.add_argument("--json", type=Path, help="also write every verdict to this file")
     parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def chosen(only: str | None) -> list[Mutant]:
+    """The mutants asked for, every one of them current (its snippet in its file once)."""
     mutants = load()
-    if args.only:
-        wanted = set(args.only.split(","))
+    if only:
+        wanted = set(only.split(","))
         unknown = wanted - {mutant.id for mutant in mutants}
         if unknown:
             raise SystemExit(f"error: no mutant {sorted(unknown)} in {MUTANTS}.")
@@ -325,24 +336,10 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print("\n".join(problems), file=sys.stderr)
         raise SystemExit(f"error: {len(problems)} mutants are stale; update {MUTANTS}.")
-    began = time.monotonic()
-    if not args.no_baseline:
-        baseline(args)
+    return mutants
 
-    def say(text: str) -> None:
-        print(text, flush=True)
 
-    jobs = max(1, min(args.jobs, len(mutants)))
-    shares = [mutants[index::jobs] for index in range(jobs)]
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    with ThreadPoolExecutor(jobs) as pool:
-        try:
-            results = list(pool.map(lambda share: worker(share, args, say), shares))
-        finally:  # on SIGTERM or ^C too: no stage outlives this script
-            STOPPING.set()
-            for pid in list(RUNNING):
-                end_group(pid)
-    outcomes = sorted((o for part in results for o in part), key=lambda o: mutants.index(o.mutant))
+def report(outcomes: list[Outcome]) -> None:
     print()
     for stage in ("tests", "simulation"):
         killed, judged = score(outcomes, stage)
@@ -353,6 +350,32 @@ def main(argv: list[str] | None = None) -> int:
             if pinned:
                 print(f"  by the pinned outcome counts alone: {', '.join(pinned)}")
             print(f"  survived: {', '.join(survivors) or 'none'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments(argv)
+    mutants = chosen(args.only)
+    began = time.monotonic()
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    if not args.no_baseline:
+        try:
+            baseline(args)
+        finally:
+            stop()
+        STOPPING.clear()
+
+    def say(text: str) -> None:
+        print(text, flush=True)
+
+    jobs = max(1, min(args.jobs, len(mutants)))
+    shares = [mutants[index::jobs] for index in range(jobs)]
+    with ThreadPoolExecutor(jobs) as pool:
+        try:
+            results = list(pool.map(lambda share: worker(share, args, say), shares))
+        finally:  # on SIGTERM or ^C too: no stage outlives this script
+            stop()
+    outcomes = sorted((o for part in results for o in part), key=lambda o: mutants.index(o.mutant))
+    report(outcomes)
     print(f"{len(mutants)} mutants in {time.monotonic() - began:.0f} s")
     if args.json is not None:
         args.json.write_text(json.dumps([asdict(outcome) for outcome in outcomes], indent=1))
