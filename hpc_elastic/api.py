@@ -31,8 +31,8 @@ from hpc_elastic.events import Event
 from hpc_elastic.jobdir import JobRecord
 from hpc_elastic.options import SUBMIT_OPTIONS, Option, resolve
 from hpc_elastic.spec import JobSpec, default_job_name, parse_script
-from hpc_elastic.submit import Plan, SlurmCommands, plan
-from hpc_elastic.submit import submit as submit_plan
+from hpc_elastic.submission import Plan, SlurmCommands, plan
+from hpc_elastic.submission import submit as submit_plan
 
 __all__ = ["FINAL_STATES", "Job", "RankOutput", "is_over", "jobs", "plan_job", "send", "submit"]
 

@@ -44,7 +44,7 @@ from hpc_elastic.options import agent_options
 from hpc_elastic.rendezvous import state as st
 from hpc_elastic.rendezvous.local_store import SCHEME, LocalStoreServer
 from hpc_elastic.spec import NodeRange
-from hpc_elastic.submit import new_run_id
+from hpc_elastic.submission import new_run_id
 
 POLL = 0.2
 """Seconds between two looks at the agents, the churn schedule and the events file."""

@@ -172,11 +172,14 @@ def test_importing_hpc_elastic_loads_neither_torch_nor_the_cli() -> None:
     assert result.stdout.strip() == "[]", result.stderr
 
 
-def test_hpc_elastic_submit_is_callable_even_after_its_module_was_imported(
+def test_hpc_elastic_submit_stays_the_api_function_after_the_cli_imported_the_submit_path(
     slurm: FakeSlurm,
 ) -> None:
-    import hpc_elastic.submit  # noqa: PLC0415  (what the CLI imports)
+    import hpc_elastic.cli  # noqa: PLC0415  (what the CLI's submit and render import)
+    import hpc_elastic.commands.submit  # noqa: PLC0415
+    import hpc_elastic.submission  # noqa: PLC0415
 
+    assert hpc_elastic.submit is hpc_elastic.api.submit
     job = hpc_elastic.submit("train.py", nodes=1)
     assert isinstance(job, Job)
 

@@ -28,7 +28,7 @@ from hpc_elastic.commands import submit as submit_command
 from hpc_elastic.rendezvous.api import NodeInfo, RendezvousSettings
 from hpc_elastic.rendezvous.zookeeper import ZooKeeperAddress, connect
 from hpc_elastic.spec import NodeRange
-from hpc_elastic.submit import new_run_id
+from hpc_elastic.submission import new_run_id
 from hpc_elastic.train.checkpoint import Checkpointer
 
 SECRET = "the-job-secret-0123456789abcdefghijklmnopqrstuv"

@@ -22,7 +22,7 @@ from hpc_elastic import snapshot
 from hpc_elastic.errors import SnapshotError, UsageError
 from hpc_elastic.jobdir import CodeSnapshot, JobRecord
 from hpc_elastic.spec import JobSpec, NodeRange
-from hpc_elastic.submit import plan, submit
+from hpc_elastic.submission import plan, submit
 
 
 def git(repo: Path, *args: str) -> str:

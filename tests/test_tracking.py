@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_elastic.submit import new_run_id
+from hpc_elastic.submission import new_run_id
 from hpc_elastic.tracking import WANDB_ID_MAX, tracker_env, wandb_run_id
 
 

@@ -1,7 +1,7 @@
 """``hpc-elastic submit`` and ``hpc-elastic render``: the Typer signature, then the domain.
 
 The options come from the option table (``hpc_elastic.options``); the domain is
-``hpc_elastic.submit`` (plan, then write the job directory and sbatch).
+``hpc_elastic.submission`` (plan, then write the job directory and sbatch).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from hpc_elastic.options import SUBMIT_OPTIONS, resolve, with_options
 from hpc_elastic.slurm import commands
 from hpc_elastic.snapshot import MB
 from hpc_elastic.spec import parse_script
-from hpc_elastic.submit import Plan, SlurmCommands
+from hpc_elastic.submission import Plan, SlurmCommands
 
 slurm: SlurmCommands = commands
 """The Slurm layer submit talks to; tests swap in a fake."""

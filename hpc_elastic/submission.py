@@ -16,8 +16,6 @@ import logging
 import os
 import secrets
 import shutil
-import sys
-import types
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime
@@ -304,16 +302,3 @@ def _write_job_json(job: Plan, job_id: str | None, grow_job_id: str | None) -> N
         snapshot=None if job.code is None else job.code.record(job.paths.code),
         grow_job_id=grow_job_id,
     ).write()
-
-
-class _CallableModule(types.ModuleType):
-    """``hpc_elastic.submit`` names both this module and the Python API's ``submit``: once
-    this module is imported, the package attribute is the module, so calling it must submit."""
-
-    def __call__(self, *args: object, **kwargs: object) -> object:
-        from hpc_elastic.api import submit as submit_job  # noqa: PLC0415 (api imports us)
-
-        return submit_job(*args, **kwargs)  # type: ignore[arg-type]
-
-
-sys.modules[__name__].__class__ = _CallableModule
