@@ -101,6 +101,9 @@ class TrainingData:
             self.shards.advance()
         if self.stateful:
             self._at_step = self.loader.state_dict()
+            # What the last save gathered is stale now: a state_dict() taken without a save
+            # (InPlace hands one to a newcomer) must not restore a loader to it.
+            self._gathered = None
 
     # --- checkpoints -----------------------------------------------------------------------
 
