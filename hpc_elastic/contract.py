@@ -184,6 +184,10 @@ DEFAULT_ZK_MEMORY = "1G"
 DEFAULT_ZK_HEAP = "512m"
 DEFAULT_ZK_RESTARTS = 3
 """Times a server whose step died is started again in place (same node, ports and data)."""
+DEFAULT_ZK_SPARES = 0
+"""Spare nodes ``zk start`` holds in the ensemble's job, each ready to take the place of a
+server whose node is lost (docs/cluster-setup.md, "Losing a server"): none unless asked."""
+ZK_MAX_SPARES = 2
 DEFAULT_ZK_START_TIMEOUT = 300.0
 """Seconds ``zk start`` waits for the ensemble to serve once Slurm has started its job (and
 each server waits for its peers to publish their ports)."""

@@ -7,6 +7,7 @@ The cluster tests are in tests/test_zk_cluster.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -23,7 +24,17 @@ from typer.testing import CliRunner
 from unix_users import UnixUser, mallory, shared
 
 from hpc_elastic import cli, contract, doctor
-from hpc_elastic.ensemble import choice, files, fourletter, install, lifecycle, zoocfg
+from hpc_elastic.ensemble import (
+    admin,
+    choice,
+    files,
+    fourletter,
+    install,
+    lifecycle,
+    supervisor,
+    zoocfg,
+)
+from hpc_elastic.ensemble import server as server_module
 from hpc_elastic.ensemble.files import Ensemble, Layout, Server, StartRecord
 from hpc_elastic.errors import EnsembleError, EnsembleTrustError, UsageError
 from hpc_elastic.rendezvous import testing
@@ -503,19 +514,24 @@ def test_zk_start_submits_one_job_of_one_step_per_server(layout: Layout, machine
         fake.answer("squeue", stdout="")
         fake.answer("sbatch", stdout="41\n")
         result = CliRunner().invoke(
-            cli.app, ["zk", "start", "--servers", "5", "--partition", "service", "--no-wait"]
+            cli.app,
+            ["zk", "start", "--servers", "5", "--spares", "1", "--partition=service", "--no-wait"],
         )
     assert result.exit_code == 0, result.stderr
-    assert "Submitted Slurm job 41: a ZooKeeper ensemble of 5 servers" in result.stdout
+    assert (
+        "Submitted Slurm job 41: a ZooKeeper ensemble of 5 servers and 1 spare node"
+        in result.stdout
+    )
     script = layout.script.read_text()
-    for line in ("--nodes=5", "--ntasks-per-node=1", "--no-kill", "--no-requeue"):
+    for line in ("--nodes=6", "--ntasks-per-node=1", "--no-kill", "--no-requeue"):
         assert f"#SBATCH {line}" in script
     assert "#SBATCH --partition=service" in script
-    assert "-m hpc_elastic zk server --run-dir" in script
-    assert "srun --nodes=5 --ntasks-per-node=1" in script  # the last step cleans every node
+    assert f"-m hpc_elastic zk supervise --run-dir {layout.run_dir}" in script
     start = files.load_start(layout)
     assert start is not None
-    assert (start.servers, start.job_id) == (5, "41")
+    assert (start.servers, start.spares, start.job_id) == (5, 1, "41")
+    assert layout.secret_file.stat().st_mode & 0o777 == 0o600
+    assert files.load_secret(layout)
     assert start.java == str(machine / "jdk" / "bin" / "java")
     assert start.classpath == f"{machine / 'zookeeper'}/lib/*"
     assert layout.run_dir.stat().st_mode & 0o777 == 0o700
@@ -701,7 +717,7 @@ def test_the_help_loads_nothing_of_the_ensemble_but_what_choosing_one_needs() ->
             env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
         )
         imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines()}
-        for module in ("install", "server", "lifecycle"):
+        for module in ("install", "server", "lifecycle", "supervisor", "admin"):
             assert f"hpc_elastic.ensemble.{module}" not in imported, args
         assert "kazoo" not in imported
 
@@ -759,3 +775,351 @@ def test_zk_serve_serves_in_the_foreground_until_zk_stop_ends_it(tmp_path: Path)
     assert not layout.ensemble_file.exists()
     assert list(local.glob("hpc-elastic-zk-serve-*")) == []
     assert fourletter.health("127.0.0.1", served["client_port"], timeout=1.0).mode == "down"
+
+
+# --- losing a server: spares, a replacement and the reconfiguration --------------------------
+
+
+def test_zk_start_refuses_spares_for_one_server_before_asking_slurm(
+    layout: Layout, machine: Path
+) -> None:
+    with mocked_slurm() as fake:
+        result = CliRunner().invoke(cli.app, ["zk", "start", "--servers", "1", "--spares", "1"])
+    assert result.exit_code == 2
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("error: --spares 1 needs --servers 3 or 5")
+    assert fake.calls == []
+    assert lifecycle.spares_refusal(3, 3) is not None
+    assert "--spares '3' is not one of 0..2" in str(lifecycle.spares_refusal(3, 3))
+    assert lifecycle.spares_refusal(3, 1) is None
+    assert lifecycle.spares_refusal(1, 0) is None
+
+
+def test_with_a_superuser_zoo_cfg_turns_reconfiguration_on_and_lists_a_joiner_as_observer() -> None:
+    digest = zoocfg.super_digest("s3cret")
+    joiner = peer(4)
+    config = zoocfg.ServerConfig(
+        4, "/l/d", "/l/t", 21004, (peer(1), peer(2), peer(3)), (joiner,), digest
+    )
+    lines = zoocfg.render_zoo_cfg(config).splitlines()
+    assert "reconfigEnabled=true" in lines
+    assert f"DigestAuthenticationProvider.superDigest={digest}" in lines
+    assert "skipACL=no" in lines
+    assert [line for line in lines if line.startswith("server.")] == [
+        "server.1=10.0.0.1:22001:23001:participant;21001",
+        "server.2=10.0.0.2:22002:23002:participant;21002",
+        "server.3=10.0.0.3:22003:23003:participant;21003",
+        "server.4=10.0.0.4:22004:23004:observer;21004",
+    ]
+    without = zoocfg.render_zoo_cfg(zoocfg.ServerConfig(1, "/d", "/t", 1, (peer(1),)))
+    assert "reconfigEnabled=false" in without.splitlines()
+    assert "superDigest" not in without
+
+
+def test_the_superusers_digest_is_the_one_a_client_with_the_secret_presents() -> None:
+    from kazoo.security import make_digest_acl_credential  # noqa: PLC0415
+
+    from hpc_elastic.rendezvous import zookeeper  # noqa: PLC0415
+
+    assert zoocfg.SUPERUSER == zookeeper.DIGEST_USER  # its client with the secret is the superuser
+    assert zoocfg.super_digest("s3cret") == make_digest_acl_credential(zoocfg.SUPERUSER, "s3cret")
+
+
+ZOOKEEPERS_DYNAMIC_FILE = (
+    "server.1=127.0.0.1:29111:29112:participant;0.0.0.0:29110\n"
+    "server.2=127.0.0.1:29121:29122:participant;0.0.0.0:29120\n"
+    "server.4=127.0.0.1:29141:29142:observer;0.0.0.0:29140\n"
+    "version=200000002\n"
+)
+
+
+def test_the_members_of_a_dynamic_configuration_and_what_a_reconfig_must_still_do() -> None:
+    members = zoocfg.dynamic_members(ZOOKEEPERS_DYNAMIC_FILE)
+    assert members == {1: "participant", 2: "participant", 4: "observer"}
+    assert zoocfg.dynamic_members("server.3=h:1:2\n") == {3: "participant"}
+    assert admin.needed(members, joiner=4, leaving=3) == (True, False)
+    assert admin.needed({1: "participant", 4: "participant"}, joiner=4, leaving=3) == (
+        False,
+        False,
+    )
+    assert admin.needed({1: "participant", 3: "participant"}, joiner=4, leaving=3) == (True, True)
+
+
+def test_a_server_started_again_keeps_zookeepers_configuration_only_while_it_lists_it() -> None:
+    zoo_cfg = "tickTime=1000\ndynamicConfigFile=/d/zoo.cfg.dynamic.200000002\n"
+
+    def dynamic(path: str) -> str | None:
+        return ZOOKEEPERS_DYNAMIC_FILE if path == "/d/zoo.cfg.dynamic.200000002" else None
+
+    assert zoocfg.zookeeper_owns(zoo_cfg, dynamic, 2)
+    assert not zoocfg.zookeeper_owns(zoo_cfg, dynamic, 4)  # a joiner not added yet
+    assert not zoocfg.zookeeper_owns(zoo_cfg, dynamic, 3)  # a server removed meanwhile
+    assert not zoocfg.zookeeper_owns(zoo_cfg, lambda path: None, 2)
+    assert not zoocfg.zookeeper_owns("server.2=h:1:2\n", dynamic, 2)  # ours: never split yet
+
+
+def test_a_joiner_counts_as_synced_once_it_follows_the_leader_in_broadcast() -> None:
+    assert fourletter.synced(
+        {"zk_server_state": "follower", "zk_peer_state": "following - broadcast"}
+    )
+    assert not fourletter.synced(
+        {"zk_server_state": "follower", "zk_peer_state": "following - sync"}
+    )
+    assert not fourletter.synced({"zk_peer_state": "looking - discovery"})
+    assert fourletter.synced({"zk_server_state": "follower"})  # before 3.6: no peer state
+
+
+@pytest.mark.parametrize(
+    ("text", "names"),
+    [
+        ("s1", ["s1"]),
+        ("s[1-2,4]", ["s1", "s2", "s4"]),
+        ("gpu[08-10],login1", ["gpu08", "gpu09", "gpu10", "login1"]),
+        ("a[1-2]b[3-4]", ["a1b3", "a1b4", "a2b3", "a2b4"]),
+        ("", []),
+    ],
+)
+def test_slurms_compact_node_lists_expand_as_scontrol_show_hostnames_does(
+    text: str, names: list[str]
+) -> None:
+    assert supervisor.expand_nodelist(text) == names
+
+
+def test_the_batch_host_is_the_spare_used_last_and_runs_the_last_server_without_spares() -> None:
+    nodes = ["s1", "s2", "s3", "s4"]
+    assert supervisor.place(nodes, "s1", 3) == (["s2", "s3", "s4"], ["s1"])
+    assert supervisor.place(["s1", "s2", "s3", "s4", "s5"], "s1", 3) == (
+        ["s2", "s3", "s4"],
+        ["s5", "s1"],
+    )
+    assert supervisor.place(["s1", "s2", "s3"], "s1", 3) == (["s2", "s3", "s1"], [])
+    with pytest.raises(EnsembleError, match=r"has 2 node\(s\) \(s2, s1\) for 3 servers"):
+        supervisor.place(["s1", "s2"], "s1", 3)
+
+
+def ended(**change: object) -> supervisor.Ended:
+    base = supervisor.Ended(
+        code=137,
+        node_in_job=True,
+        stopping=False,
+        tries=0,
+        restarts=3,
+        served=True,
+        servers=3,
+        spare="s4",
+    )
+    return dataclasses.replace(base, **change)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("change", "kind", "why"),
+    [
+        ({}, "restart", "its step ended with 137"),
+        ({"stopping": True, "node_in_job": False}, "done", "the ensemble is stopping"),
+        ({"code": 0}, "done", "it stopped on request"),
+        ({"code": 0, "node_in_job": False}, "replace", "its node left the job"),
+        ({"node_in_job": False, "tries": 0}, "replace", "its node left the job"),
+        ({"tries": 3}, "replace", "after 3 start(s) in place"),
+        ({"code": server_module.CANNOT_START}, "replace", "it cannot start on its node"),
+        ({"node_in_job": False, "spare": None}, "give up", "no spare node is left"),
+        ({"node_in_job": False, "served": False}, "give up", "the ensemble never served"),
+        ({"node_in_job": False, "servers": 1}, "give up", "one server alone has no quorum"),
+    ],
+)
+def test_after_a_servers_step_ends_the_supervisor_restarts_replaces_or_lets_it_be(
+    change: dict[str, object], kind: str, why: str
+) -> None:
+    """srun exits 0 when its node fails, so only the job's node list tells a lost node from
+    a stop on request."""
+    action = supervisor.after_exit(ended(**change))
+    assert action.kind == kind
+    assert why in action.why
+    if kind == "replace":
+        assert action.node == "s4"
+
+
+def test_a_replacement_takes_the_lost_servers_place_and_old_connect_strings_still_name_it() -> None:
+    old = an_ensemble("12")
+    joiner = dataclasses.replace(peer(4), replaces=2)
+    new = supervisor.replaced(old, joiner, 2)
+    assert [server.myid for server in new.servers] == [1, 3, 4]
+    assert new.retired == (peer(2),)
+    assert new.connect == "10.0.0.1:21001,10.0.0.3:21003,10.0.0.4:21004"
+    assert new.names(old.connect + "/team")  # a job submitted before the loss
+    assert new.names(new.connect)
+    assert not new.names("10.0.0.2:21002")  # only the lost server: no member left in it
+    assert not new.names(old.connect + ",elsewhere:2181")
+    before = Record("train-1", "20", old.connect)
+    assert lifecycle.users_of(new, [before]) == [before]
+    path = Path("/x/ensemble.json")
+    assert files.decode_ensemble(files.encode(new), path) == new
+    record = StartRecord(3, "/j", "/c", spares=1)
+    assert files.decode_start(files.encode(record), path) == record
+
+
+def test_zk_status_shows_a_joiner_the_replaced_server_and_the_spares_left() -> None:
+    ensemble = supervisor.replaced(
+        an_ensemble("12"), dataclasses.replace(peer(4), replaces=2, node="s4"), 2
+    )
+    leader = fourletter.Health("a", "leader", 2)
+    view = lifecycle.StatusView(
+        ensemble,
+        StartRecord(3, "/j", "/c", job_id="12", spares=1),
+        "RUNNING",
+        [
+            lifecycle.ServerView(ensemble.servers[0], leader, "12.0 RUNNING"),
+            lifecycle.ServerView(ensemble.servers[1], fourletter.Health("c", "follower"), "-"),
+            lifecycle.ServerView(ensemble.servers[2], fourletter.Health("d", "follower"), "-"),
+            lifecycle.ServerView(
+                dataclasses.replace(peer(5), replaces=1),
+                fourletter.Health("e", "follower"),
+                "-",
+                True,
+            ),
+        ],
+        "serving",
+        [],
+        Path("/f"),
+        [],
+        [],
+    )
+    text = "\n".join(lifecycle.render(view))
+    assert "Servers   3 of 3 serving" in text
+    assert "Spares    none left" in text
+    assert "Replaced  server 2 (s2, 10.0.0.2:21002) by server 4 on s4" in text
+    assert re.search(r"^  5 \(for 1\) +s5 .* joining \(follower\)", text, re.M), text
+    assert view.to_json()["retired"][0]["myid"] == 2
+    assert lifecycle.supervisor_lost("s1", ["s2", "s3"]) is not None
+    assert lifecycle.supervisor_lost("s1", ["s1", "s2"]) is None
+
+
+def test_the_last_step_removes_every_server_directory_of_the_job_and_nothing_else(
+    layout: Layout, tmp_path: Path
+) -> None:
+    local = tmp_path / "local"
+    files.ensure_private_dir(layout.run_dir)
+    files.write_private(
+        layout.start_file, files.encode(StartRecord(3, "/j", "/c", data_root=str(local)))
+    )
+    for name in (
+        "hpc-elastic-zk-41-1",
+        "hpc-elastic-zk-41-4",
+        "hpc-elastic-zk-410-1",
+        "hpc-elastic-zk-41-x",
+    ):
+        server_module.make_data_dir(local / name, reuse=False)
+    server_module.clean_node(layout, {"SLURM_JOB_ID": "41"})
+    assert sorted(path.name for path in local.iterdir()) == [
+        "hpc-elastic-zk-41-x",
+        "hpc-elastic-zk-410-1",
+    ]
+
+
+@dataclass
+class LocalServers:
+    """Real ZooKeeper servers on this host, configured as the ensemble's job configures them
+    (``server.write_config``, ``kept_config``, ``launch``), without Slurm."""
+
+    root: Path
+    secret: str
+    servers: dict[int, Server] = field(default_factory=dict)
+    processes: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        found = install.find_installation()
+        self.start = StartRecord(3, found.java, found.classpath, heap="128m")
+        claims = server_module.PortClaim()
+        candidates = zoocfg.port_candidates(contract.DEFAULT_ZK_PORTS, random.Random())
+        ports = zoocfg.choose_ports(12, candidates, claims.claim)
+        claims.release()
+        for myid in (1, 2, 3, 4):
+            client, quorum, election = ports[3 * myid - 3 : 3 * myid]
+            self.servers[myid] = Server(myid, "127.0.0.1", client, quorum, election)
+
+    def launch(self, myid: int, members: list[int], joining: bool, reuse: bool = False) -> None:
+        directory = server_module.make_data_dir(self.root / f"zk-{myid}", reuse=reuse)
+        cfg = server_module.kept_config(directory, myid) if reuse else None
+        cfg = cfg or server_module.write_config(
+            directory,
+            zoocfg.ServerConfig(
+                myid,
+                str(directory / "data"),
+                str(directory / "txlog"),
+                self.servers[myid].client_port,
+                [self.servers[member] for member in members],
+                [self.servers[myid]] if joining else [],
+                zoocfg.super_digest(self.secret),
+            ),
+        )
+        with open(self.root / f"zk-{myid}.log", "ab") as output:
+            self.processes[myid] = server_module.launch(self.start, cfg, output.fileno())
+
+    def kill(self, myid: int) -> None:
+        self.processes[myid].kill()
+        self.processes[myid].wait()
+
+    def mode(self, myid: int) -> str:
+        server = self.servers[myid]
+        return fourletter.health(server.host, server.client_port, timeout=1.0).mode
+
+    def synced(self, myid: int) -> bool:
+        server = self.servers[myid]
+        try:
+            answer = fourletter.ask(server.host, server.client_port, "mntr", 1.0)
+        except OSError:
+            return False
+        return fourletter.synced(fourletter.parse_mntr(answer))
+
+    def one_leader(self, myids: list[int]) -> bool:
+        modes = sorted(map(self.mode, myids))
+        return modes.count("leader") == 1 and modes.count("follower") == len(myids) - 1
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def test_a_joiner_replaces_a_lost_leader_by_the_superusers_reconfig_and_no_one_elses(
+    tmp_path: Path,
+) -> None:
+    """Real ZooKeeper servers, configured as the ensemble's job configures them, without
+    Slurm: the leader of three is killed; a fourth server starts as a joiner (the members and
+    itself as an observer), syncs, and the superuser's reconfig makes it a member in the lost
+    leader's place; a client with another secret is refused. Started again in place, the new
+    member keeps the configuration ZooKeeper wrote for it, and rejoins."""
+    if not testing.ZOOKEEPER_JAR.exists():
+        message = f"ZooKeeper is not installed ({testing.ZOOKEEPER_JAR} is missing)"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"{message}; CI must test against a real ZooKeeper", pytrace=False)
+        pytest.skip(message)
+    local = LocalServers(tmp_path, "the-superusers-secret")
+    try:
+        for myid in (1, 2, 3):
+            local.launch(myid, [1, 2, 3], joining=False)
+        assert wait_until(lambda: local.one_leader([1, 2, 3]), 180)
+        leader = next(myid for myid in (1, 2, 3) if local.mode(myid) == "leader")
+        local.kill(leader)
+        survivors = [myid for myid in (1, 2, 3) if myid != leader]
+        assert wait_until(lambda: local.one_leader(survivors), 60)
+
+        local.launch(4, [1, 2, 3], joining=True)
+        assert wait_until(lambda: local.synced(4), 120)
+        joiner = local.servers[4]
+        ensemble = Ensemble(servers=tuple(local.servers[myid] for myid in (1, 2, 3)), job_id="9")
+        with pytest.raises(EnsembleError, match="NoAuthError"):
+            admin.replace_member(ensemble, joiner, leader, "another-secret", 60)
+        members = admin.replace_member(ensemble, joiner, leader, local.secret, 120)
+        assert members == {**dict.fromkeys(survivors, "participant"), 4: "participant"}
+        assert wait_until(lambda: local.one_leader([*survivors, 4]), 60)
+
+        local.kill(4)
+        assert server_module.kept_config(tmp_path / "zk-4", 4) is not None
+        local.launch(4, [1, 2, 3], joining=False, reuse=True)
+        assert wait_until(lambda: local.mode(4) == "follower", 120), (
+            tmp_path / "zk-4.log"
+        ).read_text()[-2000:]
+    finally:
+        local.stop()

@@ -1,8 +1,8 @@
 """``hpc-elastic zk start|status|stop|serve``: the user's own ZooKeeper ensemble.
 
 The Typer signatures only; ``hpc_elastic.ensemble`` does the work and is imported when a
-command runs, so ``hpc-elastic --help`` loads nothing of it. ``server`` and ``clean`` are what
-the ensemble's Slurm job runs on each node (hidden from ``--help``).
+command runs, so ``hpc-elastic --help`` loads nothing of it. ``supervise``, ``server`` and
+``clean`` are what the ensemble's Slurm job runs (hidden from ``--help``).
 """
 
 from __future__ import annotations
@@ -120,6 +120,15 @@ def start_command(
             help="Times a server whose step died starts again in place.",
         ),
     ] = contract.DEFAULT_ZK_RESTARTS,
+    spares: Annotated[
+        int,
+        typer.Option(
+            parser=count_parser("--spares", zero_ok=True),
+            metavar="N",
+            help="Spare nodes held in the job, each ready to replace a server whose node is "
+            f"lost (0..{contract.ZK_MAX_SPARES}; needs --servers 3 or 5).",
+        ),
+    ] = contract.DEFAULT_ZK_SPARES,
     timeout: Annotated[
         float,
         typer.Option(
@@ -155,7 +164,7 @@ def start_command(
 
     \b
     Examples:
-      hpc-elastic zk start --servers 3 --partition service --time 7-00
+      hpc-elastic zk start --servers 3 --spares 1 --partition service --time 7-00
       hpc-elastic zk start --servers 1 --no-wait
     """
     from hpc_elastic.ensemble import files, lifecycle  # noqa: PLC0415
@@ -169,6 +178,7 @@ def start_command(
         data_root=data_dir,
         ports=_ports(ports),
         restarts=restarts,
+        spares=spares,
         timeout=timeout,
         allow_preemption=allow_preemption,
         wait=wait,
@@ -261,6 +271,16 @@ def serve_command(
 
 
 RunDir = Annotated[Path, typer.Option(metavar="DIR", help="The ensemble's run directory.")]
+
+
+@zk_app.command("supervise", hidden=True)
+def supervise_command(run_dir: RunDir) -> None:
+    """The ensemble's Slurm job script: runs, restarts and replaces its servers."""
+    from hpc_elastic.ensemble import files, supervisor  # noqa: PLC0415
+    from hpc_elastic.logs import configure_from_env  # noqa: PLC0415
+
+    configure_from_env()
+    raise typer.Exit(supervisor.run(files.Layout(run_dir.parent)))
 
 
 @zk_app.command("server", hidden=True)

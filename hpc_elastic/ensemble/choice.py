@@ -87,7 +87,7 @@ def require_alive(
         ensemble = files.load_ensemble(files.Layout.of(environ))
     except EnsembleError:
         return  # not the source: choose_zk refuses such a file when it would be
-    if ensemble is None or _hosts(ensemble.connect) != _hosts(address):
+    if ensemble is None or not ensemble.names(address):
         return
     if ensemble.job_id:
         if squeue is None:
@@ -112,10 +112,6 @@ def require_alive(
         "never rendezvous; start one with `hpc-elastic zk start` (`hpc-elastic zk stop` "
         "clears the old record), or give --zk."
     )
-
-
-def _hosts(connect: str) -> frozenset[str]:
-    return frozenset(pair.strip() for pair in connect.split("/", 1)[0].split(",") if pair.strip())
 
 
 def _answers(host: str, port: int) -> bool:

@@ -10,6 +10,9 @@ Layout, under the user's state directory (``state_dir``), every directory 0700 a
             sbatch.sh            the job's script; slurm-<job>.out its output
             peers/<myid>.json    each server's host and ports, once it has picked them (``Server``)
             server-<myid>.log    each server's ZooKeeper output
+            reconfig.secret      the ZooKeeper superuser's secret: the one client that may
+                                 reconfigure the ensemble (a server replaced) authenticates with it
+            supervisor.json      where the job's script runs (``SupervisorRecord``)
             stopping             ``zk stop`` is ending the ensemble: no server is restarted
 
 ``ensemble.json`` is what ``submit``, ``doctor``, ``nodes`` and the Python API read when no
@@ -46,6 +49,8 @@ START_FILE = "start.json"
 PEERS_DIR = "peers"
 STOPPING_FILE = "stopping"
 SCRIPT_FILE = "sbatch.sh"
+SECRET_FILE = "reconfig.secret"
+SUPERVISOR_FILE = "supervisor.json"
 PRIVATE_DIR_MODE = 0o700
 PRIVATE_FILE_MODE = 0o600
 
@@ -95,6 +100,14 @@ class Layout:
     def script(self) -> Path:
         return self.run_dir / SCRIPT_FILE
 
+    @property
+    def secret_file(self) -> Path:
+        return self.run_dir / SECRET_FILE
+
+    @property
+    def supervisor_file(self) -> Path:
+        return self.run_dir / SUPERVISOR_FILE
+
     def peer_file(self, myid: int) -> Path:
         return self.peers_dir / f"{myid}.json"
 
@@ -125,6 +138,8 @@ class Server:
     incarnation: int = 1
     """1 for the first start; one more for each start in place after its step died."""
     pid: int = 0
+    replaces: int = 0
+    """The myid of the server this one took the place of (on a spare node); 0 for none."""
 
     @property
     def address(self) -> str:
@@ -143,11 +158,27 @@ class Ensemble:
     max_session_ms: int = contract.ZK_MAX_SESSION_MS
     started: float = 0.0
     """When it first had a leader (seconds since the epoch)."""
+    retired: tuple[Server, ...] = ()
+    """Servers that were replaced (their node lost): no longer members, but the connect
+    strings of the jobs submitted before still name them."""
 
     @property
     def connect(self) -> str:
         """The connect string: every server's ``host:port``, in myid order."""
         return ",".join(server.address for server in sorted(self.servers, key=_myid))
+
+    @property
+    def members(self) -> frozenset[int]:
+        return frozenset(server.myid for server in self.servers)
+
+    def names(self, connect: str) -> bool:
+        """Whether ``connect`` (a job's ``--zk``) is a connect string this ensemble has had:
+        its servers are ours, past or present, and one at least is still a member. A job
+        submitted before a server was replaced still rendezvouses here."""
+        named = hosts_of(connect)
+        current = {server.address for server in self.servers}
+        known = current | {server.address for server in self.retired}
+        return bool(named) and named <= known and bool(named & current)
 
     def source(self) -> str:
         """Where a command's ZooKeeper came from, when it is this ensemble."""
@@ -182,13 +213,29 @@ class StartRecord:
     start_timeout: float = contract.DEFAULT_ZK_START_TIMEOUT
     job_id: str = ""
     """Filled in once sbatch has answered."""
+    spares: int = contract.DEFAULT_ZK_SPARES
+    """Nodes of the job that run no server at first, each ready to replace a lost one."""
+
+
+@dataclass(frozen=True)
+class SupervisorRecord:
+    """Where the ensemble's job runs its script (``supervisor``): Slurm's batch host. When
+    that node is lost, nothing starts a server again or replaces one (``zk status`` says so)."""
+
+    node: str
+    job_id: str
 
 
 def _myid(server: Server) -> int:
     return server.myid
 
 
-def encode(record: Server | Ensemble | StartRecord) -> bytes:
+def hosts_of(connect: str) -> frozenset[str]:
+    """The ``host:port`` pairs of a connect string, chroot aside."""
+    return frozenset(pair.strip() for pair in connect.split("/", 1)[0].split(",") if pair.strip())
+
+
+def encode(record: Server | Ensemble | StartRecord | SupervisorRecord) -> bytes:
     document = {"format": FORMAT, **asdict(record)}
     return (json.dumps(document, indent=1, sort_keys=True) + "\n").encode()
 
@@ -251,22 +298,28 @@ def decode_server(document: object, path: Path) -> Server:
         step=reader.get("step", _word, ""),
         incarnation=reader.get("incarnation", _integer(1), 1),
         pid=reader.get("pid", _integer(0), 0),
+        replaces=reader.get("replaces", _integer(0, 255), 0),
     )
+
+
+def _server_list(reader: _Reader, name: str, default: object = None) -> tuple[Server, ...]:
+    """A list of servers (``servers``, ``retired``), each decoded, no myid twice."""
+    items = reader.get(
+        name,
+        lambda value: isinstance(value, list) and all(isinstance(item, dict) for item in value),
+        default,
+    )
+    decoded = tuple(decode_server({**item, "format": FORMAT}, reader.path) for item in items)
+    if len({server.myid for server in decoded}) != len(decoded):
+        raise reader._bad(f"two of its {name} servers have the same myid")
+    return decoded
 
 
 def decode_ensemble(data: bytes, path: Path) -> Ensemble:
     reader = _Reader(_json(data, path), path)
-    servers = reader.get(
-        "servers",
-        lambda value: (
-            isinstance(value, list)
-            and bool(value)
-            and all(isinstance(item, dict) for item in value)
-        ),
-    )
-    decoded = tuple(decode_server({**item, "format": FORMAT}, path) for item in servers)
-    if len({server.myid for server in decoded}) != len(decoded):
-        raise reader._bad("two of its servers have the same myid")
+    decoded = _server_list(reader, "servers")
+    if not decoded:
+        raise reader._bad("its field 'servers' is []")
     return Ensemble(
         servers=decoded,
         job_id=reader.get("job_id", _word, ""),
@@ -274,6 +327,7 @@ def decode_ensemble(data: bytes, path: Path) -> Ensemble:
         min_session_ms=reader.get("min_session_ms", _integer(1)),
         max_session_ms=reader.get("max_session_ms", _integer(1)),
         started=float(reader.get("started", _number, 0.0)),
+        retired=_server_list(reader, "retired", []),
     )
 
 
@@ -293,6 +347,15 @@ def decode_start(data: bytes, path: Path) -> StartRecord:
         restarts=reader.get("restarts", _integer(0, 1000)),
         start_timeout=float(reader.get("start_timeout", _number)),
         job_id=reader.get("job_id", _word, ""),
+        spares=reader.get("spares", _integer(0, contract.ZK_MAX_SPARES), 0),
+    )
+
+
+def decode_supervisor(data: bytes, path: Path) -> SupervisorRecord:
+    reader = _Reader(_json(data, path), path)
+    return SupervisorRecord(
+        node=reader.get("node", lambda value: _word(value) and bool(value)),
+        job_id=reader.get("job_id", _word),
     )
 
 
@@ -398,6 +461,34 @@ def load_ensemble(layout: Layout) -> Ensemble | None:
 def load_start(layout: Layout) -> StartRecord | None:
     data = read_trusted(layout.start_file)
     return None if data is None else decode_start(data, layout.start_file)
+
+
+def load_supervisor(layout: Layout) -> SupervisorRecord | None:
+    data = read_trusted(layout.supervisor_file)
+    return None if data is None else decode_supervisor(data, layout.supervisor_file)
+
+
+def make_secret(layout: Layout) -> None:
+    """The superuser's secret for ``reconfig`` (0600, in the private run directory): random,
+    made once by ``zk start``. Whoever holds it may change the ensemble's membership, so it
+    never leaves the user's state directory; the servers get only its SHA1 digest
+    (``zoocfg.super_digest``), in their private ``zoo.cfg``."""
+    write_private(layout.secret_file, secrets.token_urlsafe(32).encode())
+
+
+def load_secret(layout: Layout) -> str | None:
+    """The superuser's secret, None when this ensemble has none (one server, or an ensemble
+    started before there were replacements); trusted read."""
+    data = read_trusted(layout.secret_file)
+    if data is None:
+        return None
+    secret = data.decode(errors="replace").strip()
+    if not secret or not secret.isprintable() or any(char.isspace() for char in secret):
+        raise EnsembleError(
+            f"Secret file '{layout.secret_file}' does not hold one printable word; stop the "
+            "ensemble with `hpc-elastic zk stop --force` and start it again."
+        )
+    return secret
 
 
 def load_peers(layout: Layout) -> dict[int, Server]:

@@ -111,6 +111,17 @@ def health(host: str, port: int, timeout: float = 2.0) -> Health:
         return Health(address, "down", error=error.strerror or str(error))
 
 
+def synced(values: dict[str, str]) -> bool:
+    """Whether a server (a joiner, above all) follows the leader with its data in sync, from
+    its ``mntr``: ``zk_peer_state`` is ``following - broadcast`` (3.6 and newer; the leader's
+    is ``leading - broadcast``). A joiner reports ``follower`` while it is still a non-voting
+    one, so the state alone does not tell; without ``zk_peer_state`` it is all there is."""
+    peer_state = values.get("zk_peer_state")
+    if peer_state is not None:
+        return peer_state.endswith("broadcast")
+    return values.get("zk_server_state") in ("follower", "observer", "leader")
+
+
 def quorum_state(healths: Sequence[Health]) -> str:
     """``serving`` (every server up, one leader), ``degraded`` (serving, but a server is down
     or not serving) or ``no quorum`` (nobody leads: clients are turned away)."""

@@ -1,11 +1,13 @@
 """``zk start``, ``zk status`` and ``zk stop``: the ensemble as one ordinary Slurm job.
 
-The job asks for one node per server (``--nodes N --ntasks-per-node=1``), ``--no-kill`` so that
-a lost node ends only its own server, and ``--no-requeue``, since a requeued ensemble would
-come back on other ports and every job using it would lose it anyway. Its script
-(``render_script``) starts one step per node, ``hpc-elastic zk server``, starts a server whose
-step died again in place (same node, ports and data; ``--restarts`` times), and ends with one
-step on every node that removes what a killed server left (``hpc-elastic zk clean``).
+The job asks for one node per server and per spare (``--nodes N+S --ntasks-per-node=1``),
+``--no-kill`` so that a lost node ends only its own server, and ``--no-requeue``, since a
+requeued ensemble would come back on other ports and every job using it would lose it anyway.
+Its script (``render_script``) runs the supervisor (``supervisor``): one step per server,
+``hpc-elastic zk server``; a server whose step died starts again in place (same node, ports and
+data; ``--restarts`` times); one whose node was lost is replaced on a spare node and the
+ensemble reconfigured; and a last step on every node removes what a killed server left
+(``hpc-elastic zk clean``).
 
 Slurm is asked only through the Slurm layer (``hpc_elastic.slurm.commands``); what its answers
 mean is decided by the pure rules here (``preemption_refusal``, ``exclusive_warning``,
@@ -29,12 +31,12 @@ from hpc_elastic import contract, trust
 from hpc_elastic._version import __version__
 from hpc_elastic.ensemble import files, fourletter, install, zoocfg
 from hpc_elastic.ensemble.files import Ensemble, Found, Layout, Server, StartRecord
-from hpc_elastic.ensemble.server import CANNOT_START
 from hpc_elastic.errors import (
     EnsembleError,
     EnsembleTrustError,
     HpcElasticError,
     SlurmError,
+    UsageError,
     one_line,
 )
 from hpc_elastic.slurm.commands import JobStatus, SlurmJobId
@@ -112,20 +114,30 @@ def step_state(
     return step.get("State", "?")
 
 
-def hosts_of(connect: str) -> frozenset[str]:
-    """The ``host:port`` pairs of a connect string, chroot aside."""
-    return frozenset(pair.strip() for pair in connect.split("/", 1)[0].split(",") if pair.strip())
-
-
 def users_of(ensemble: Ensemble, records: Iterable[Any]) -> list[Any]:
     """The jobs (``JobRecord``s) that rendezvous through ``ensemble``: a Slurm job whose
-    ``zk`` names the same servers."""
-    servers = hosts_of(ensemble.connect)
+    ``zk`` names its servers, as they are or as they were before a server was replaced
+    (``Ensemble.names``)."""
     return [
         record
         for record in records
-        if not record.local and record.job_id and record.zk and hosts_of(record.zk) == servers
+        if not record.local and record.job_id and record.zk and ensemble.names(record.zk)
     ]
+
+
+def spares_refusal(servers: int, spares: int) -> str | None:
+    """Why ``--spares`` cannot be given with ``--servers``, as a sentence, or None."""
+    if not 0 <= spares <= contract.ZK_MAX_SPARES:
+        return (
+            f"--spares '{spares}' is not one of 0..{contract.ZK_MAX_SPARES}; give 1 to replace "
+            "one lost server, 2 for two."
+        )
+    if spares and servers == 1:
+        return (
+            f"--spares {spares} needs --servers 3 or 5: a lost server is replaced by a "
+            "reconfiguration, which needs the quorum that one server alone loses with it."
+        )
+    return None
 
 
 # --- zk start ----------------------------------------------------------------------------------
@@ -141,6 +153,7 @@ class StartRequest:
     data_root: str = ""
     ports: tuple[int, int] = contract.DEFAULT_ZK_PORTS
     restarts: int = contract.DEFAULT_ZK_RESTARTS
+    spares: int = contract.DEFAULT_ZK_SPARES
     timeout: float = contract.DEFAULT_ZK_START_TIMEOUT
     allow_preemption: bool = False
     wait: bool = True
@@ -153,7 +166,7 @@ def render_script(request: StartRequest, layout: Layout) -> str:
     q = shlex.quote
     sbatch = [
         f"--job-name={JOB_NAME}",
-        f"--nodes={request.servers}",
+        f"--nodes={request.servers + request.spares}",
         "--ntasks-per-node=1",
         "--cpus-per-task=1",
         f"--mem={request.memory}",
@@ -165,46 +178,19 @@ def render_script(request: StartRequest, layout: Layout) -> str:
         *([f"--account={request.account}"] if request.account else []),
         *request.sbatch_args,
     ]
-    server = f"{q(request.python)} -m hpc_elastic zk"
     return "\n".join(
         [
             "#!/bin/bash",
             f"# Rendered by hpc-elastic {__version__}: a ZooKeeper ensemble of "
-            f"{request.servers} server{'s' if request.servers > 1 else ''}, one step each.",
+            f"{request.servers} server{'s' if request.servers > 1 else ''}, one step each"
+            f"{spares_phrase(request.spares)}.",
             *(f"#SBATCH {q(option)}" for option in sbatch),
             "",
-            f"run={q(str(layout.run_dir))}",
-            f"restarts={request.restarts}",
-            "",
-            "# A server whose step died is started again in place (same node, ports and data),",
-            "# up to $restarts times; not after a clean stop (0), when it cannot start at all",
-            f"# ({CANNOT_START}), or once `hpc-elastic zk stop` has begun (the 'stopping' file).",
-            "serve() {",
-            "  local myid=$1 node=$2 tries=0 code",
-            "  while :; do",
-            '    srun --nodes=1 --ntasks=1 --nodelist="$node" \\',
-            f'      {server} server --run-dir "$run" --myid "$myid"',
-            "    code=$?",
-            f'    if [ "$code" -eq 0 ] || [ "$code" -eq {CANNOT_START} ] \\',
-            '        || [ -e "$run/stopping" ] || [ "$tries" -ge "$restarts" ]; then',
-            '      return "$code"',
-            "    fi",
-            "    tries=$((tries + 1))",
-            '    echo "server $myid on $node exited with $code;" \\',
-            '      "starting it again ($tries of $restarts)"',
-            "    sleep 2",
-            "  done",
-            "}",
-            "",
-            "myid=0",
-            'for node in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do',
-            "  myid=$((myid + 1))",
-            '  serve "$myid" "$node" &',
-            "done",
-            "wait",
-            "# What a killed server left on its node-local disk goes now, on every node.",
-            f"srun --nodes={request.servers} --ntasks-per-node=1 \\",
-            f'  {server} clean --run-dir "$run"',
+            "# The supervisor runs every server in a step of its own, starts one whose step died",
+            "# again in place, replaces one whose node was lost on a spare node, and ends with a",
+            "# step that removes what a killed server left on every node.",
+            f"exec {q(request.python)} -m hpc_elastic zk supervise --run-dir "
+            f"{q(str(layout.run_dir))}",
             "",
         ]
     )
@@ -219,6 +205,9 @@ def start(
 ) -> str:
     """Submit the ensemble's job (and wait until it serves); returns the Slurm job id."""
     slurm = slurm or slurm_layer()
+    refusal = spares_refusal(request.servers, request.spares)
+    if refusal is not None:
+        raise UsageError(refusal)
     found = install.find_installation(environ)
     say(f"ZooKeeper: {found.zookeeper}; Java: {found.java}.")
     _check_partition(request, slurm, say)
@@ -240,8 +229,11 @@ def start(
         ports=request.ports,
         restarts=request.restarts,
         start_timeout=request.timeout,
+        spares=request.spares,
     )
     files.write_private(layout.start_file, files.encode(record))
+    if request.servers > 1:
+        files.make_secret(layout)
     script = render_script(request, layout)
     files.write_private(layout.script, script.encode())
     previous = os.umask(0o077)  # Slurm creates the job's output file with sbatch's umask
@@ -255,7 +247,8 @@ def start(
     files.write_private(layout.start_file, files.encode(replace(record, job_id=job_id)))
     say(
         f"Submitted Slurm job {job_id}: a ZooKeeper ensemble of {request.servers} "
-        f"server{'s' if request.servers > 1 else ''} (output in {layout.slurm_output(job_id)})."
+        f"server{'s' if request.servers > 1 else ''}{spares_phrase(request.spares)} (output in "
+        f"{layout.slurm_output(job_id)})."
     )
     if request.wait:
         ensemble = wait_serving(layout, job_id, request.timeout, slurm, say)
@@ -264,6 +257,10 @@ def start(
             "nodes and the Python API use it when no --zk is given."
         )
     return job_id
+
+
+def spares_phrase(spares: int) -> str:
+    return f" and {spares} spare node{'s' if spares > 1 else ''}" if spares else ""
 
 
 def _check_partition(request: StartRequest, slurm: Slurm, say: Say) -> None:
@@ -285,7 +282,7 @@ def _check_partition(request: StartRequest, slurm: Slurm, say: Say) -> None:
                 "`scontrol show partition`), or pass --allow-preemption to take the risk."
             )
         say(f"WARNING: {sentence}.")
-    note = exclusive_warning(record, request.servers)
+    note = exclusive_warning(record, request.servers + request.spares)
     if note is not None:
         say(f"Note: {note}.")
 
@@ -391,6 +388,8 @@ class ServerView:
     server: Server
     health: fourletter.Health
     slurm: str
+    joining: bool = False
+    """Started on a spare node in the place of a lost server, not a member yet."""
 
 
 @dataclass(frozen=True)
@@ -413,6 +412,12 @@ class StatusView:
     users: list[User]
     file: Path
     warnings: list[str]
+    spares: list[str] | None = None
+    """The spare nodes still free in the job; None when the ensemble has none."""
+
+    @property
+    def members(self) -> list[ServerView]:
+        return [view for view in self.servers if not view.joining]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -423,12 +428,23 @@ class StatusView:
             "job_state": self.job_state,
             "file": str(self.file),
             "servers": [
-                {**asdict(view.server), **asdict(view.health), "slurm": view.slurm}
+                {
+                    **asdict(view.server),
+                    **asdict(view.health),
+                    "slurm": view.slurm,
+                    "joining": view.joining,
+                }
                 for view in self.servers
             ],
+            "retired": [asdict(server) for server in self.retired],
+            "spares": self.spares,
             "users": [asdict(user) for user in self.users],
             "warnings": self.warnings,
         }
+
+    @property
+    def retired(self) -> tuple[Server, ...]:
+        return self.ensemble.retired if self.ensemble else ()
 
 
 def gather(
@@ -448,22 +464,31 @@ def gather(
             steps = slurm.job_steps(job_id) if job is not None else {}
         except SlurmError as error:
             warnings.append(str(error))
-    servers = _servers(found)
     views = [
         ServerView(
             server,
             fourletter.health(server.host, server.client_port),
             step_state(server, job, steps) if job_id else "not a Slurm job",
+            joining,
         )
-        for server in servers
+        for server, joining in _servers(found)
     ]
     if found.ensemble is None and found.start is None:
         state = "none"
     elif found.ensemble is None:
         state = "starting"
     else:
-        state = fourletter.quorum_state([view.health for view in views])
+        state = fourletter.quorum_state([view.health for view in views if not view.joining])
     users = _users(found.ensemble, slurm, records, warnings) if found.ensemble else []
+    job_nodes = _job_nodes(job)
+    spares = None
+    if found.start is not None and found.start.spares and job_nodes is not None:
+        busy = {view.server.node for view in views}
+        spares = [node for node in job_nodes if node not in busy]
+    supervisor = _quietly(files.load_supervisor, found.layout)
+    lost = supervisor_lost(supervisor.node if supervisor else None, job_nodes)
+    if lost:
+        warnings.append(lost)
     return StatusView(
         found.ensemble,
         found.start,
@@ -473,18 +498,52 @@ def gather(
         users,
         found.layout.ensemble_file,
         warnings,
+        spares,
     )
 
 
-def _servers(found: Found) -> list[Server]:
-    """Each server as it last published itself (its current step), else as the ensemble
-    file recorded it."""
-    recorded = {
-        server.myid: server for server in (found.ensemble.servers if found.ensemble else ())
-    }
+def supervisor_lost(node: str | None, job_nodes: Sequence[str] | None) -> str | None:
+    """A sentence when the node that runs the ensemble's supervisor (Slurm's batch host) has
+    left the running job: Slurm keeps the job and its other steps (``--no-kill``), but no
+    server will be started again in place or replaced any more."""
+    if node is None or job_nodes is None or node in job_nodes:
+        return None
+    return (
+        f"the node that runs the ensemble's supervisor ({node}) has left its job, so no server "
+        "will be started again or replaced; the servers left serve on, and a new ensemble "
+        "(`hpc-elastic zk stop`, then `zk start`) between jobs restores that"
+    )
+
+
+def _job_nodes(job: JobStatus | None) -> list[str] | None:
+    """The nodes of the running job, as Slurm lists them now (a lost node has left)."""
+    from hpc_elastic.ensemble.supervisor import expand_nodelist  # noqa: PLC0415
+
+    if job is None or job.state != "RUNNING" or not job.nodes:
+        return None
+    return expand_nodelist(job.nodes)
+
+
+def _servers(found: Found) -> list[tuple[Server, bool]]:
+    """Each server, and whether it is still joining: the members of the ensemble file, as
+    they last published themselves (their current step), then the servers that published
+    themselves but are no members yet (started in the place of a lost one). Before the
+    ensemble first serves, every published server."""
+    peers: dict[int, Server] = {}
     with contextlib.suppress(EnsembleError):
-        recorded.update(files.load_peers(found.layout) if found.start is not None else {})
-    return [recorded[myid] for myid in sorted(recorded)]
+        peers = files.load_peers(found.layout) if found.start is not None else {}
+    if found.ensemble is None:
+        return [(peers[myid], False) for myid in sorted(peers)]
+    members = {server.myid: peers.get(server.myid, server) for server in found.ensemble.servers}
+    gone = {server.myid for server in found.ensemble.retired}
+    joining = {
+        myid: server
+        for myid, server in peers.items()
+        if myid not in members and myid not in gone and found.ensemble.job_id
+    }
+    listed = [(server, False) for server in members.values()]
+    listed += [(server, True) for server in joining.values()]
+    return sorted(listed, key=lambda item: item[0].myid)
 
 
 def _users(
@@ -536,12 +595,15 @@ def render(view: StatusView) -> list[str]:
     lines = [f"Ensemble  {where}: {view.state.upper()}"]
     if view.ensemble is not None:
         count = len(view.ensemble.servers)
-        up = sum(server.health.serving for server in view.servers)
+        up = sum(server.health.serving for server in view.members)
         lines.append(
             f"Servers   {up} of {count} serving; it serves while {zoocfg.quorum(count)} do "
             f"(survives losing {zoocfg.survives(count)})"
         )
         lines.append(f"Connect   {view.ensemble.connect}")
+    if view.spares is not None:
+        lines.append(f"Spares    {', '.join(view.spares) or 'none left'}")
+    lines += [_replaced_line(server, view) for server in view.retired]
     lines.append(f"File      {view.file}")
     lines.append("")
     header = ("Server", "Node", "Address", "Mode", "Clients", "Latency avg/max ms", "Slurm")
@@ -556,10 +618,11 @@ def render(view: StatusView) -> list[str]:
         rows.append(
             (
                 f"{item.server.myid}"
-                + (f" (start {item.server.incarnation})" if item.server.incarnation > 1 else ""),
+                + (f" (start {item.server.incarnation})" if item.server.incarnation > 1 else "")
+                + (f" (for {item.server.replaces})" if item.server.replaces else ""),
                 item.server.node or "-",
                 item.server.address,
-                health.mode,
+                f"joining ({health.mode})" if item.joining else health.mode,
                 "-" if health.clients is None else str(health.clients),
                 latency,
                 f"{item.server.step} {item.slurm}".strip() if item.server.step else item.slurm,
@@ -580,6 +643,20 @@ def render(view: StatusView) -> list[str]:
     else:
         lines.append("Used by   no job of yours that Slurm still lists")
     return lines
+
+
+def _replaced_line(retired: Server, view: StatusView) -> str:
+    """``Replaced  server 2 (s2, 10.1.4.18:32625) by server 4 on s4``."""
+    successor = next(
+        (
+            item.server
+            for item in view.servers
+            if item.server.replaces == retired.myid and not item.joining
+        ),
+        None,
+    )
+    by = f" by server {successor.myid} on {successor.node}" if successor else ""
+    return f"Replaced  server {retired.myid} ({retired.node or '-'}, {retired.address}){by}"
 
 
 # --- zk stop ---------------------------------------------------------------------------------
@@ -618,8 +695,12 @@ def stop(
         _stop_job(layout, job_id, slurm, wait_s, say)
     elif found.ensemble is not None:
         _stop_serve(found.ensemble, wait_s)
-    servers = found.ensemble.servers if found.ensemble else tuple(files.load_peers(layout).values())
-    still = [server.address for server in servers if _answers(server)]
+    servers = [
+        *(found.ensemble.servers if found.ensemble else ()),
+        *(found.ensemble.retired if found.ensemble else ()),
+        *(_quietly(files.load_peers, layout) or {}).values(),
+    ]
+    still = sorted({server.address for server in servers if _answers(server)})
     if still:
         raise EnsembleError(
             f"ZooKeeper still answers at {', '.join(still)} after its job ended; find the "

@@ -12,9 +12,14 @@ step):
    the same) so that ``zk start`` returns and ``submit`` finds it;
 5. on SIGTERM (``zk stop``, the time limit) stops ZooKeeper and removes its node-local
    directory. A step that was killed outright leaves it, and the next start in place (the
-   job's script starts a server whose step died again, on the same node) takes the same
+   job's supervisor starts a server whose step died again, on the same node) takes the same
    ports and the same data back, as a restarted ZooKeeper server expects; the job's last
    step (``hpc-elastic zk clean``) removes what is left on every node.
+
+Once the ensemble has served, its members are those of ``ensemble.json``, not myids 1..N: a
+server whose node was lost is replaced by a new myid on a spare node (``supervisor``). Such a
+*joiner* starts with the members and itself as an observer (``zoocfg.render_zoo_cfg``),
+syncs with the leader as a non-voting follower, and waits for the supervisor's ``reconfig``.
 
 ``serve`` is the same server, standalone, in the foreground (``hpc-elastic zk serve``).
 Exit codes: 0 stopped on request, ``CANNOT_START`` when starting again cannot help (the
@@ -52,6 +57,8 @@ QUORUM_MAIN = "org.apache.zookeeper.server.quorum.QuorumPeerMain"
 POLL_S = 0.2
 SAME_PORTS_WAIT_S = 30.0
 """How long a server started in place waits for its old ports to be free again."""
+REPLACES_ENV = "HPC_ELASTIC_ZK_REPLACES"
+"""Set by the supervisor for a server it starts on a spare node: the myid it replaces."""
 
 
 # --- ports ------------------------------------------------------------------------------------
@@ -157,6 +164,30 @@ def write_config(directory: Path, config: zoocfg.ServerConfig) -> Path:
     return cfg
 
 
+def kept_config(directory: Path, myid: int) -> Path | None:
+    """The ``zoo.cfg`` ZooKeeper left in a server's own directory, when a start in place
+    should keep it (``zoocfg.zookeeper_owns``); None: write ours."""
+    cfg = directory / "zoo.cfg"
+
+    def dynamic(path: str) -> str | None:
+        target = Path(path)
+        if target.parent != directory:  # ZooKeeper writes it beside zoo.cfg, nowhere else
+            return None
+        try:
+            return target.read_text(errors="replace")
+        except OSError:
+            return None
+
+    try:
+        text = cfg.read_text(errors="replace")
+    except OSError:
+        return None
+    if zoocfg.zookeeper_owns(text, dynamic, myid):
+        log.debug("server %d keeps ZooKeeper's own configuration in %s", myid, directory)
+        return cfg
+    return None
+
+
 # --- ZooKeeper, the process ---------------------------------------------------------------
 
 
@@ -237,6 +268,15 @@ def node_address(environ: Mapping[str, str]) -> str:
 # --- a server of the Slurm job ----------------------------------------------------------------
 
 
+def serving_ensemble(layout: Layout, job_id: str) -> Ensemble | None:
+    """This job's ensemble as ``ensemble.json`` records it once it has served (its members
+    now), None before that."""
+    current = None
+    with contextlib.suppress(EnsembleError):
+        current = files.load_ensemble(layout)
+    return current if current is not None and job_id and current.job_id == job_id else None
+
+
 def wait_for_peers(layout: Layout, servers: int, timeout: float) -> dict[int, Server]:
     deadline = time.monotonic() + timeout
     while True:
@@ -275,7 +315,11 @@ def run_slurm_server(layout: Layout, myid: int, environ: Mapping[str, str] = os.
 def _serve_in_job(layout: Layout, start: StartRecord, myid: int, environ: Mapping[str, str]) -> int:
     job_id = environ.get("SLURM_JOB_ID", "")
     node = environ.get("SLURMD_NODENAME") or socket.gethostname()
-    previous = files.load_peers(layout).get(myid)
+    published = files.load_peers(layout)
+    previous = published.get(myid)
+    serving = serving_ensemble(layout, job_id)
+    joining = serving is not None and myid not in serving.members
+    secret = files.load_secret(layout) if start.servers > 1 else None
     claims = PortClaim()
     try:
         if previous is not None:
@@ -287,14 +331,20 @@ def _serve_in_job(layout: Layout, start: StartRecord, myid: int, environ: Mappin
                 zoocfg.PORTS_PER_SERVER, zoocfg.port_candidates(start.ports, rng), claims.claim
             )
             me = Server(myid, node_address(environ), client, quorum_port, election, node)
+            me = replace(me, replaces=_replaces(environ))
         me = replace(me, step=f"{job_id}.{environ.get('SLURM_STEP_ID', '')}", pid=os.getpid())
         files.write_private(layout.peer_file(myid), files.encode(me))
-        log.debug("server %d published %s", myid, me)
-        peers = wait_for_peers(layout, start.servers, start.start_timeout)
+        log.debug("server %d published %s%s", myid, me, " (joining)" if joining else "")
+        if serving is not None:
+            peers = {server.myid: server for server in serving.servers if server.myid != myid}
+            if not joining:
+                peers[myid] = me
+        else:
+            peers = wait_for_peers(layout, start.servers, start.start_timeout)
         directory = make_data_dir(
             data_dir(data_root(start, environ), job_id, myid), reuse=previous is not None
         )
-        cfg = write_config(
+        cfg = (kept_config(directory, myid) if previous is not None else None) or write_config(
             directory,
             zoocfg.ServerConfig(
                 myid,
@@ -302,6 +352,8 @@ def _serve_in_job(layout: Layout, start: StartRecord, myid: int, environ: Mappin
                 str(directory / "txlog"),
                 me.client_port,
                 tuple(peers.values()) if start.servers > 1 else (),
+                joiners=(me,) if joining else (),
+                super_digest=zoocfg.super_digest(secret) if secret else "",
             ),
         )
     finally:
@@ -313,13 +365,20 @@ def _serve_in_job(layout: Layout, start: StartRecord, myid: int, environ: Mappin
         process = launch(start, cfg, output)
     finally:
         os.close(output)
-    ensemble = Ensemble(
+    ensemble = serving or Ensemble(
         servers=tuple(sorted(peers.values(), key=lambda server: server.myid)),
         job_id=job_id,
         run_dir=str(layout.run_dir),
         started=time.time(),
     )
     return _supervise(layout, process, ensemble, directory, start.start_timeout)
+
+
+def _replaces(environ: Mapping[str, str]) -> int:
+    """The myid a server on a spare node takes the place of (the supervisor says so in
+    ``HPC_ELASTIC_ZK_REPLACES``); 0 for a first start."""
+    text = environ.get(REPLACES_ENV, "")
+    return int(text) if text.isdigit() and 0 < int(text) < 256 else 0
 
 
 def _supervise(
@@ -349,9 +408,11 @@ def clean_node(layout: Layout, environ: Mapping[str, str] = os.environ) -> int:
         return 0
     job_id = environ.get("SLURM_JOB_ID", "")
     root = data_root(start, environ)
-    for myid in range(1, start.servers + 1):
-        path = data_dir(root, job_id, myid)
-        if path.exists():
+    # Every myid the job used: replacements took new ones. Where nodes share a disk (the dev
+    # cluster), a surviving node also removes what a lost node's server left.
+    prefix = data_dir(root, job_id, 0).name[:-1]
+    for path in sorted(root.glob(f"{prefix}*")):
+        if path.name[len(prefix) :].isdigit():
             remove_dir(path)
     return 0
 

@@ -12,6 +12,8 @@ outgoing connection takes one in that moment.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import random
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -31,6 +33,13 @@ JVM pauses for seconds, and a dropped follower disconnects its clients)."""
 SNAP_RETAIN = 3
 PURGE_INTERVAL_HOURS = 1
 DIGEST_PROVIDER = "org.apache.zookeeper.server.auth.DigestAuthenticationProvider"
+SUPERUSER = "hpc-elastic"
+"""The digest user of ZooKeeper's superuser, whose secret is the run directory's
+``reconfig.secret``: the same user name the rendezvous client authenticates as
+(``rendezvous.zookeeper.DIGEST_USER``), so that its client opened with that secret is the
+superuser. Only the superuser may ``reconfig`` (it writes ``/zookeeper/config``)."""
+PARTICIPANT = "participant"
+OBSERVER = "observer"
 
 _PORT_RANGE = re.compile(r"^\s*(\d{1,5})\s*:\s*(\d{1,5})\s*$")
 
@@ -91,6 +100,10 @@ class ServerConfig:
     client_port: int
     peers: Sequence[Server] = ()
     """Every server of the ensemble, this one included; empty for a standalone server."""
+    joiners: Sequence[Server] = ()
+    """Servers about to join (this one, on a spare node), listed as observers (below)."""
+    super_digest: str = ""
+    """``super_digest``'s value: reconfiguration on, for that superuser only; empty: off."""
     tick_ms: int = contract.ZK_TICK_MS
     min_session_ms: int = contract.ZK_MIN_SESSION_MS
     max_session_ms: int = contract.ZK_MAX_SESSION_MS
@@ -105,7 +118,19 @@ def render_zoo_cfg(config: ServerConfig) -> str:
     - the digest scheme every job's ACL uses, named, with SHA1 pinned: kazoo's
       ``make_digest_acl`` hashes with SHA1, so a site default of another algorithm would
       silently lock every job out of its own nodes; ACLs are never skipped;
-    - snapshots and transaction logs in node-local directories, the oldest purged hourly.
+    - snapshots and transaction logs in node-local directories, the oldest purged hourly;
+    - dynamic reconfiguration only with a superuser (``super_digest``): ZooKeeper lets only
+      the superuser write ``/zookeeper/config`` unless ACLs are skipped, which they never are.
+      Its digest is a ZooKeeper setting here, not a ``-D`` on java's command line, where any
+      user of the node could read it (``ps``); this file is the user's alone.
+
+    With reconfiguration on, every ``server.N`` line carries its client port (``;port``), as
+    the members that ZooKeeper hands a joiner must; ZooKeeper moves the lines to a dynamic
+    file of its own at the first election (``zoo.cfg.dynamic.<version>``) and keeps that file
+    up to date. A joiner is listed as an observer: ZooKeeper's documented way to start a
+    server that is not a member yet, so that no two joiners can ever form a quorum of their
+    own; it adopts the ensemble's configuration from the leader and becomes a participant
+    when ``reconfig`` adds it.
     """
     lines = [
         f"# hpc-elastic: ZooKeeper server {config.myid}"
@@ -125,11 +150,72 @@ def render_zoo_cfg(config: ServerConfig) -> str:
         f"authProvider.1={DIGEST_PROVIDER}",
         "DigestAuthenticationProvider.digestAlg=SHA1",
         "skipACL=no",
-        "reconfigEnabled=false",
     ]
-    for peer in sorted(config.peers, key=lambda server: server.myid):
-        lines.append(f"server.{peer.myid}={peer.host}:{peer.quorum_port}:{peer.election_port}")
+    reconfig = bool(config.super_digest) and bool(config.peers)
+    if reconfig:
+        lines += [
+            "reconfigEnabled=true",
+            f"DigestAuthenticationProvider.superDigest={config.super_digest}",
+        ]
+    else:
+        lines.append("reconfigEnabled=false")
+    listed = [(peer, PARTICIPANT) for peer in config.peers]
+    listed += [(joiner, OBSERVER) for joiner in config.joiners]
+    for server, role in sorted(listed, key=lambda item: item[0].myid):
+        lines.append(
+            server_line(server, role)
+            if reconfig
+            else f"server.{server.myid}={server.host}:{server.quorum_port}:{server.election_port}"
+        )
     return "\n".join(lines) + "\n"
+
+
+def server_line(server: Server, role: str = PARTICIPANT) -> str:
+    """``server.N=host:quorum:election:role;client``: a server as ``zoo.cfg``, the dynamic
+    configuration and ``reconfig -add`` spell it."""
+    return (
+        f"server.{server.myid}={server.host}:{server.quorum_port}:{server.election_port}"
+        f":{role};{server.client_port}"
+    )
+
+
+def super_digest(secret: str) -> str:
+    """``DigestAuthenticationProvider.superDigest``'s value for ``SUPERUSER`` with ``secret``:
+    ``user:base64(sha1(user:secret))``, the digest ZooKeeper computes from a client's
+    ``addauth digest user:secret`` (with SHA1, the algorithm ``render_zoo_cfg`` pins)."""
+    digest = hashlib.sha1(f"{SUPERUSER}:{secret}".encode()).digest()  # ZooKeeper's choice, pinned
+    return f"{SUPERUSER}:{base64.b64encode(digest).decode()}"
+
+
+_SERVER_LINE = re.compile(r"^server\.(\d+)=[^:]+:\d+:\d+(?::(participant|observer))?(?:;.*)?$")
+
+
+def dynamic_members(text: str) -> dict[int, str]:
+    """The servers of a dynamic configuration (``/zookeeper/config``, a
+    ``zoo.cfg.dynamic.<version>`` file, or the ``server.N`` lines of a ``zoo.cfg``): myid ->
+    role (participant unless it says observer)."""
+    found: dict[int, str] = {}
+    for line in text.splitlines():
+        match = _SERVER_LINE.match(line.strip().replace(" ", ""))
+        if match is not None:
+            found[int(match.group(1))] = match.group(2) or PARTICIPANT
+    return found
+
+
+def zookeeper_owns(zoo_cfg: str, dynamic: Callable[[str], str | None], myid: int) -> bool:
+    """Whether a server started again in place should keep the configuration ZooKeeper left
+    in its directory: its ``zoo.cfg`` names a dynamic file (``dynamicConfigFile=``) that
+    exists (``dynamic`` reads it, None when it is missing) and lists this server as a
+    participant. That file is the ensemble's last configuration as this server saw it, with
+    its version, and ZooKeeper's guide says never to alter it. A joiner that was not added
+    yet finds itself absent from it and could not boot with it: it is started from our
+    configuration again, as a joiner."""
+    for line in zoo_cfg.splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "dynamicConfigFile" and value.strip():
+            text = dynamic(value.strip())
+            return text is not None and dynamic_members(text).get(myid) == PARTICIPANT
+    return False
 
 
 def quorum(servers: int) -> int:
