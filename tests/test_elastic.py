@@ -902,6 +902,55 @@ def test_a_failed_release_is_reported_instead(tmp_path: Path) -> None:
     assert said == ["held"]
 
 
+# What squeue showed on the dev cluster (Slurm 22.05.8), polled every 0.1 s, for a task held
+# for JobHoldMaxRequeue (CHURN_HELD) after an `scontrol release`, here as task 1: the
+# REQUEUE_HOLD state the release leaves behind, with no reason, then with the requeue delay's
+# (BeginTime, about 5 s), until the task starts.
+RELEASED_STILL_SHOWN = (
+    "9|1|REQUEUE_HOLD|None|\n9|0|RUNNING|None|n1\n",
+    "9|1|REQUEUE_HOLD|BeginTime|\n9|0|RUNNING|None|n1\n",
+    "9|0-1|RUNNING|None|n[1-2]\n",
+)
+
+
+def test_a_task_released_but_still_shown_requeue_hold_is_not_a_new_hold(tmp_path: Path) -> None:
+    """Slurm 22.05's release clears the hold's priority and reason but not the REQUEUE_HOLD
+    state flag, which stays until the task starts: counted as held, the releasing slot raised
+    a second ``held`` alert (reason BeginTime) for a hold it had just ended, and counted one
+    more ended hold when the task started."""
+    said: list[tuple[str, dict[str, object]]] = []
+    with mocked_slurm() as fake:
+        fake.answer("scontrol", "release")
+        observe = lowest_slot(tmp_path).watch_held(lambda kind, **d: said.append((kind, d)))
+        observe(statuses(CHURN_HELD))
+        for shown in RELEASED_STILL_SHOWN:
+            observe(statuses(shown))
+    assert fake.ran("scontrol") == [["scontrol", "release", "9_1"]]
+    assert [kind for kind, _ in said] == ["released"]
+    assert elastic.load_hold_record(tmp_path / "slots" / "1.holds.json") == elastic.HoldRecord(
+        releases=1
+    )
+
+
+@pytest.mark.parametrize("shown", RELEASED_STILL_SHOWN[:2])
+def test_a_released_task_waiting_to_start_is_not_held(shown: str) -> None:
+    assert elastic.held_tasks(statuses(shown)) == []
+    assert not elastic.every_task_held(statuses(shown.splitlines()[0]))
+
+
+def test_a_task_requeued_held_by_hand_is_held_whatever_its_state(tmp_path: Path) -> None:
+    """``scontrol requeuehold`` leaves the task PENDING, its reason the text "job requeued in
+    held state" (squeue prints the spaces): someone's decision, reported and never released."""
+    shown = "9|1|PENDING|job requeued in held state|\n9|0|RUNNING|None|n1\n"
+    said: list[tuple[str, dict[str, object]]] = []
+    with mocked_slurm() as fake:
+        lowest_slot(tmp_path).watch_held(lambda kind, **d: said.append((kind, d)))(statuses(shown))
+    assert fake.ran("scontrol") == []
+    assert [(kind, d["task"], d["reason"]) for kind, d in said] == [
+        ("held", 1, "job_requeued_in_held_state")
+    ]
+
+
 def preempted_at(job_dir: Path, restarts: int) -> ElasticSlot:
     moving = slot(job_dir)
     moving.context = replace(moving.context, restart_count=restarts)

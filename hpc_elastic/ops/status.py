@@ -234,8 +234,8 @@ def job_state(record: JobRecord, summary: timeline.Summary, slurm: list[JobStatu
     ``list``, ``status`` and the Python API share, so they never disagree about a job.
     ``slurm`` is Slurm's queue lines of this job (``of_job``); a job the agents say is running
     but that Slurm no longer lists (cancelled, killed) and whose local runner is gone is
-    stopped; one whose every task Slurm holds (``REQUEUE_HOLD``) is held: it waits for an
-    ``scontrol release``."""
+    stopped; one whose every task Slurm holds (by its reason, ``elastic.held_reason``) is
+    held: it waits for an ``scontrol release``."""
     if summary.outcome != "running":
         return summary.outcome
     if every_task_held(slurm):

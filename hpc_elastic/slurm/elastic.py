@@ -279,19 +279,40 @@ CHURN_HOLD = "JobHoldMaxRequeue"
 """The reason squeue gives for a task Slurm held because it was requeued more often than the
 site's ``MaxBatchRequeue``: the job's own churn, which a sibling slot may release."""
 _HELD_REASONS = frozenset(
-    {CHURN_HOLD, "launch_failed_requeued_held", "JobHeldAdmin", "JobHeldUser"}
+    {
+        CHURN_HOLD,
+        "JobHeldAdmin",
+        "JobHeldUser",
+        "launch_failed_requeued_held",
+        "job_requeued_in_held_state",
+    }
 )
-"""Reasons squeue gives for a pending task that will never start until someone releases it."""
+"""Reasons squeue gives for a pending task that will never start until someone releases it
+(its priority is 0), spaces written as underscores (``held_reason``): the last two are the
+texts Slurm shows in place of ``JobHeldUser`` after a failed launch or ``scontrol requeuehold``."""
+
+
+def held_reason(status: JobStatus) -> str | None:
+    """Why Slurm holds this task (its reason, spaces as underscores), or None if it does not.
+
+    The reason decides, never the state. Slurm 22.05's ``scontrol release`` resets a hold's
+    priority and reason but leaves the ``REQUEUE_HOLD`` state flag, which only the task's
+    start clears: a task just released reads ``REQUEUE_HOLD`` with reason ``None``, then
+    ``BeginTime`` while the requeue delay runs (seen on the dev cluster: about 5 s). Read by
+    its state, the slot that released it took it for held again, and alerted.
+    ``scontrol requeuehold``, the other way round, leaves a held task ``PENDING``.
+    """
+    reason = status.reason.replace(" ", "_")  # squeue prints a free-text reason as it is
+    return reason if reason in _HELD_REASONS else None
 
 
 def held_reasons(statuses: Sequence[JobStatus]) -> dict[int, str]:
-    """Tasks Slurm holds (``REQUEUE_HOLD``: requeued too often, or held by hand), each with
-    squeue's reason: they wait for an ``scontrol release`` that nobody gives on a weekend."""
+    """Tasks Slurm holds (requeued too often, or held by hand), each with squeue's reason
+    (``held_reason``): they wait for an ``scontrol release`` that nobody gives on a weekend."""
     return {
-        index: status.reason
+        index: reason
         for status in statuses
-        if status.array_task is not None
-        and (status.state == "REQUEUE_HOLD" or status.reason in _HELD_REASONS)
+        if status.array_task is not None and (reason := held_reason(status)) is not None
         for index in task_indices(status.array_task)
     }
 
@@ -299,9 +320,7 @@ def held_reasons(statuses: Sequence[JobStatus]) -> dict[int, str]:
 def every_task_held(statuses: Sequence[JobStatus]) -> bool:
     """Whether Slurm lists the job only as held tasks: nothing runs, nothing starts by itself,
     and no agent is left to release them (the one stall the job cannot end by itself)."""
-    return bool(statuses) and all(
-        status.state == "REQUEUE_HOLD" or status.reason in _HELD_REASONS for status in statuses
-    )
+    return bool(statuses) and all(held_reason(status) is not None for status in statuses)
 
 
 def held_tasks(statuses: Sequence[JobStatus]) -> list[int]:
