@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpc_elastic.agent import badnodes
-from hpc_elastic.agent.badnodes import BadNode
 from hpc_elastic.contract import (
     DEFAULT_SESSION_TIMEOUT,
     DEFAULT_USER_SECRET_FILE,
@@ -35,6 +34,7 @@ from hpc_elastic.contract import (
 from hpc_elastic.ensemble import fourletter, zoocfg
 from hpc_elastic.ensemble.choice import ZkChoice
 from hpc_elastic.errors import HpcElasticError, SlurmError, one_line
+from hpc_elastic.rendezvous.badnode import BadNode
 from hpc_elastic.slurm import commands, grace
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,6 @@ from typer.testing import CliRunner
 from hpc_elastic import cli, doctor
 from hpc_elastic.agent import badnodes
 from hpc_elastic.agent.badnodes import (
-    BadNode,
     clear,
     current,
     exclude_list,
@@ -32,6 +31,7 @@ from hpc_elastic.agent.badnodes import (
 from hpc_elastic.contract import USER_SECRET_FILE_ENV
 from hpc_elastic.errors import RendezvousAccessError, UsageError
 from hpc_elastic.rendezvous import zookeeper
+from hpc_elastic.rendezvous.badnode import BadNode
 from hpc_elastic.rendezvous.memory import MemoryBadNodes
 from hpc_elastic.rendezvous.secret import user_secret
 
@@ -290,6 +290,7 @@ def test_a_planted_bad_node_is_listed_by_nodes_and_doctor_and_cleared_by_nodes_c
     cleared = hpc_elastic("nodes", "clear", cluster.nodes[0], f"--zk={zk}")
     assert cleared.returncode == 0, cleared.stderr
     assert cleared.stdout.startswith(f"Cleared {cluster.nodes[0]}:")
-    assert zookeeper.list_bad_nodes(zk, user, user_secret(secret_file), time.time()) == []
+    with zookeeper.bad_node_book(zk, user, user_secret(secret_file)) as book:
+        assert listing(book, time.time()) == []
     again = hpc_elastic("nodes", f"--zk={zk}")
     assert again.stdout == "No bad nodes remembered: every node may run your jobs.\n"

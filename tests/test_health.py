@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 
 from hpc_elastic.agent import health, nvml
-from hpc_elastic.agent.badnodes import BadNode, remembered
+from hpc_elastic.agent.badnodes import remembered
 from hpc_elastic.agent.health import Check, Result, Status
 from hpc_elastic.errors import RendezvousError
+from hpc_elastic.rendezvous.badnode import BadNode
 
 
 class FakeNvmlError(Exception):

@@ -15,8 +15,8 @@ from slurm_fake import array_slot, mocked_slurm
 from hpc_elastic import events, notify
 from hpc_elastic.agent import command
 from hpc_elastic.agent.api import AgentSpec
-from hpc_elastic.agent.badnodes import BadNode
 from hpc_elastic.agent.health import Check, Result, Status
+from hpc_elastic.rendezvous.badnode import BadNode
 from hpc_elastic.slurm import commands
 from hpc_elastic.slurm.elastic import ElasticSlot
 from hpc_elastic.slurm.env import SlurmContext

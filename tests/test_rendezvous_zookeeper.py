@@ -22,7 +22,7 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import NoAuthError
 from kazoo.security import ACL, OPEN_ACL_UNSAFE, make_digest_acl
 
-from hpc_elastic.agent.badnodes import remembered
+from hpc_elastic.agent.badnodes import listing, remembered
 from hpc_elastic.errors import (
     RendezvousAccessError,
     RendezvousClosedError,
@@ -42,7 +42,6 @@ from hpc_elastic.rendezvous.zookeeper import (
     close_job,
     connect,
     describe_job,
-    list_bad_nodes,
     open_client,
     probe,
     remember_bad_node,
@@ -453,26 +452,32 @@ def test_bad_nodes_are_remembered_per_user_listed_until_they_expire_and_cleared(
     remember_bad_node(chroot, "alice", SECRET, remembered("node1", "GPU 0: 3 ECC", now, 60.0))
     remember_bad_node(chroot, "alice", SECRET, remembered("node2", "disk full", now - 90, 60.0))
     remember_bad_node(chroot, "alice", SECRET, remembered("node3", "clock skew", now, 60.0))
-    listed = list_bad_nodes(chroot, "alice", SECRET, now)
+    with bad_node_book(chroot, "alice", SECRET) as book:
+        listed = listing(book, now)
+        assert sorted(record.host for record in book.records()) == ["node1", "node3"]
     assert [(record.host, record.reason) for record in listed] == [
         ("node1", "GPU 0: 3 ECC"),
         ("node3", "clock skew"),
     ]
-    with bad_node_book(chroot, "alice", SECRET) as book:
-        assert sorted(record.host for record in book.records()) == ["node1", "node3"]
-    assert list_bad_nodes(chroot, "bob", "bobs-secret", now) == []
+    with bad_node_book(chroot, "bob", "bobs-secret") as book:
+        assert listing(book, now) == []
     assert clear_bad_nodes(chroot, "alice", SECRET, ["node3", "node7"]) == ["node3"]
-    assert [record.host for record in list_bad_nodes(chroot, "alice", SECRET, now)] == ["node1"]
+    with bad_node_book(chroot, "alice", SECRET) as book:
+        assert [record.host for record in listing(book, now)] == ["node1"]
     assert clear_bad_nodes(chroot, "alice", SECRET) == ["node1"]
-    assert list_bad_nodes(chroot, "alice", SECRET, now) == []
+    with bad_node_book(chroot, "alice", SECRET) as book:
+        assert listing(book, now) == []
 
 
 def test_another_users_secret_cannot_read_or_squat_a_users_bad_nodes(
     chroot: str, attacker: KazooClient
 ) -> None:
     remember_bad_node(chroot, "alice", SECRET, remembered("node1", "x", time.time(), 60.0))
-    with pytest.raises(RendezvousAccessError, match="not guarded by user 'alice'"):
-        list_bad_nodes(chroot, "alice", "wrong", time.time())
+    with (
+        pytest.raises(RendezvousAccessError, match="not guarded by user 'alice'"),
+        bad_node_book(chroot, "alice", "wrong") as book,
+    ):
+        book.records()
     path = ZooKeeperAddress.parse(chroot).chroot + "/hpc-elastic/@users/carol"
     attacker.create(path, acl=MALLORY_ONLY, makepath=True)
     with pytest.raises(RendezvousAccessError, match="not guarded by user 'carol'"):

@@ -22,9 +22,9 @@ from hypothesis import strategies as hs
 from typed_json import decodes_or_refuses, each_value_replaced, json_values, mutated
 
 from hpc_elastic import events
-from hpc_elastic.agent.badnodes import BADNODE_FIELDS, BadNode, check_host
 from hpc_elastic.errors import AgentError, EventsError, RendezvousError, SlurmError
 from hpc_elastic.events import DETAILS, Event, Kind
+from hpc_elastic.rendezvous.badnode import BADNODE_FIELDS, BadNode, check_host
 from hpc_elastic.slurm.elastic import (
     HOLD_RECORD_FIELDS,
     LEDGER_FIELDS,

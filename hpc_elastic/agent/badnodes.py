@@ -1,102 +1,34 @@
-"""Bad nodes remembered across jobs: the records and the pure rules over them.
+"""Bad nodes remembered across jobs: the pure rules over the records, and the user's book.
 
 A node that failed its health preflight is remembered for a set time (``DEFAULT_TTL``), per
 user, so the user's next jobs keep it in Slurm's ``ExcNodeList`` too. Where the records live
-(a ZooKeeper node under the user's prefix) is ``rendezvous/zookeeper.py``'s business; here
-are their shape, the rules, and what ``hpc-elastic nodes`` and ``doctor`` do with a user's
-book (``Book``), so all of it is tested on the in-memory book (``rendezvous/memory.py``).
-``open_book`` is the one way the commands reach the real one.
+(a ZooKeeper node under the user's prefix) is ``rendezvous/zookeeper.py``'s business, and
+their shape (``BadNode``) is ``rendezvous/badnode.py``'s, below the stores that keep it; here
+are the rules, and what ``hpc-elastic nodes`` and ``doctor`` do with a user's book (``Book``),
+so all of it is tested on the in-memory book (``rendezvous/memory.py``). ``open_book`` is the
+one way the commands reach the real one.
 """
 
 from __future__ import annotations
 
 import getpass
-import json
 import logging
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Protocol, cast
+from typing import Protocol
 
-from hpc_elastic import decoding
 from hpc_elastic.contract import USER_SECRET_FILE_ENV
-from hpc_elastic.decoding import Check, MalformedError, seconds, shown, text
 from hpc_elastic.errors import RendezvousError, UsageError, one_line
+from hpc_elastic.rendezvous.badnode import BadNode, check_host
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TTL = 24 * 3600.0
 """A day: long enough to outlive a weekend's requeues, short enough that a repaired node
 comes back without anyone remembering to clear it."""
-
-
-@dataclass(frozen=True)
-class BadNode:
-    host: str
-    reason: str
-    since: float
-    until: float
-    job: str = ""
-
-    def encode(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
-
-    @classmethod
-    def parse(cls, data: bytes) -> BadNode:
-        """The record in ``data``, each field of its type (``BADNODE_FIELDS``), or one
-        ``RendezvousError`` sentence naming the field and its value."""
-        try:
-            return cast(BadNode, _BADNODE(json.loads(data), ""))
-        except (ValueError, RecursionError) as error:  # MalformedError and JSON's errors
-            raise RendezvousError(
-                f"The bad-node record {data[:40]!r} is not one hpc-elastic writes ({error}); "
-                "clear it with 'hpc-elastic nodes clear NODE'."
-            ) from error
-
-    @classmethod
-    def decode(cls, data: bytes) -> BadNode | None:
-        """``parse``, but None for a record we cannot read: a forgotten node is safer than a
-        crash of the preflight or of ``hpc-elastic nodes``."""
-        try:
-            return cls.parse(data)
-        except RendezvousError as error:
-            logger.debug("badnodes: ignoring a record: %s", error)
-            return None
-
-
-def _host(value: object, where: str) -> object:
-    """A node name as ``check_host`` accepts it: text, printable, usable as one znode name."""
-    if type(value) is not str:
-        raise MalformedError(f"'{where}' is {shown(value)}, not a string")
-    try:
-        return check_host(value)
-    except UsageError:
-        raise MalformedError(f"'{where}' is {shown(value)}, not a node name") from None
-
-
-BADNODE_FIELDS: dict[str, Check] = {
-    "host": _host,
-    "reason": text(),
-    "since": seconds,
-    "until": seconds,
-    "job": text(),
-}
-"""``BadNode``'s fields (``hpc_elastic.decoding``): a host of ``["x"]`` is no node (``str()``
-made it ``"['x']"``), a time is finite (NaN never expires); ``job`` may be missing (older
-records)."""
-_BADNODE = decoding.record(BadNode, BADNODE_FIELDS, defaults=True)
-
-
-def check_host(host: str) -> str:
-    """A host name usable as one znode name, or a UsageError that quotes it."""
-    if not host or "/" in host or host in (".", "..") or not host.isprintable():
-        raise UsageError(
-            f"'{one_line(host)}' is not a node name; give a host name as Slurm lists it, "
-            "e.g. 'node017'."
-        )
-    return host
 
 
 def remembered(host: str, reason: str, now: float, ttl: float, job: str = "") -> BadNode:

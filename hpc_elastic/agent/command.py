@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from hpc_elastic import contract, events, notify
-from hpc_elastic.agent import stops
+from hpc_elastic.agent import badnodes, stops
 from hpc_elastic.agent.agent import Agent, Prepared, prepare
 from hpc_elastic.agent.api import AgentSpec, ExitCode, parse_signal
 from hpc_elastic.errors import AgentError, RendezvousUnreachableError
@@ -39,9 +39,9 @@ from hpc_elastic.slurm.elastic import ElasticSlot, SlotLimits
 from hpc_elastic.spec import NodeRange
 
 if TYPE_CHECKING:
-    from hpc_elastic.agent.badnodes import BadNode
     from hpc_elastic.agent.health import BadNodeStore, Check, Preflight
     from hpc_elastic.metrics import MetricsExporter
+    from hpc_elastic.rendezvous.badnode import BadNode
 
 HOST_ENV = contract.HOST_ENV
 _log = logging.getLogger(__name__)
@@ -516,9 +516,11 @@ class BadNodeMemory:
         zookeeper.remember_bad_node(self._zk, self._user, self._secret(), record)
 
     def records(self) -> list[BadNode]:
+        """The user's bad nodes not yet expired; expired records are deleted on the way."""
         from hpc_elastic.rendezvous import zookeeper  # noqa: PLC0415 (kazoo: only here)
 
-        return zookeeper.list_bad_nodes(self._zk, self._user, self._secret(), time.time())
+        with zookeeper.bad_node_book(self._zk, self._user, self._secret()) as book:
+            return badnodes.listing(book, time.time())
 
 
 def _default_checks(spec: AgentSpec, zk: str, expected_gpus: int | None) -> dict[str, Check]:

@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from hpc_elastic.agent import nvml
-from hpc_elastic.agent.badnodes import DEFAULT_TTL, BadNode, current, exclude_list, remembered
+from hpc_elastic.agent.badnodes import DEFAULT_TTL, current, exclude_list, remembered
 from hpc_elastic.errors import HpcElasticError
 from hpc_elastic.events import Kind
 from hpc_elastic.rendezvous import zookeeper
+from hpc_elastic.rendezvous.badnode import BadNode
 
 logger = logging.getLogger(__name__)
 

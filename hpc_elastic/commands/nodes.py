@@ -23,6 +23,7 @@ from hpc_elastic.config import load_config
 from hpc_elastic.contract import DEFAULT_USER_SECRET_FILE, DEFAULT_ZK, USER_SECRET_FILE_ENV, ZK_ENV
 from hpc_elastic.ensemble.choice import choose_zk
 from hpc_elastic.errors import UsageError
+from hpc_elastic.rendezvous.badnode import BadNode
 from hpc_elastic.spec import parse_zk
 
 logger = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ def nodes_command(
     typer.echo(choice.line(), err=True)
 
 
-def _show(records: list[badnodes.BadNode], *, as_json: bool) -> None:
+def _show(records: list[BadNode], *, as_json: bool) -> None:
     if as_json:
         typer.echo(json.dumps(badnodes.as_json(records), indent=2))
         return

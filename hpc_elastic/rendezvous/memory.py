@@ -31,9 +31,9 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from hpc_elastic.agent.badnodes import BadNode, check_host
 from hpc_elastic.errors import RendezvousAccessError, RendezvousClosedError, RendezvousError
 from hpc_elastic.rendezvous.backend import ABSENT, CachedStore, ConnectionState, check_note_key
+from hpc_elastic.rendezvous.badnode import BadNode, check_host
 
 logger = logging.getLogger(__name__)
 

@@ -55,11 +55,11 @@ from kazoo.recipe.watchers import DataWatch
 from kazoo.retry import RetryFailedError
 from kazoo.security import ACL, OPEN_ACL_UNSAFE, Id, Permissions, make_digest_acl
 
-from hpc_elastic.agent.badnodes import BadNode, check_host, listing
 from hpc_elastic.errors import RendezvousAccessError, RendezvousClosedError, RendezvousError
 from hpc_elastic.rendezvous import state as st
 from hpc_elastic.rendezvous.api import NodeInfo, RendezvousSettings
 from hpc_elastic.rendezvous.backend import ABSENT, CachedStore, ConnectionState, check_note_key
+from hpc_elastic.rendezvous.badnode import BadNode, check_host
 from hpc_elastic.rendezvous.handler import StoreRendezvous
 from hpc_elastic.rendezvous.secret import require_secret
 
@@ -966,12 +966,6 @@ def remember_bad_node(zk: str, user: str, secret: str, record: BadNode) -> None:
     """Remember one bad node for the user's later jobs."""
     with bad_node_book(zk, user, secret) as book:
         book.remember(record)
-
-
-def list_bad_nodes(zk: str, user: str, secret: str, now: float) -> list[BadNode]:
-    """The user's bad nodes not yet expired; expired records are deleted on the way."""
-    with bad_node_book(zk, user, secret) as book:
-        return listing(book, now)
 
 
 def clear_bad_nodes(
