@@ -16,11 +16,20 @@ Usage::
 
     scripts/dev-cluster --state-dir /tmp/dc --service-nodes 3 up
     python bench/zk_start_bench.py --state-dir /tmp/dc --partition service --servers 3 --runs 5
+
+``--recovery`` measures instead what the ensemble costs a job's recovery: the worker SIGKILL
+and node (agent) SIGKILL rows of bench/agent_bench.py (4 agents x 1 worker on this machine,
+its gloo workload and probes, ``--prewarm torch`` as ``submit`` does by default), each
+against the dev cluster's own standalone ZooKeeper (its env.sh) and against an ensemble that
+``zk start`` starts for the run, side by side in one table::
+
+    python bench/zk_start_bench.py --state-dir /tmp/dc --recovery --servers 3 --repeats 5
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -29,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -79,13 +89,108 @@ def one_run(env: dict[str, str], partition: str, servers: int) -> dict[str, floa
     }
 
 
+RECOVERY_ROWS = 2
+"""agent_bench's first scenarios: worker SIGKILL (all 4 ranks), node SIGKILL (3 of 4 nodes)."""
+
+
+def dev_cluster_zk(state_dir: Path) -> str:
+    """The dev cluster's own ZooKeeper (its env.sh's ``HPC_ELASTIC_ZK``)."""
+    for line in (state_dir / "env.sh").read_text().splitlines():
+        if line.startswith("export HPC_ELASTIC_ZK="):
+            return line.split("=", 1)[1].strip()
+    raise SystemExit(f"{state_dir / 'env.sh'} names no HPC_ELASTIC_ZK; run dev-cluster up again")
+
+
+def start_ensemble(env: dict[str, str], partition: str, servers: int) -> str:
+    """``zk start``; its connect string."""
+    argv = [sys.executable, "-m", "hpc_elastic", "zk"]
+    started = subprocess.run(
+        [*argv, "start", "--servers", str(servers), "--partition", partition],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if started.returncode != 0:
+        raise SystemExit(f"zk start failed: {started.stderr}")
+    shown = subprocess.run(
+        [*argv, "status", "--json"], env=env, capture_output=True, text=True, check=True
+    )
+    return str(json.loads(shown.stdout)["connect"])
+
+
+def launch(out: Path, *, bench: Any, zk: str, nodes: str, count: int, prewarm: bool) -> Any:
+    """agent_bench's agents (its ``ours``) on ``zk``, writing to ``out``."""
+    return bench.ours(zk, nodes, out, prewarm=prewarm, count=count)
+
+
+def recovery(arguments: argparse.Namespace) -> None:
+    """The two columns of agent_bench's recovery rows (module docstring)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import agent_bench  # noqa: PLC0415 (a sibling script, found through sys.path)
+
+    with tempfile.TemporaryDirectory(prefix="zk-start-bench-") as scratch:
+        env = cluster_env(arguments.state_dir, Path(scratch) / "state")
+        try:
+            connect = start_ensemble(env, arguments.partition, arguments.servers)
+            columns = {
+                "the dev cluster's ZooKeeper (1 server)": dev_cluster_zk(arguments.state_dir),
+                f"zk start ensemble ({arguments.servers} servers)": connect,
+            }
+            rows = []
+            for scenario, nodes, count, probe in agent_bench.SCENARIOS[:RECOVERY_ROWS]:
+                cells = []
+                for column, zk in columns.items():
+                    print(f"{scenario}: {column} at {zk}", flush=True)
+                    start = functools.partial(
+                        launch,
+                        bench=agent_bench,
+                        zk=zk,
+                        nodes=nodes,
+                        count=count,
+                        prewarm=arguments.prewarm,
+                    )
+                    results = [
+                        agent_bench.measure(f"try {n + 1}", start, probe, arguments.give_up)
+                        for n in range(arguments.repeats)
+                    ]
+                    cells.append(agent_bench.cell(results))
+                rows.append(f"| {scenario} | {' | '.join(cells)} |")
+        finally:
+            subprocess.run(
+                [sys.executable, "-m", "hpc_elastic", "zk", "stop", "--force"],
+                env=env,
+                capture_output=True,
+                check=False,
+            )
+    print(f"| scenario | {' | '.join(columns)} |")
+    print(f"|---|{'---|' * len(columns)}")
+    print("\n".join(rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--state-dir", type=Path, required=True, help="the dev cluster's")
     parser.add_argument("--partition", default="service")
     parser.add_argument("--servers", type=int, default=3, choices=(1, 3, 5))
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument(
+        "--recovery",
+        action="store_true",
+        help="A job's recovery on a zk start ensemble beside the dev cluster's ZooKeeper.",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="With --recovery: tries a cell.")
+    parser.add_argument("--give-up", type=float, default=60.0, help="With --recovery.")
+    parser.add_argument(
+        "--prewarm",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="With --recovery: the agents' --prewarm torch (submit's default).",
+    )
     arguments = parser.parse_args()
+    if arguments.recovery:
+        recovery(arguments)
+        return
     results = []
     with tempfile.TemporaryDirectory(prefix="zk-start-bench-") as scratch:
         for run in range(arguments.runs):
