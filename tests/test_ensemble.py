@@ -1123,3 +1123,57 @@ def test_a_joiner_replaces_a_lost_leader_by_the_superusers_reconfig_and_no_one_e
         ).read_text()[-2000:]
     finally:
         local.stop()
+
+
+def test_the_supervisor_restarts_in_place_then_replaces_on_the_spare_then_gives_up(
+    layout: Layout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The supervisor's loop on the real rules, its steps short shell processes in place of
+    srun: server 3 fails twice on its node (one start in place, --restarts 1), so a server 4
+    starts on the spare node in its place; server 2's node then leaves the job, and with no
+    spare left it stays down; server 1 and the replacement stop on request."""
+    for name in ("POLL_S", "RESTART_PAUSE_S", "CONFIRM_S"):
+        monkeypatch.setattr(supervisor, name, 0.01)
+    publish(layout, dataclasses.replace(an_ensemble("7"), run_dir=str(layout.run_dir)))
+    files.ensure_private_dir(layout.run_dir)
+    nodes = {"s1", "s2", "s3", "s4"}
+    exits = {1: [0], 2: [1], 3: [1, 1], 4: [0]}
+    started: list[tuple[int, str, str]] = []
+    flag = layout.run_dir / "server-2-may-end"
+
+    def spawn(argv: list[str], environ: dict[str, str]) -> subprocess.Popen[bytes]:
+        myid = int(argv[argv.index("--myid") + 1])
+        node = next(arg for arg in argv if arg.startswith("--nodelist=")).split("=")[1]
+        started.append((myid, node, environ.get(server_module.REPLACES_ENV, "")))
+        code = exits[myid].pop(0)
+        if myid == 4:  # server 3's story is told: server 2's node is lost, its step ends
+            nodes.discard("s3")
+            flag.touch()
+        wait = f"until [ -e {flag} ]; do sleep 0.05; done; " if myid == 2 else ""
+        return subprocess.Popen(["sh", "-c", f"{wait}sleep 0.1; exit {code}"])
+
+    said: list[str] = []
+    run = supervisor.Supervisor(
+        layout,
+        StartRecord(3, "/j", "/c", restarts=1, spares=1),
+        "7",
+        ["s1"],
+        lambda: set(nodes),
+        say=said.append,
+        spawn=spawn,
+    )
+    assert run.run(["s2", "s3", "s4"]) == 0
+    assert sorted(started) == [
+        (1, "s2", ""),
+        (2, "s3", ""),
+        (3, "s4", ""),
+        (3, "s4", ""),
+        (4, "s1", "3"),
+    ]
+    text = "\n".join(said)
+    assert "server 3 on s4: its step ended with 1; starting it again in place (1 of 1)" in text
+    assert "server 4 starts on the spare node s1 to take its place" in text
+    assert (
+        "server 2 on s3: its node left the job (lost), and no spare node is left "
+        "(zk start --spares); it stays down"
+    ) in text

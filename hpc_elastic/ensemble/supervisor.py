@@ -51,8 +51,12 @@ from hpc_elastic.errors import EnsembleError, HpcElasticError
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5
-NODES_POLL_S = 5.0
-"""How often the job's node list is asked of Slurm while every step runs."""
+NODES_POLL_S = 30.0
+"""How often the job's node list is asked of Slurm while every step runs: only to end an
+``srun`` that would wait on a lost node (it returns by itself when Slurm reports the failure)."""
+CONFIRM_S = 5.0
+"""After an exit 0 on a node still in the job, how long before Slurm is asked again: ``srun``
+exits 0 on a node failure too, and a stop on request must not be taken for one too early."""
 RESTART_PAUSE_S = 2.0
 """Pause before a server starts again in place: its old process lets its ports go."""
 RECONFIG_TIMEOUT_S = 120.0
@@ -228,6 +232,10 @@ class Supervisor:
     """The job's nodes now, as Slurm says; None when Slurm cannot be asked."""
     python: str = field(default_factory=lambda: sys.executable)
     say: Callable[[str], None] = field(default=lambda text: print(text, flush=True))
+    spawn: Callable[[list[str], dict[str, str]], subprocess.Popen[bytes]] = field(
+        default=lambda argv, environ: subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=environ)
+    )
+    """Starts one step (``srun``); tests give another process in its place."""
     slots: dict[int, Slot] = field(default_factory=dict)
     terminated: bool = False
     next_myid: int = 0
@@ -258,7 +266,7 @@ class Supervisor:
             environ[REPLACES_ENV] = str(slot.replaces)
         argv = server_argv(self.python, self.layout.run_dir, slot.myid, slot.node)
         log.debug("server %d: %s", slot.myid, " ".join(argv))
-        slot.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=environ)
+        slot.process = self.spawn(argv, environ)
 
     def _nodes(self) -> set[str] | None:
         """The job's nodes, asked up to three times: an answer is worth a short wait, since
@@ -284,6 +292,9 @@ class Supervisor:
     def _ended(self, slot: Slot, code: int) -> None:
         slot.process = None
         nodes = self._nodes()
+        if code == 0 and not self.stopping() and nodes is not None and slot.node in nodes:
+            time.sleep(CONFIRM_S)
+            nodes = self._nodes()
         in_job = nodes is None or slot.node in nodes
         if nodes is not None:
             self.spares = [node for node in self.spares if node in nodes]
