@@ -22,7 +22,7 @@ from torch import nn
 
 from hpc_elastic.errors import CheckpointFencedError
 from hpc_elastic.train import Checkpointer, TrainState, background
-from hpc_elastic.train.remote import ObjectCheckpointer
+from hpc_elastic.train.checkpoint import ObjectCheckpointer
 from hpc_elastic.train.storage import ObjectStore
 
 
