@@ -249,7 +249,7 @@ def _int_or_none(text: str | None) -> int | None:
     return int(text) if text and text.isdigit() else None
 
 
-# Typed details: what the readers (ops/timeline.py, ops/status.py, ops/plot.py, metrics.py)
+# Typed details: what the readers (ops/timeline.py, ops/status.py, ops/plot.py, agent/metrics.py)
 # look up in ``Event.details``. Writers spread a record's ``to_details()`` into the event;
 # readers call ``from_details``. Every process of the job's user may append to the file, so no
 # value in it is trusted (a ``restarts_used`` of "many" once made ``status`` raise): each kind's

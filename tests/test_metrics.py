@@ -11,9 +11,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hpc_elastic.agent.api import Phase
+from hpc_elastic.agent.metrics import AgentMetrics, MetricsExporter
 from hpc_elastic.errors import UsageError
 from hpc_elastic.events import Event, Kind
-from hpc_elastic.metrics import AgentMetrics, MetricsExporter
 
 
 def samples(text: str) -> dict[str, float]:

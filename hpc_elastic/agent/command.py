@@ -40,7 +40,7 @@ from hpc_elastic.spec import NodeRange
 
 if TYPE_CHECKING:
     from hpc_elastic.agent.health import BadNodeStore, Check, Preflight
-    from hpc_elastic.metrics import MetricsExporter
+    from hpc_elastic.agent.metrics import MetricsExporter
     from hpc_elastic.rendezvous.badnode import BadNode
 
 HOST_ENV = contract.HOST_ENV
@@ -375,7 +375,7 @@ def _start(
     and phase, so it is made after it; its gauges observe events like any other observer)."""
     if args.metrics_port is None and args.metrics_textfile is None:
         return Agent(spec, rdzv, on_event=_fan_out(observers), prepared=prepared), None
-    from hpc_elastic import metrics  # noqa: PLC0415 (prometheus_client: only when asked)
+    from hpc_elastic.agent import metrics  # noqa: PLC0415 (prometheus_client: only when asked)
 
     gauges = metrics.AgentMetrics(args.run_id, slot, spec.events_file)
     observers.append(gauges.observe)
