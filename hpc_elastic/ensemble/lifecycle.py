@@ -575,10 +575,9 @@ def _users(
 
 def _all_records() -> list[Any]:
     """Every job of the user's (the index and the configured log directory)."""
-    from hpc_elastic.api import _log_dir  # noqa: PLC0415
     from hpc_elastic.ops import jobs  # noqa: PLC0415
 
-    return jobs.everywhere(_log_dir(None))
+    return jobs.everywhere(jobs.log_dir())
 
 
 def render(view: StatusView) -> list[str]:
@@ -691,15 +690,15 @@ def stop(
                 f"{users[0].job_id}`), or pass --force to end the ensemble under "
                 f"{'it' if len(users) == 1 else 'them'}."
             )
-    if job_id:
-        _stop_job(layout, job_id, slurm, wait_s, say)
-    elif found.ensemble is not None:
-        _stop_serve(found.ensemble, wait_s)
     servers = [
         *(found.ensemble.servers if found.ensemble else ()),
         *(found.ensemble.retired if found.ensemble else ()),
         *(_quietly(files.load_peers, layout) or {}).values(),
     ]
+    if job_id:
+        _stop_job(layout, job_id, slurm, wait_s, say, servers=servers)
+    elif found.ensemble is not None:
+        _stop_serve(found.ensemble, wait_s)
     still = sorted({server.address for server in servers if _answers(server)})
     if still:
         raise EnsembleError(
@@ -720,10 +719,14 @@ def _answers(server: Server) -> bool:
     return fourletter.health(server.host, server.client_port, timeout=1.0).mode != "down"
 
 
-def _stop_job(layout: Layout, job_id: str, slurm: Slurm, wait_s: float, say: Say) -> None:
+def _stop_job(
+    layout: Layout, job_id: str, slurm: Slurm, wait_s: float, say: Say, *, servers: Sequence[Server]
+) -> None:
     """SIGTERM to every server step (each stops ZooKeeper and removes its node-local
     directory; the 'stopping' file keeps them from being started again), the job's last
-    step cleans up; a job still listed after ``wait_s`` is cancelled outright."""
+    step cleans up; a job still listed after ``wait_s`` is cancelled outright. A job whose
+    supervisor's node was lost has no script left to end it: once no server answers, it is
+    cancelled at once."""
     with contextlib.suppress(EnsembleError):
         files.write_private(layout.stopping_file, b"")
     status = _job_listed(slurm, job_id)
@@ -732,6 +735,16 @@ def _stop_job(layout: Layout, job_id: str, slurm: Slurm, wait_s: float, say: Say
     if status.state == "RUNNING":
         slurm.cancel(job_id, signal="TERM")
     else:
+        slurm.cancel(job_id)
+    supervisor = _quietly(files.load_supervisor, layout)
+    nodes = _job_nodes(status)
+    if supervisor_lost(supervisor.node if supervisor else None, nodes):
+        # Each server removes its own directory once ZooKeeper has stopped; its step ends
+        # then. Slurm still lists the steps of a lost node as running: those are not waited for.
+        steps = {server.step for server in servers if nodes and server.node in nodes}
+        deadline = time.monotonic() + wait_s
+        while steps & set(slurm.job_steps(job_id)) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
         slurm.cancel(job_id)
     if _wait_gone(slurm, job_id, wait_s):
         return
