@@ -89,7 +89,7 @@ class Job:
         """A job by run id, job directory or Slurm job id, as the CLI's JOB argument."""
         from hpc_elastic.ops import jobs as found  # noqa: PLC0415 (keep import cheap)
 
-        return cls(found.resolve(job, _log_dir(log_dir)))
+        return cls(found.resolve(job, found.log_dir(log_dir)))
 
     def status(self) -> Any:
         """A ``hpc_elastic.ops.status.JobView``: state, round, world size, slots, failures."""
@@ -217,7 +217,7 @@ def jobs(log_dir: Path | str | None = None) -> list[Job]:
 
     if log_dir is not None:
         return [Job(record) for record in found.scan(Path(log_dir))]
-    return [Job(record) for record in found.everywhere(_log_dir(None))]
+    return [Job(record) for record in found.everywhere(found.log_dir())]
 
 
 # --- helpers ---------------------------------------------------------------------------------
@@ -288,16 +288,6 @@ def _as_flag_value(option: Option, value: object) -> object:
 def _python_call(spec: JobSpec) -> tuple[str, ...]:
     """What the sbatch script records as the command that made it, for an API submit."""
     return ("hpc_elastic.submit", str(spec.script), *spec.script_args)
-
-
-def _log_dir(log_dir: Path | str | None) -> Path:
-    if log_dir is not None:
-        return Path(log_dir)
-    from hpc_elastic.config import load_config  # noqa: PLC0415
-    from hpc_elastic.ops.jobs import DEFAULT_LOG_DIR  # noqa: PLC0415
-
-    configured = load_config(Path.cwd()).values.get("log_dir")
-    return Path(str(configured)) if configured else DEFAULT_LOG_DIR
 
 
 def _squeue(job_ids: Sequence[str]) -> Any:

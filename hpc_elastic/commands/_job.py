@@ -7,7 +7,6 @@ from typing import Annotated
 
 import typer
 
-from hpc_elastic.config import load_config
 from hpc_elastic.ops import jobs
 
 LogDir = Annotated[
@@ -25,7 +24,4 @@ JobArg = Annotated[
 
 def log_dir_of(flag: Path | None) -> Path:
     """``--log-dir``, else the config file's ``log-dir``, else ``./hpc-elastic-runs``."""
-    if flag is not None:
-        return flag
-    configured = load_config(Path.cwd()).values.get("log_dir")
-    return Path(str(configured)) if configured else jobs.DEFAULT_LOG_DIR
+    return jobs.log_dir(flag)

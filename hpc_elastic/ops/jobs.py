@@ -27,6 +27,18 @@ _PROC = Path("/proc")
 _log = logging.getLogger(__name__)
 
 
+def log_dir(given: Path | str | None = None) -> Path:
+    """Where job directories live: ``given``, else the config file's ``log-dir`` (the file found
+    from the current directory), else ``./hpc-elastic-runs``. The JOB commands, the Python API
+    and ``zk status`` all look there."""
+    if given is not None:
+        return Path(given)
+    from hpc_elastic.config import load_config  # noqa: PLC0415 (config -> options -> typer)
+
+    configured = load_config(Path.cwd()).values.get("log_dir")
+    return Path(str(configured)) if configured else DEFAULT_LOG_DIR
+
+
 def runner_alive(record: JobRecord) -> bool:
     """Whether the recorded local runner still runs this job (not a recycled pid)."""
     return record.runner_pid is not None and is_job_process(record.runner_pid, record.run_id)
