@@ -77,7 +77,18 @@ FAULT_KINDS = ("worker_fail", "hang", "crash", "freeze", "partition", "preempt",
 keeps the session alive: the others must go on without it (``straggler_timeout``, the exit
 barrier's deadline). The job's end is then judged without it; Slurm's time limit ends it."""
 PROPERTIES = frozenset(
-    {"liveness", "ranks", "rounds", "budget", "closure", "success", "state", "cause", "crash"}
+    {
+        "liveness",
+        "ranks",
+        "rounds",
+        "budget",
+        "closure",
+        "success",
+        "state",
+        "cause",
+        "crash",
+        "speed",
+    }
 )
 """The properties a violation names first (``violated_property``)."""
 BUGGIFY_SHARE = 0.25
@@ -313,7 +324,12 @@ class SimAgent:
             self._exit_requeue("signalled while joining")
             return
         for _ in range(100):
+            # The view the decision is made on (none is judged after a reconnection, when the
+            # handler first reads the server's state again).
+            view = None if self.handler._stale else (self.store.get_state(), self.store.alive())
             step = self.handler.round_step()
+            if view is not None:
+                self.world.check_last_call(self, step.action, *view)
             if not step.again:
                 break
         else:
@@ -1176,6 +1192,35 @@ class World:
             raise Violation(
                 f"ranks: {agent.node.node_id} starts round {number} as ranks {list(mine)} of "
                 f"{started.world_size} with {list(members)}"
+            )
+
+    def check_last_call(
+        self,
+        agent: SimAgent,
+        action: st.Action | st.Barrier,
+        view: tuple[bytes | None, int],
+        alive: frozenset[str],
+    ) -> None:
+        """A round waits the last call only while a newcomer may still come: with MAX nodes
+        ready, or when it only lost members (all back, none excluded but alive), it forms at
+        once (docs/design.md, docs/rendezvous.md). Judged on the node's own view, with no rule
+        under test: the simulation passes no count of coming nodes."""
+        if action not in (st.Action.LAST_CALL, st.Action.COMPLETE) or view[0] is None:
+            return
+        state = decoded(view[0])
+        excluded = set(state.excluded)
+        present = alive - excluded
+        members = {member.node_id for member in state.members}
+        back = set(state.ready)
+        waited_for = (members & present) - back
+        here = present - waited_for
+        full = len(here) >= self.nodes.max
+        shrink = state.round > 0 and not waited_for and not alive & excluded and here <= members
+        at_once = full or (shrink and len(here) >= self.nodes.min)
+        if (action is st.Action.LAST_CALL) == at_once:
+            raise Violation(
+                f"speed: {agent.node.node_id} decided {action.value} in round {state.round} with "
+                f"{sorted(here)} ready of MAX {self.nodes.max}, members {sorted(members)}"
             )
 
     def check_report(self, before: st.JobState | None, number: int, node: str) -> None:
