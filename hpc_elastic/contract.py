@@ -96,6 +96,11 @@ EVENTS_FILE = "events.jsonl"
 LOGS_DIR = "logs"
 CHECKPOINTS_DIR = "checkpoints"
 SLOTS_DIR = "slots"
+LOCAL_FIRST_FILE = "local-first"
+"""In ``SLOTS_DIR``: created by the first agent that finds a whole save no longer fits the time
+Slurm leaves, under ``--grace-action local`` (``slurm/grace.py``). While it exists, the save a
+stopping loop makes goes to the node-local tier first (``train.local_tier``); the shared tier
+gets it at the next start. Kept for the rest of the job: requeued agents know it at once."""
 SAMPLES_DIR = "samples"
 """The per-step sample log (``SAMPLE_LOG_ENV``, ``hpc_elastic.samples``): one file per process."""
 CODE_DIR = "code"

@@ -142,6 +142,12 @@ class JobDir:
         other agent reads it instead of asking Slurm itself."""
         return self.slots / "drained.json"
 
+    @property
+    def local_first(self) -> Path:
+        """Created once a save no longer fits under ``--grace-action local``: the job's stop
+        saves go to the node-local tier first (``contract.LOCAL_FIRST_FILE``)."""
+        return self.slots / contract.LOCAL_FIRST_FILE
+
     def hold_alert(self, array_task_id: int | str, hold: int) -> Path:
         """Created once by the agent that reports hold number ``hold`` of the slot: the
         marker that keeps every other agent, and every later incarnation, from repeating it."""

@@ -8,18 +8,25 @@ written, which tier a restart reads) are pure functions, tested directly.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
-from ranks import torchrun_ok
+import torch
+from ranks import lines, torchrun, torchrun_ok
 
+from hpc_elastic import contract
 from hpc_elastic.errors import CheckpointError
 from hpc_elastic.events import Event, Kind, LoadedDetails
+from hpc_elastic.jobdir import JobDir
 from hpc_elastic.ops import status
-from hpc_elastic.train import Checkpointer
+from hpc_elastic.train import Checkpointer, local_tier
+from hpc_elastic.train.checkpoint import verify
 from hpc_elastic.train.local_tier import (
     choose_shard_sources,
     choose_source,
+    local_first_requested,
+    owes_shared,
     persists,
     ring_neighbour,
     ring_predecessor,
@@ -359,3 +366,152 @@ def test_a_local_shard_written_at_another_world_size_is_passed_over_for_the_shar
     # Local step 3 is newer than shared step 2, but its shards have the layout of 2 ranks.
     output = torchrun_ok(tmp_path / "load.py", cwd=tmp_path, nproc=1)
     assert "loaded step-00000002 True" in output
+
+
+# --- --grace-action local: a stop's save goes to the local tier only, the shared copy follows
+
+LOCAL_FIRST = """
+import datetime, os, signal, sys, torch, torch.distributed as dist
+from pathlib import Path
+import hpc_elastic.train as elastic
+from hpc_elastic.train.checkpoint import Checkpointer
+
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+rank = dist.get_rank()
+phase, asynchronous = sys.argv[1], sys.argv[2] == "async"
+
+
+def checkpointer():
+    # Each rank stands for one node: its own node-local disk.
+    return Checkpointer(
+        Path("shared"), round=None, local_directory=Path(f"node-{rank}"), persist_every=1,
+        asynchronous=asynchronous,
+    )
+
+
+def shared():
+    return [path.name for path in checkpointer().committed()]
+
+
+model = torch.nn.Linear(4, 4)
+state = elastic.TrainState(model)
+saver = checkpointer()
+if phase == "stop":
+    for step in range(1, 10):
+        with torch.no_grad():
+            model.weight.fill_(float(step))
+        state.step = step
+        if step == 3 and rank == 1:
+            os.kill(os.getpid(), signal.SIGUSR2)  # the preemption's signal reaches one rank
+        stop = elastic.should_stop(step)
+        if stop or step % 2 == 0:
+            saver.save(state)
+        if stop:
+            saver.wait()
+            dist.barrier()
+            print(f"rank={rank} stopped: {step} shared: {shared()}", flush=True)
+            dist.barrier()
+            os.kill(os.getpid(), signal.SIGKILL)  # the job is killed after its save
+else:
+    fresh = torch.nn.Linear(4, 4)
+    restored = elastic.TrainState(fresh)
+    saver.load(restored)
+    same = bool(torch.equal(fresh.weight, torch.full((4, 4), float(restored.step))))
+    print(f"rank={rank} resumed: {restored.step} {same} shared: {shared()}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+"""
+
+
+@pytest.mark.parametrize(
+    ("owed", "step", "shared_step", "replicate"),
+    [
+        (True, 3, 2, True),
+        (True, 3, None, True),
+        (True, 3, 3, False),  # an earlier start wrote it already
+        (False, 3, 2, False),  # persist_every: this step was never due for the shared tier
+    ],
+)
+def test_a_restored_local_copy_owes_the_shared_tier_only_what_its_save_deferred(
+    owed: bool, step: int, shared_step: int | None, replicate: bool
+) -> None:
+    assert owes_shared(owed, step, shared_step) is replicate
+
+
+def test_the_local_first_request_is_the_job_directorys_file(tmp_path: Path) -> None:
+    environ = {contract.JOB_DIR_ENV: str(tmp_path)}
+    assert not local_first_requested(environ)
+    assert not local_first_requested({})
+    JobDir(tmp_path).local_first.parent.mkdir()
+    JobDir(tmp_path).local_first.touch()
+    assert local_first_requested(environ)
+
+
+def stop_with_local_first(tmp_path: Path, mode: str, requested: bool = True) -> dict[str, str]:
+    """Two ranks train, save at step 2 and get a stop signal at step 3; with ``requested`` the
+    job directory holds ``slots/local-first``, as an agent under ``--grace-action local``
+    creates it. Each rank is SIGKILLed right after its stop's save. The environment to
+    resume in."""
+    (tmp_path / "local_first.py").write_text(LOCAL_FIRST)
+    job = tmp_path / "job"
+    job.mkdir()
+    if requested:
+        (job / "slots").mkdir()
+        JobDir(job).local_first.touch()
+    env = {"HPC_ELASTIC_EVENTS_FILE": str(job / "events.jsonl"), contract.JOB_DIR_ENV: str(job)}
+    stopped = torchrun(tmp_path / "local_first.py", "stop", mode, cwd=tmp_path, env=env)
+    assert stopped.returncode != 0, "killed after the save"
+    expected = "['step-00000002']" if requested else "['step-00000003', 'step-00000002']"
+    assert lines(stopped.stdout, "stopped") == [f"3 shared: {expected}"] * 2, stopped.stdout
+    return env
+
+
+def resumed(tmp_path: Path, mode: str, env: dict[str, str]) -> list[str]:
+    output = torchrun_ok(tmp_path / "local_first.py", "resume", mode, cwd=tmp_path, env=env)
+    return sorted(line for line in output.splitlines() if " resumed: " in line)
+
+
+def loaded_tiers(env: dict[str, str]) -> dict[int | None, str]:
+    history = map(json.loads, Path(env["HPC_ELASTIC_EVENTS_FILE"]).read_text().splitlines())
+    loaded = [event["details"] for event in history if event["kind"] == "checkpoint_loaded"]
+    return {detail["rank"]: detail["tier"] for detail in loaded}
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_stop_saved_to_the_local_tier_first_resumes_there_and_then_reaches_the_shared_tier(
+    tmp_path: Path, mode: str
+) -> None:
+    env = stop_with_local_first(tmp_path, mode)
+    if mode == "async":
+        shutil.rmtree(tmp_path / "node-1")  # rank 1's node was replaced: a peer's copy serves
+    output = resumed(tmp_path, mode, env)
+    shared = "['step-00000003', 'step-00000002']"
+    assert output == [f"[default{r}]:rank={r} resumed: 3 True shared: {shared}" for r in (0, 1)]
+    assert loaded_tiers(env) == (
+        {0: "local", 1: "peer"} if mode == "async" else {0: "local", 1: "local"}
+    )
+    copy = tmp_path / "shared" / "step-00000003"
+    assert verify(copy) is None
+    assert local_tier.SHARED_OWED not in torch.load(copy / "state.pt", weights_only=True)
+    events_file = Path(env["HPC_ELASTIC_EVENTS_FILE"])
+    history = [json.loads(line) for line in events_file.read_text().splitlines()]
+    replicated = [e["details"] for e in history if e["details"].get("replicated") == "local"]
+    assert [detail["step"] for detail in replicated] == [3]
+
+
+def test_a_stop_saved_to_the_local_tier_first_falls_back_to_the_shared_tier_when_every_node_is_new(
+    tmp_path: Path,
+) -> None:
+    env = stop_with_local_first(tmp_path, "sync")
+    for node in ("node-0", "node-1"):
+        shutil.rmtree(tmp_path / node)
+    shared = "['step-00000002']"
+    assert resumed(tmp_path, "sync", env) == [
+        f"[default{r}]:rank={r} resumed: 2 True shared: {shared}" for r in (0, 1)
+    ]
+    assert loaded_tiers(env) == {0: "shared", 1: "shared"}
+
+
+def test_without_the_request_a_stop_save_goes_to_both_tiers(tmp_path: Path) -> None:
+    stop_with_local_first(tmp_path, "sync", requested=False)

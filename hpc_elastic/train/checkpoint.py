@@ -389,16 +389,44 @@ class Checkpointer:
         return local_tier.persists(self._saves[0], self.persist_every)
 
     def _save_locally(self, state: TrainState, saved_rng: list[dict[str, Any]]) -> bool:
-        """Every rank commits to its local tier; True when the shared tier is due as well."""
+        """Every rank commits to its local tier; True when the shared tier is due as well
+        (and not deferred: ``_local_first``)."""
         persist = self._persisting()
+        defer = persist and self._local_first(state.step)
         local = self._local()
         with preemption.saving():
             everyone(
-                lambda: local._write_payload(self._payload(state, saved_rng), state.step),
+                lambda: local._write_payload(
+                    _owing(self._payload(state, saved_rng), defer), state.step
+                ),
                 f"write checkpoint step {state.step} to the local tier '{local.directory}'",
             )
-        events.emit(events.Kind.CHECKPOINT, step=state.step, tier="local", rank=_dist.rank())
-        return persist
+        events.emit(
+            events.Kind.CHECKPOINT,
+            step=state.step,
+            tier="local",
+            rank=_dist.rank(),
+            **_deferred(defer),
+        )
+        return persist and not defer
+
+    def _local_first(self, step: int) -> bool:
+        """Collective, at a save due for the shared tier: True on every rank when the loop is
+        stopping (``should_stop`` answered stop, on every rank alike) and the job asks a stop's
+        save to go to the local tier first (``--grace-action local``: an agent found that a
+        whole save no longer fits the time Slurm leaves). The shared copy is then deferred to
+        the next start (``_replicate``). The agents publish the request in the job directory,
+        which ranks may read a moment apart, so any rank that sees it decides for all."""
+        if not preemption.stopping():
+            return False
+        wanted = any(_dist.gather_to_all(local_tier.local_first_requested()))
+        if wanted and _dist.rank() == 0:
+            log.info(
+                "Stop save of step %d goes to the node-local tier only (--grace-action local); "
+                "the shared tier gets it at the next start.",
+                step,
+            )
+        return wanted
 
     def _save_in_background(self, state: TrainState) -> Path | None:
         """Snapshot on the training thread, then serialise and commit behind it (rank 0)."""
@@ -430,13 +458,19 @@ class Checkpointer:
         """Every rank snapshots; its worker commits locally, then rank 0's to the shared tier
         when it is due."""
         step, persist, local = state.step, self._persisting(), self._local()
-        shared = persist and _dist.rank() == 0
+        defer = persist and self._local_first(step)
+        shared = persist and not defer and _dist.rank() == 0
 
         def commit(payload: dict[str, Any]) -> str:
             with preemption.saving():
                 written = local._write_payload(payload, step)
             events.emit(
-                events.Kind.CHECKPOINT, step=step, tier="local", rank=_dist.rank(), mode="async"
+                events.Kind.CHECKPOINT,
+                step=step,
+                tier="local",
+                rank=_dist.rank(),
+                mode="async",
+                **_deferred(defer),
             )
             return str(self._commit_snapshot(payload, step)) if shared else str(written)
 
@@ -444,7 +478,9 @@ class Checkpointer:
             if shared:
                 self._start_writer()
             payload = snapshot(self._payload(state, saved_rng), shared=self.writer == "process")
-            background.submit(lambda: commit(payload), f"write checkpoint step {step}")
+            background.submit(
+                lambda: commit(_owing(payload, defer)), f"write checkpoint step {step}"
+            )
 
         everyone(start, f"copy checkpoint step {step} into host memory")
         return local.directory / _name(step)
@@ -491,17 +527,18 @@ class Checkpointer:
         tier, step, holders = local_tier.choose_source(local_steps, shared_step)
         if step is None:
             return None
+        source = tier
         if tier == "shared":
             tier = self.tier
             assert shared is not None
             path = Path(shared)
-            self._restore(state, lambda: self._load_payload(path, state), path)
+            payload = self._restore(state, lambda: self._load_payload(path, state), path)
         elif all(found == step for found in local_steps):
             # Every rank holds this step: each maps its own file, as a shared-tier load does,
             # instead of reading it into memory and deserialising a copy (twice as slow).
             assert isinstance(mine, Path)
             path, local = mine, self._local()
-            self._restore(state, lambda: local._load_payload(path, state), path)
+            payload = self._restore(state, lambda: local._load_payload(path, state), path)
         else:
             if _dist.rank() in holders:
                 assert isinstance(mine, Path)
@@ -509,13 +546,36 @@ class Checkpointer:
             else:
                 path, data, tier = self._local().directory / _name(step), None, "peer"
             received = _dist.broadcast_bytes(data, holders[0])  # raw bytes, no pickle
-            self._restore(state, lambda: _loaded(state, local_tier.load_bytes(received)), path)
+            payload = self._restore(
+                state, lambda: _loaded(state, local_tier.load_bytes(received)), path
+            )
         emit_loaded(state.step, tier, _dist.rank())
         log.debug("rank %d resumed from the %s tier at step %d", _dist.rank(), tier, state.step)
+        # Every rank read the same checkpoint, so every rank decides alike.
+        owed = payload.get(local_tier.SHARED_OWED) is True
+        if source == "local" and local_tier.owes_shared(owed, step, shared_step):
+            self._replicate(payload, step)
         return path
 
-    def _restore(self, state: TrainState, read: Callable[[], dict[str, Any]], path: Path) -> None:
-        """Read on every rank, restore the RNG, and agree on the outcome (as ``load``)."""
+    def _replicate(self, payload: dict[str, Any], step: int) -> None:
+        """Collective: write a checkpoint restored from the local tier (or a peer) to the
+        shared tier, from rank 0, before training goes on: the shared copy its stop's save
+        deferred (``--grace-action local``). Every rank raises if it fails, as a save does."""
+        log.debug("step %d was saved to the local tier only: copying it to '%s'", step, self.where)
+        shared = {key: value for key, value in payload.items() if key != local_tier.SHARED_OWED}
+        with preemption.saving():
+            written = on_rank0(
+                lambda: str(self._write_payload(shared, step)),
+                f"copy checkpoint step {step} from the local tier to '{self.where}'",
+            )
+        if _dist.rank() == 0:
+            events.emit(events.Kind.CHECKPOINT, step=step, path=written, replicated="local")
+
+    def _restore(
+        self, state: TrainState, read: Callable[[], dict[str, Any]], path: Path
+    ) -> dict[str, Any]:
+        """Read on every rank, restore the RNG, and agree on the outcome (as ``load``); the
+        payload read."""
         problem: str | None = None
         try:
             payload = read()
@@ -531,6 +591,7 @@ class Checkpointer:
                 f"Could not load '{path}' on every rank ({problems[0]}); fix that rank's "
                 f"cause and restart."
             )
+        return payload
 
     def _load_payload(self, path: Path, state: TrainState) -> dict[str, Any]:
         """Read one checkpoint into ``state`` (held open, so retention leaves it alone)."""
@@ -951,6 +1012,16 @@ def everyone(action: Callable[[], object], what: str) -> None:
     problems = [found for found in _dist.gather_to_all(problem) if found is not None]
     if problems:
         raise CheckpointError(problems[0])
+
+
+def _owing(payload: dict[str, Any], owed: bool) -> dict[str, Any]:
+    """``payload`` marked as owing its shared copy (``local_tier.SHARED_OWED``) when ``owed``."""
+    return {**payload, local_tier.SHARED_OWED: True} if owed else payload
+
+
+def _deferred(owed: bool) -> dict[str, str]:
+    """The ``checkpoint`` event's detail for a local-tier save whose shared copy is deferred."""
+    return {"shared": "deferred"} if owed else {}
 
 
 def _loaded(state: TrainState, payload: dict[str, Any]) -> dict[str, Any]:

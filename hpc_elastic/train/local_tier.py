@@ -18,6 +18,12 @@ next node (``ring_neighbour``), which commits it on its own disk. A restart load
 from the rank that owns it when that rank still has it, else from the neighbour's copy, else
 from the shared tier (``choose_shard_sources``; see ``hpc_elastic.train.sharded_local``).
 
+Under ``--grace-action local`` (the agents found that a whole save no longer fits the time
+Slurm leaves a stopping slot) the save a stopping loop makes is committed to the local tier
+only, its payload marked ``SHARED_OWED``: the shared copy it would have had is owed. The next
+start that restores it from a local or peer copy writes it to the shared tier first
+(``owes_shared``); a start that finds no local copy falls back to the shared tier's newest.
+
 Node-local disks are shared by every user of the node, so the tier is the user's alone: its
 root must be the user's own directory that no one else may write (one another user made
 first is refused, ``private_tree``), every directory in it is 0700 and every file 0600,
@@ -31,6 +37,7 @@ import io
 import logging
 import os
 import stat
+from collections.abc import Mapping
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -49,9 +56,31 @@ PRIVATE_DIR_MODE = 0o700
 log = logging.getLogger(__name__)
 
 
+SHARED_OWED = "shared_owed"
+"""The payload key (True) of a local-tier checkpoint whose shared copy was deferred: a stop's
+save under ``--grace-action local``."""
+
+
 def persists(save_number: int, persist_every: int) -> bool:
     """The rule for the shared tier: every ``persist_every``-th save (the first is number 1)."""
     return save_number % max(persist_every, 1) == 0
+
+
+def local_first_requested(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether the job asks a stop's save to go to the local tier first: an agent of the job
+    created ``slots/local-first`` in the job directory (``--grace-action local``). False
+    outside a job. Local; ``Checkpointer`` agrees on it over every rank."""
+    job_dir = environ.get(contract.JOB_DIR_ENV)
+    if not job_dir:
+        return False
+    return (Path(job_dir) / contract.SLOTS_DIR / contract.LOCAL_FIRST_FILE).exists()
+
+
+def owes_shared(owed: bool, step: int, shared_step: int | None) -> bool:
+    """Whether a restart from the local tier (or a peer) at ``step`` must first write that
+    checkpoint to the shared tier: its save deferred the shared copy (``owed``) and the
+    shared tier holds nothing as new (a later start may already have written it)."""
+    return owed and (shared_step is None or step > shared_step)
 
 
 def choose_source(

@@ -45,6 +45,7 @@ _installed = False
 _heartbeat = Heartbeat()
 _calls = 0
 _announced = False
+_stopped = False
 
 
 def install_signal_handlers() -> None:
@@ -113,6 +114,12 @@ def requested() -> signal.Signals | None:
     return _requested
 
 
+def stopping() -> bool:
+    """Whether ``should_stop()`` has answered stop: the same on every rank (it is agreed), so a
+    save may decide by it collectively (``--grace-action local``'s local-first save). Local."""
+    return _stopped
+
+
 def should_stop(step: int | None = None) -> bool:
     """True on every rank once any rank was asked to stop; call it at the same step on all ranks.
 
@@ -126,7 +133,7 @@ def should_stop(step: int | None = None) -> bool:
     answers stop, it first waits for the commit in flight, so the final save and the exit
     that follow never race it, and it marks the heartbeat finished (see ``finish``).
     """
-    global _calls, _announced  # noqa: PLW0603
+    global _calls, _announced, _stopped  # noqa: PLW0603
     install_signal_handlers()
     lease.check()
     _calls += 1
@@ -141,6 +148,7 @@ def should_stop(step: int | None = None) -> bool:
     if _calls == 1:  # ... and every rank has done its first step.
         events.emit(events.Kind.FIRST_STEP, step=step)
     if stop:
+        _stopped = True
         finish()  # the loop ends here: its final save is not timed as a step
     if failed or (stop and background.used()):
         background.drain()  # raises the failure on every rank, or waits before the stop
