@@ -65,19 +65,28 @@ def read_secret_text(path: Path, option: str) -> str:
             f"{option} '{one_line(str(path))}' cannot be read ({error.strerror}); give a file "
             "of yours, mode 0600."
         ) from error
-    with os.fdopen(descriptor, "rb") as handle:
-        info = os.fstat(handle.fileno())
-        reason = (
-            "it is not a regular file"
-            if not stat.S_ISREG(info.st_mode)
-            else secret_file_reason(info.st_uid, info.st_mode, os.geteuid())
-        )
-        data = b"" if reason is not None else handle.read(MAX_SECRET_FILE_BYTES + 1)
+    # fstat before fdopen: Python refuses to wrap a directory's descriptor (and '' is '.').
+    info = os.fstat(descriptor)
+    reason = (
+        "it is not a regular file"
+        if not stat.S_ISREG(info.st_mode)
+        else secret_file_reason(info.st_uid, info.st_mode, os.geteuid())
+    )
+    if reason is not None:
+        os.close(descriptor)
+        data = b""
+    else:
+        with os.fdopen(descriptor, "rb") as handle:
+            data = handle.read(MAX_SECRET_FILE_BYTES + 1)
     if reason is not None:
         _log.debug("refusing %s %s: %s", option, path, reason)
+        fix = (
+            "give a file of yours, mode 0600"
+            if not stat.S_ISREG(info.st_mode)
+            else f"make it yours and private (chmod 600 '{one_line(str(path))}')"
+        )
         raise UsageError(
-            f"{option} '{one_line(str(path))}' is not trusted because {reason}; make it yours "
-            f"and private (chmod 600 '{one_line(str(path))}')."
+            f"{option} '{one_line(str(path))}' is not trusted because {reason}; {fix}."
         )
     if len(data) > MAX_SECRET_FILE_BYTES:
         raise UsageError(
