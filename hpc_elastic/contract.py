@@ -174,6 +174,8 @@ STATE_DIR_ENV = "HPC_ELASTIC_STATE_DIR"
 """The user's state directory (``ensemble.files.state_dir``); default
 ``$XDG_STATE_HOME/hpc-elastic``, i.e. ``~/.local/state/hpc-elastic``. It must be on a filesystem
 every node mounts (``$HOME`` is), since an ensemble's servers find each other through it."""
+ZK_REPLACES_ENV = "HPC_ELASTIC_ZK_REPLACES"
+"""Set by an ensemble's supervisor for a server it starts on a spare node: the myid it replaces."""
 ENSEMBLE_FILE = "ensemble.json"
 """The connect-string file of the user's running ensemble, in ``<state dir>/zk/`` (mode 0600)."""
 DEFAULT_ZK_SERVERS = 3

@@ -57,8 +57,7 @@ QUORUM_MAIN = "org.apache.zookeeper.server.quorum.QuorumPeerMain"
 POLL_S = 0.2
 SAME_PORTS_WAIT_S = 30.0
 """How long a server started in place waits for its old ports to be free again."""
-REPLACES_ENV = "HPC_ELASTIC_ZK_REPLACES"
-"""Set by the supervisor for a server it starts on a spare node: the myid it replaces."""
+REPLACES_ENV = contract.ZK_REPLACES_ENV
 
 
 # --- ports ------------------------------------------------------------------------------------
