@@ -7,6 +7,7 @@ repeated watches. A failure names each bad seed and the command that replays it.
 
 from __future__ import annotations
 
+import logging
 import shlex
 from collections.abc import Callable
 from dataclasses import replace
@@ -417,3 +418,11 @@ def test_a_job_without_faults_succeeds_on_every_node_with_its_workers(
         result = simulate(seed, ())
         assert result.violation is None, result.summary()
         assert (result.kind, result.restarts_used) == ("succeeded", 0) or result.kind == "closed"
+
+
+def test_running_many_schedules_leaves_the_processs_logging_as_it_found_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    run_many(0, 2)
+    logging.getLogger("hpc_elastic").warning("still heard")
+    assert "still heard" in caplog.text

@@ -1395,13 +1395,18 @@ def _to_10ms(when: float) -> float:
 
 
 def run_many(first_seed: int, schedules: int) -> Report:
-    """Run ``schedules`` seeds; the handlers' warnings (a straggler left out) stay quiet."""
+    """Run ``schedules`` seeds; the handlers' warnings (a straggler left out) stay quiet while
+    they run, and only then: the level is the whole process's, so it is put back after."""
+    before = logging.root.manager.disable
     logging.disable(logging.WARNING)
-    report = Report(first_seed, schedules)
-    for seed in range(first_seed, first_seed + schedules):
-        result = simulate(seed)
-        report.add(result)
-        if result.violation is not None:
-            shrunk = len(report.failures) < SHRUNK_IN_REPORT
-            report.failures.append(shrink(result) if shrunk else result)
+    try:
+        report = Report(first_seed, schedules)
+        for seed in range(first_seed, first_seed + schedules):
+            result = simulate(seed)
+            report.add(result)
+            if result.violation is not None:
+                shrunk = len(report.failures) < SHRUNK_IN_REPORT
+                report.failures.append(shrink(result) if shrunk else result)
+    finally:
+        logging.disable(before)
     return report
