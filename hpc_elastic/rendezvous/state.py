@@ -8,14 +8,25 @@ Nothing here does I/O or reads a clock, so every rule is unit-tested without Zoo
 from __future__ import annotations
 
 import json
-import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from enum import Enum
 from functools import cached_property, lru_cache
 from typing import Any, cast
 
-from hpc_elastic.errors import RendezvousError, one_line
+from hpc_elastic.decoding import (
+    Check,
+    MalformedError,
+    flag,
+    optional,
+    record,
+    seconds,
+    shown,
+    text,
+    tuple_of,
+    whole,
+)
+from hpc_elastic.errors import RendezvousError
 from hpc_elastic.rendezvous.api import Failure, NodeInfo, RendezvousSettings, Round
 from hpc_elastic.spec import NodeRange
 
@@ -104,96 +115,8 @@ def _record_fields(record: NodeInfo | Failure) -> dict[str, Any]:
 # so a malformed state is one ``RendezvousError`` sentence, never a crash in a decision rule
 # or a silently wrong value (``"closed": "no"`` is not "closed"). The checks are tables, one
 # entry per dataclass field (``STATE_FIELDS``, ``NODE_FIELDS``, ``FAILURE_FIELDS``): a new
-# field of the state is one entry more, and a test fails until it has one.
-
-
-class MalformedError(ValueError):
-    """One field of a decoded record has the wrong type or range; the text says which."""
-
-
-Check = Callable[[object, str], object]
-"""A JSON value and where it is (``members[2].host``) -> the field's value; raises
-``MalformedError``."""
-
-
-def _shown(value: object) -> str:
-    """A value quoted for the error sentence, short and on one line."""
-    quoted = repr(value)
-    return one_line(quoted if len(quoted) <= 30 else quoted[:27] + "...")
-
-
-def whole(low: int, high: int | None = None) -> Check:
-    """An integer (never a bool, a float or a string of digits) in ``[low, high]``."""
-
-    def check(value: object, where: str) -> object:
-        if type(value) is not int:
-            raise MalformedError(f"'{where}' is {_shown(value)}, not a whole number")
-        if value < low or (high is not None and value > high):
-            bounds = f"{low} or more" if high is None else f"from {low} to {high}"
-            raise MalformedError(f"'{where}' is {value}, out of range ({bounds})")
-        return value
-
-    return check
-
-
-def text(*, empty: bool = True) -> Check:
-    def check(value: object, where: str) -> object:
-        if type(value) is not str:
-            raise MalformedError(f"'{where}' is {_shown(value)}, not a string")
-        if not empty and not value:
-            raise MalformedError(f"'{where}' is empty")
-        return value
-
-    return check
-
-
-def flag(value: object, where: str) -> object:
-    if type(value) is not bool:
-        raise MalformedError(f"'{where}' is {_shown(value)}, not true or false")
-    return value
-
-
-def seconds(value: object, where: str) -> object:
-    """A time in seconds since 1970: a finite number, 0 or more (JSON may write it whole)."""
-    if type(value) not in (int, float):
-        raise MalformedError(f"'{where}' is {_shown(value)}, not a number of seconds")
-    number = float(value)  # type: ignore[arg-type]
-    if not math.isfinite(number) or number < 0:
-        raise MalformedError(f"'{where}' is {_shown(value)}, not a time (finite, 0 or more)")
-    return number
-
-
-def optional(check: Check) -> Check:
-    return lambda value, where: None if value is None else check(value, where)
-
-
-def tuple_of(check: Check) -> Check:
-    def convert(value: object, where: str) -> object:
-        if type(value) is not list:
-            raise MalformedError(f"'{where}' is {_shown(value)}, not a list")
-        return tuple(check(item, f"{where}[{index}]") for index, item in enumerate(value))
-
-    return convert
-
-
-def record(cls: type[Any], table: Mapping[str, Check]) -> Check:
-    """A JSON object with exactly ``table``'s keys, each checked, as a ``cls``."""
-
-    def convert(value: object, where: str) -> object:
-        subject = f"'{where}'" if where else "it"
-        if type(value) is not dict:
-            raise MalformedError(f"{subject} is {_shown(value)}, not an object")
-        if value.keys() != table.keys():
-            missing = sorted(table.keys() - value.keys())
-            unknown = sorted(value.keys() - table.keys())
-            what = (
-                f"lacks '{missing[0]}'" if missing else f"has an unknown field {_shown(unknown[0])}"
-            )
-            raise MalformedError(f"{subject} {what}")
-        prefix = f"{where}." if where else ""
-        return cls(**{name: check(value[name], prefix + name) for name, check in table.items()})
-
-    return convert
+# field of the state is one entry more, and a test fails until it has one. The checks
+# themselves are generic, shared with the other decoders (``hpc_elastic/decoding.py``).
 
 
 NODE_FIELDS: dict[str, Check] = {
@@ -247,10 +170,10 @@ _NODE = record(NodeInfo, NODE_FIELDS)
 def decode_state(raw: object) -> JobState:
     """A ``JobState`` from parsed JSON (``format`` included); raises ``MalformedError``."""
     if type(raw) is not dict:
-        raise MalformedError(f"it is {_shown(raw)}, not an object")
+        raise MalformedError(f"it is {shown(raw)}, not an object")
     fmt = raw.get("format")  # first: a newer layout is "another version", not a bad field
     if type(fmt) is not int or fmt != FORMAT:
-        raise MalformedError(f"its format is {_shown(fmt)}")
+        raise MalformedError(f"its format is {shown(fmt)}")
     state = cast(JobState, _STATE({k: v for k, v in raw.items() if k != "format"}, ""))
     for holds, broken in STATE_RULES:
         if not holds(state):
