@@ -329,7 +329,8 @@ def test_the_agent_starts_without_an_http_client() -> None:
 
 def test_render_imports_no_other_command(workdir: Path) -> None:
     imported = _imported_modules("render", "train.py").split()
-    for module, _, _ in cli.LAZY_COMMANDS.values():
+    others = {lazy.module for lazy in cli.LAZY_COMMANDS.values()} - {"hpc_elastic.commands.submit"}
+    for module in others:
         assert module not in imported
 
 
@@ -338,3 +339,18 @@ def test_dry_run_does_not_import_torch(workdir: Path) -> None:
     assert "jinja2" in imported
     for heavy in ("torch", "kazoo", "numpy"):
         assert heavy not in imported
+
+
+@pytest.mark.parametrize("name", list(cli.LAZY_COMMANDS))
+def test_the_root_help_lists_each_command_by_the_first_sentence_of_its_own_help(name: str) -> None:
+    """The root ``--help`` shows a summary kept in ``LAZY_COMMANDS`` so that it imports no
+    command; this is where a command's help and that summary cannot drift apart."""
+    command = cli._load_command(name)
+    help_text = " ".join((command.help or "").split())
+    assert help_text.startswith(cli.LAZY_COMMANDS[name].summary), help_text[:200]
+
+
+def test_the_root_help_imports_no_command_module() -> None:
+    imported = _imported_modules("--help").split()
+    for lazy in cli.LAZY_COMMANDS.values():
+        assert lazy.module not in imported

@@ -1,7 +1,21 @@
 """The command layer: one thin module per command, a Typer signature and a call into the domain.
 
-``cli`` registers ``submit`` (also ``render``) at import and loads the others lazily. The domain
+``cli`` loads each of them lazily, when it runs. The domain
 sits below: ``hpc_elastic.submission``, ``hpc_elastic.local``, ``hpc_elastic.ops`` and
 ``hpc_elastic.doctor``; the options ``submit`` and ``run`` share come from
 ``hpc_elastic.options``. The agent's command stays in ``hpc_elastic.agent.command``.
+
+``Invocation`` lives here, not in ``submit``: ``cli`` hands one to every command, and importing
+``submit`` would cost ``--help`` and every other command the whole submit path.
 """
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Invocation:
+    """The raw arguments, kept so the sbatch script can record the command that made it."""
+
+    argv: tuple[str, ...]

@@ -7,7 +7,6 @@ The options come from the option table (``hpc_elastic.options``); the domain is
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, cast
 
@@ -15,6 +14,7 @@ import typer
 
 from hpc_elastic import api, sensitive
 from hpc_elastic._click_compat import ParameterSource
+from hpc_elastic.commands import Invocation
 from hpc_elastic.config import load_config
 from hpc_elastic.ensemble.choice import choose_zk, require_alive
 from hpc_elastic.jobdir import CodeSnapshot
@@ -26,13 +26,6 @@ from hpc_elastic.submission import Plan, SlurmCommands
 
 slurm: SlurmCommands = commands
 """The Slurm layer submit talks to; tests swap in a fake."""
-
-
-@dataclass(frozen=True)
-class Invocation:
-    """The raw arguments, kept so the sbatch script can record the command that made it."""
-
-    argv: tuple[str, ...]
 
 
 SUBMIT_HELP = """Render the sbatch script for SCRIPT and submit it with sbatch.
