@@ -349,8 +349,9 @@ def parse_grace_action(text: str) -> str:
     if text not in GRACE_ACTIONS:
         raise UsageError(
             f"--grace-action {text!r:.100} is not one of {', '.join(GRACE_ACTIONS)}; give 'warn' "
-            "(say so in the events and status) or 'lead' (also stop before the time limit's "
-            "signal, early enough for the save)."
+            "(say so in the events and status), 'lead' (also stop before the time limit's "
+            "signal, early enough for the save) or 'local' (also save a stop's checkpoint to "
+            "--local-checkpoint-dir first)."
         )
     return text
 
@@ -689,11 +690,13 @@ SUBMIT_OPTIONS: tuple[Option, ...] = (
         "grace_action",
         str,
         "When a checkpoint save plus a step no longer fit the --signal lead or the "
-        "partition's (or QoS's) GraceTime: 'warn' in the events and status, or 'lead': also "
-        "stop each slot early enough before its time limit.",
+        "partition's (or QoS's) GraceTime: 'warn' in the events and status, 'lead': also "
+        "stop each slot early enough before its time limit, or 'local': also save a stop's "
+        "checkpoint to --local-checkpoint-dir only, and to the shared directory at the next "
+        "start.",
         parse_grace_action,
         default=GRACE_ACTIONS[0],
-        metavar="warn|lead",
+        metavar="warn|lead|local",
         agent=lambda value: () if value == GRACE_ACTIONS[0] else (("--grace-action", value),),
     ),
     Option(

@@ -593,6 +593,18 @@ class JobSpec:
                 "--zk-outage-limit '0' would end the agents at the first lost connection; give "
                 "the seconds an outage of ZooKeeper may last (e.g. 300)."
             )
+        if self.grace_action == "local" and self.local_checkpoint_dir is None:
+            raise UsageError(
+                "--grace-action 'local' saves a stop's checkpoint to the node-local tier, but "
+                "the job has none; add --local-checkpoint-dir DIR (a directory on each node's "
+                "own disk), or give --grace-action warn or lead."
+            )
+        if self.grace_action == "local" and self.signal.name not in ("USR1", "USR2"):
+            raise UsageError(
+                f"--grace-action 'local' tells a preemption or time limit from a cancel by "
+                f"--signal's USR1 or USR2, but the job's --signal is '{self.signal}', which "
+                "scancel's TERM cannot be told from; give e.g. --signal USR2@90."
+            )
 
     def _check_containers(self) -> None:
         """One runtime at most; mounts and an interpreter only with an image to use them in."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -378,7 +379,7 @@ from hpc_elastic.train.checkpoint import Checkpointer
 
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
 rank = dist.get_rank()
-phase, asynchronous = sys.argv[1], sys.argv[2] == "async"
+phase, asynchronous, signum = sys.argv[1], sys.argv[2] == "async", sys.argv[3]
 
 
 def checkpointer():
@@ -402,7 +403,7 @@ if phase == "stop":
             model.weight.fill_(float(step))
         state.step = step
         if step == 3 and rank == 1:
-            os.kill(os.getpid(), signal.SIGUSR2)  # the preemption's signal reaches one rank
+            os.kill(os.getpid(), signal.Signals[signum])  # the stop's signal reaches one rank
         stop = elastic.should_stop(step)
         if stop or step % 2 == 0:
             saver.save(state)
@@ -439,20 +440,28 @@ def test_a_restored_local_copy_owes_the_shared_tier_only_what_its_save_deferred(
     assert owes_shared(owed, step, shared_step) is replicate
 
 
-def test_the_local_first_request_is_the_job_directorys_file(tmp_path: Path) -> None:
+def test_the_local_first_request_is_the_job_directorys_file_and_a_deadlines_signal(
+    tmp_path: Path,
+) -> None:
     environ = {contract.JOB_DIR_ENV: str(tmp_path)}
-    assert not local_first_requested(environ)
-    assert not local_first_requested({})
+    assert not local_first_requested(signal.SIGUSR2, environ)
     JobDir(tmp_path).local_first.parent.mkdir()
     JobDir(tmp_path).local_first.touch()
-    assert local_first_requested(environ)
+    assert local_first_requested(signal.SIGUSR2, environ)
+    assert local_first_requested(signal.SIGUSR1, environ)
+    assert not local_first_requested(signal.SIGUSR2, {}), "outside a job"
+    assert not local_first_requested(None, environ), "no signal reached this rank"
+    assert not local_first_requested(signal.SIGTERM, environ), "a cancel: maybe no next start"
+    assert not local_first_requested(signal.SIGINT, environ)
 
 
-def stop_with_local_first(tmp_path: Path, mode: str, requested: bool = True) -> dict[str, str]:
-    """Two ranks train, save at step 2 and get a stop signal at step 3; with ``requested`` the
-    job directory holds ``slots/local-first``, as an agent under ``--grace-action local``
-    creates it. Each rank is SIGKILLed right after its stop's save. The environment to
-    resume in."""
+def stop_with_local_first(
+    tmp_path: Path, mode: str, requested: bool = True, stop: str = "SIGUSR2"
+) -> dict[str, str]:
+    """Two ranks train, save at step 2 and rank 1 gets the stop signal ``stop`` at step 3
+    (SIGUSR2: a preemption's); with ``requested`` the job directory holds
+    ``slots/local-first``, as an agent under ``--grace-action local`` creates it. Each rank is
+    SIGKILLed right after its stop's save. The environment to resume in."""
     (tmp_path / "local_first.py").write_text(LOCAL_FIRST)
     job = tmp_path / "job"
     job.mkdir()
@@ -460,15 +469,17 @@ def stop_with_local_first(tmp_path: Path, mode: str, requested: bool = True) -> 
         (job / "slots").mkdir()
         JobDir(job).local_first.touch()
     env = {"HPC_ELASTIC_EVENTS_FILE": str(job / "events.jsonl"), contract.JOB_DIR_ENV: str(job)}
-    stopped = torchrun(tmp_path / "local_first.py", "stop", mode, cwd=tmp_path, env=env)
+    stopped = torchrun(tmp_path / "local_first.py", "stop", mode, stop, cwd=tmp_path, env=env)
     assert stopped.returncode != 0, "killed after the save"
-    expected = "['step-00000002']" if requested else "['step-00000003', 'step-00000002']"
+    local_first = requested and stop == "SIGUSR2"
+    expected = "['step-00000002']" if local_first else "['step-00000003', 'step-00000002']"
     assert lines(stopped.stdout, "stopped") == [f"3 shared: {expected}"] * 2, stopped.stdout
     return env
 
 
 def resumed(tmp_path: Path, mode: str, env: dict[str, str]) -> list[str]:
-    output = torchrun_ok(tmp_path / "local_first.py", "resume", mode, cwd=tmp_path, env=env)
+    script = tmp_path / "local_first.py"
+    output = torchrun_ok(script, "resume", mode, "-", cwd=tmp_path, env=env)
     return sorted(line for line in output.splitlines() if " resumed: " in line)
 
 
@@ -513,5 +524,9 @@ def test_a_stop_saved_to_the_local_tier_first_falls_back_to_the_shared_tier_when
     assert loaded_tiers(env) == {0: "shared", 1: "shared"}
 
 
-def test_without_the_request_a_stop_save_goes_to_both_tiers(tmp_path: Path) -> None:
-    stop_with_local_first(tmp_path, "sync", requested=False)
+@pytest.mark.parametrize(("requested", "stop"), [(False, "SIGUSR2"), (True, "SIGTERM")])
+def test_without_the_request_or_a_deadline_a_stop_save_goes_to_both_tiers(
+    tmp_path: Path, requested: bool, stop: str
+) -> None:
+    """SIGTERM is a cancel's (scancel): the job may never start again to write the shared copy."""
+    stop_with_local_first(tmp_path, "sync", requested, stop)

@@ -4,6 +4,7 @@ from Slurm's records, the verdict, and the watch on real heartbeat files."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -11,10 +12,13 @@ import pytest
 from slurm_fake import array_slot, mocked_slurm
 
 from hpc_elastic import doctor
-from hpc_elastic.events import Kind
+from hpc_elastic.events import Event, Kind
+from hpc_elastic.jobdir import JobDir
+from hpc_elastic.ops.status import save_warning
 from hpc_elastic.slurm import grace
 from hpc_elastic.slurm.commands import parse_qos_table
 from hpc_elastic.slurm.elastic import Departure, departure
+from hpc_elastic.train.local_tier import local_first_requested
 
 CONFIG = {"PreemptType": "preempt/partition_prio", "PreemptMode": "REQUEUE"}
 GRACE5 = {"PartitionName": "grace5", "PreemptMode": "REQUEUE", "GraceTime": "5"}
@@ -224,3 +228,52 @@ def test_a_job_without_a_time_limit_never_moves_its_lead(tmp_path: Path) -> None
         )  # fmt: skip
         array_slot(tmp_path)._stop_before_the_end(34.0, lambda: stopped.append("stop"), print)
     assert stopped == []
+
+
+@pytest.mark.parametrize(("action", "published"), [("local", True), ("warn", False)])
+def test_with_grace_action_local_a_save_that_outgrows_the_gracetime_sends_stop_saves_local(
+    tmp_path: Path, action: str, published: bool
+) -> None:
+    """The agent publishes the decision in the job directory, where every worker of the job
+    (and of every later incarnation) reads it when its loop stops (train/local_tier.py)."""
+    said: list[tuple[str, dict[str, object]]] = []
+    partition = "PartitionName=grace5 PreemptMode=REQUEUE GraceTime=5\n"
+    with mocked_slurm() as slurm:
+        slurm.answer("scontrol", "-o", "show", "job", stdout="JobId=12 Partition=grace5 QOS=normal "
+                     "TimeLimit=UNLIMITED EndTime=Unknown\n")  # fmt: skip
+        slurm.answer("scontrol", "show", "config", stdout="PreemptType = preempt/partition_prio\n")
+        slurm.answer("scontrol", "-o", "show", "partition", stdout=partition)
+        run_dir = tmp_path / "n1"
+        run_dir.mkdir()
+        stops: list[str] = []
+        watch = array_slot(tmp_path).watch_grace(
+            run_dir, 15.0, action, lambda: stops.append("stop"), lambda k, **d: said.append((k, d))
+        )
+        watch.stop()
+        beat(run_dir / "heartbeat_0", "5", 990.0)
+        watch.poll()
+        beat(run_dir / "heartbeat_0", "5 checkpoint", 1000.0)
+        watch.poll()
+        assert not JobDir(tmp_path).local_first.exists(), "not before a save is known"
+        beat(run_dir / "heartbeat_0", "5", 1008.0)
+        assert watch.poll() is not None
+    assert JobDir(tmp_path).local_first.exists() is published
+    assert local_first_requested(signal.SIGUSR2, {"HPC_ELASTIC_JOB_DIR": str(tmp_path)}) is (
+        published
+    )
+    [(kind, details)] = said
+    assert (kind, details["action"]) == (Kind.GRACE, action)
+    assert stops == [], "nothing is stopped: only the next stop's save changes"
+
+
+def test_status_says_what_grace_action_local_does() -> None:
+    warned = Event(
+        kind=Kind.GRACE,
+        details={"message": "a save of 8.0 s plus a step of 0.5 s outgrow ...", "advice": "x"},
+    )
+    local = Event(kind=Kind.GRACE, details={**warned.details, "action": "local"})
+    assert "--grace-action local" not in (save_warning([warned]) or "")
+    assert (save_warning([local]) or "").endswith(
+        "; a stop's save goes to the node-local tier only, and to the shared tier at the next "
+        "start (--grace-action local)"
+    )

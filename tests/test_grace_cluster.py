@@ -82,3 +82,82 @@ def test_saves_longer_than_the_partitions_gracetime_are_warned_of_once_with_the_
     assert "outgrow the GraceTime of 5 s" in " ".join(shown.stdout.split()), shown.stdout
     assert wait_until(lambda: not cluster.squeue(), 240), cluster.squeue()
     assert len(warnings()) == 1, "one warning per job"
+
+
+SLOW_SHARED = REPO / "tests" / "workloads" / "slow_shared.py"
+
+
+def hold_every_node(cluster: Cluster) -> str:
+    """A ``high`` job on all four nodes: Slurm preempts every slot of a ``grace5`` job for it."""
+    job = cluster.run(
+        ["sbatch", "--parsable", "--partition=high", "--nodes=4", "--output=/dev/null",
+         "--wrap=srun sleep 600"]
+    ).stdout.strip()  # fmt: skip
+    assert wait_until(lambda: (job, "RUNNING") in cluster.squeue(), 60), cluster.squeue()
+    return job
+
+
+def test_with_grace_action_local_a_preemption_saves_locally_and_the_next_start_resumes_there(
+    cluster: Cluster, grace5: str, tmp_path: Path
+) -> None:
+    """Saves to the shared tier take 8 s (``slow_shared.py``), GraceTime is 5 s: the agents warn
+    and publish local-first; a preemption's save then goes to the node-local tier only, in
+    time, and the slots leave by themselves (the agents requeue them). Slurm holds them off
+    while the high job runs; the next start resumes at the stop's step from the local copies
+    and writes that step to the shared tier before training on."""
+    log = tmp_path / "steps.log"
+    result = hpc_elastic(
+        cluster,
+        tmp_path,
+        "submit",
+        "--nodes=1:2",
+        f"--partition={grace5}",
+        f"--zk={cluster.zk_hosts}",
+        "--no-prewarm",
+        "--no-snapshot",
+        "--signal=USR2@60",
+        "--grace-action=local",
+        f"--local-checkpoint-dir={tmp_path / 'node-local'}",  # the nodes share this disk
+        str(SLOW_SHARED),
+        "--",
+        "--every=40",  # 12 s of steps after a save: a preemption lands between saves
+        "--shared-seconds=8",
+        f"--log-file={log}",
+    )
+    assert result.returncode == 0, result.stderr
+    job, job_dir = submitted(result.stdout)
+    history = job_dir / "events.jsonl"
+
+    def said(kind: str) -> list[events.Event]:
+        return [event for event in events.read(history) if event.kind == kind]
+
+    assert wait_until(lambda: bool(said("grace")), 240, interval=0.5), list(events.read(history))
+    assert said("grace")[0].details["action"] == "local"
+    assert (job_dir / "slots" / "local-first").exists()
+    high = hold_every_node(cluster)
+    try:
+
+        def stop_saves() -> list[events.Event]:
+            return [e for e in said("checkpoint") if e.details.get("shared") == "deferred"]
+
+        assert wait_until(lambda: len(said("requeue")) >= 2, 120, interval=0.5), [
+            (e.kind, e.details) for e in events.read(history)
+        ]
+        [stopped] = {e.details["step"] for e in stop_saves()}
+        assert {e.details["cause"] for e in said("requeue")} == {"preemption"}
+    finally:
+        cluster.run(["scancel", high], check=False)
+
+    def resumed() -> list[str]:
+        return [line for line in log.read_text().splitlines() if not line.startswith("start=0 ")]
+
+    assert wait_until(lambda: bool(resumed()), 180, interval=0.5), list(events.read(history))
+    assert all(line.startswith(f"start={stopped} ") for line in resumed()), resumed()
+    loaded = said("checkpoint_loaded")
+    assert loaded[0].details["step"] == stopped
+    assert loaded[0].details["tier"] == "local"
+    replicated = [e for e in said("checkpoint") if e.details.get("replicated") == "local"]
+    assert [e.details["step"] for e in replicated] == [stopped]
+    assert (job_dir / "checkpoints" / f"step-{stopped:08d}").is_dir()
+    hpc_elastic(cluster, tmp_path, "cancel", job, "--log-dir", str(job_dir.parent))
+    assert wait_until(lambda: not cluster.squeue(), 120), cluster.squeue()

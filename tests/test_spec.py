@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hpc_elastic.errors import UsageError
+from hpc_elastic.options import agent_options
 from hpc_elastic.spec import (
     JobSpec,
     NodeRange,
@@ -263,3 +264,19 @@ def test_a_node_local_checkpoint_dir_must_be_mounted_where_the_workers_write() -
         local_checkpoint_dir=Path("/local/ckpt"),
     )
     assert mounted.container == "pyxis"
+
+
+def test_grace_action_local_needs_a_node_local_checkpoint_dir() -> None:
+    with pytest.raises(UsageError, match=r"--grace-action 'local' .* add --local-checkpoint-dir"):
+        JobSpec(script=Path("/train.py"), grace_action="local")
+    spec = JobSpec(
+        script=Path("/train.py"), grace_action="local", local_checkpoint_dir=Path("/local/ckpt")
+    )
+    assert agent_options({"grace_action": spec.grace_action}) == (("--grace-action", "local"),)
+    with pytest.raises(UsageError, match=r"--signal is 'TERM@90', .* give e\.g\. --signal USR2@90"):
+        JobSpec(
+            script=Path("/train.py"),
+            grace_action="local",
+            local_checkpoint_dir=Path("/local/ckpt"),
+            signal=PreemptSignal("TERM", 90),
+        )

@@ -175,7 +175,8 @@ def backfilled(record: JobRecord, history: list[Event], now: float | None) -> fl
 
 def save_warning(history: list[Event]) -> str | None:
     """The first ``grace`` warning of the job (one per job), with its advice and, when the
-    agents moved their time-limit signal, what they did."""
+    agents moved their time-limit signal or sent a stop's save to the local tier, what they
+    did."""
     warnings = [event for event in history if event.kind == Kind.GRACE]
     first = next((event for event in warnings if "advice" in event.details), None)
     if first is None:
@@ -186,6 +187,11 @@ def save_warning(history: list[Event]) -> str | None:
         text += f"; {advice}"
     if first.details.get("action") == "lead":
         text += "; the slots stop early enough before their time limit (--grace-action lead)"
+    if first.details.get("action") == "local":
+        text += (
+            "; a stop's save goes to the node-local tier only, and to the shared tier at the "
+            "next start (--grace-action local)"
+        )
     return text
 
 

@@ -1261,11 +1261,15 @@ class ElasticSlot:
     ) -> grace.GraceWatch:
         """Start the thread that times this node's saves (slurm/grace.py): when a save and a
         step no longer fit what Slurm leaves, the job's timeline gets one ``grace`` event
-        (the first agent to claim ``slots/grace-warned``), and with ``action`` ``lead`` this
-        slot stops itself (``stop``) early enough before its own time limit."""
+        (the first agent to claim ``slots/grace-warned``), with ``action`` ``lead`` this
+        slot stops itself (``stop``) early enough before its own time limit, and with
+        ``local`` every stop's save goes to the node-local tier first (``slots/local-first``,
+        which the workers read when their loop stops)."""
         paths = JobDir(self.job_dir)
 
         def warn(fit: grace.Fit) -> None:
+            if action == "local" and claim(paths.local_first):
+                log.debug("slot %s: the job's stop saves go to the local tier first", self.job_id)
             if claim(paths.slots / "grace-warned"):
                 emit(
                     Kind.GRACE,

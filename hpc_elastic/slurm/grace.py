@@ -19,7 +19,10 @@ When the save no longer fits, the job's timeline gets one ``grace`` event with t
 (one per job: the first agent to claim ``slots/grace-warned`` writes it), ``status`` shows it,
 and, with ``--grace-action lead``, each agent moves its own time-limit signal earlier: it
 stops its slot itself ``moved_lead`` seconds before its end, through the time-limit path.
-Preemption cannot be moved earlier; there the warning is all (docs/unattended.md).
+Preemption cannot be moved earlier; with ``--grace-action local`` the save is made smaller
+instead: the agent publishes the decision in the job directory (``JobDir.local_first``) and
+the save a stopping loop makes goes to the node-local tier only, its shared copy written at
+the next start (``train.local_tier``, docs/unattended.md).
 
 ``hpc-elastic doctor`` runs the same ``check`` before submit, from the partition's settings
 and a save measured in the checkpoint directory (or given by hand).
@@ -42,9 +45,10 @@ from hpc_elastic.errors import SlurmError
 
 log = logging.getLogger(__name__)
 
-GRACE_ACTIONS = ("warn", "lead")
+GRACE_ACTIONS = ("warn", "lead", "local")
 """What an agent does once a save no longer fits: say so (always), and with ``lead`` also
-move its own time-limit signal earlier (``moved_lead``)."""
+move its own time-limit signal earlier (``moved_lead``), with ``local`` also have every stop's
+save go to the node-local tier first (``JobDir.local_first``)."""
 SAVES_KEPT = 5
 """The newest saves a verdict rests on: the slowest of them is the save to plan for."""
 STEPS_KEPT = 50
@@ -242,7 +246,8 @@ class Fit:
         if self.grace_short:
             fixes.append(
                 f"ask for a GraceTime of {math.ceil(moved_lead(self.need_s))} s or more, save "
-                "less (a sharded or node-local checkpoint), or run where jobs are not preempted"
+                "less (a sharded checkpoint, or a stop's save to --local-checkpoint-dir with "
+                "--grace-action local), or run where jobs are not preempted"
             )
         return "; ".join(fixes)
 

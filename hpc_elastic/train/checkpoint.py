@@ -412,14 +412,16 @@ class Checkpointer:
 
     def _local_first(self, step: int) -> bool:
         """Collective, at a save due for the shared tier: True on every rank when the loop is
-        stopping (``should_stop`` answered stop, on every rank alike) and the job asks a stop's
-        save to go to the local tier first (``--grace-action local``: an agent found that a
-        whole save no longer fits the time Slurm leaves). The shared copy is then deferred to
-        the next start (``_replicate``). The agents publish the request in the job directory,
-        which ranks may read a moment apart, so any rank that sees it decides for all."""
+        stopping (``should_stop`` answered stop, on every rank alike), a deadline's signal
+        stopped it, and the job asks such a stop's save to go to the local tier first
+        (``--grace-action local``: an agent found that a whole save no longer fits the time
+        Slurm leaves). The shared copy is then deferred to the next start (``_replicate``).
+        The signal may reach some ranks only, and the agents publish the request in the job
+        directory, which ranks may read a moment apart, so any rank that asks decides for all."""
         if not preemption.stopping():
             return False
-        wanted = any(_dist.gather_to_all(local_tier.local_first_requested()))
+        mine = local_tier.local_first_requested(preemption.requested())
+        wanted = any(_dist.gather_to_all(mine))
         if wanted and _dist.rank() == 0:
             log.info(
                 "Stop save of step %d goes to the node-local tier only (--grace-action local); "

@@ -36,6 +36,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import signal
 import stat
 from collections.abc import Mapping
 from contextlib import suppress
@@ -66,12 +67,23 @@ def persists(save_number: int, persist_every: int) -> bool:
     return save_number % max(persist_every, 1) == 0
 
 
-def local_first_requested(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether the job asks a stop's save to go to the local tier first: an agent of the job
-    created ``slots/local-first`` in the job directory (``--grace-action local``). False
-    outside a job. Local; ``Checkpointer`` agrees on it over every rank."""
+DEADLINE_SIGNALS = frozenset({signal.SIGUSR1, signal.SIGUSR2})
+"""The stop signals Slurm sends ahead of a deadline: the job's ``--signal``, at a preemption
+(with ``preempt_send_user_signal``) and before the time limit; the agent also stops a slot
+with it for a drain and ``--grace-action lead``. SIGTERM (``scancel``, ``hpc-elastic cancel``)
+and SIGINT (Ctrl-C) end a job that may never start again to write a deferred shared copy."""
+
+
+def local_first_requested(
+    signum: signal.Signals | None, environ: Mapping[str, str] = os.environ
+) -> bool:
+    """Whether this rank asks its stop's save to go to the local tier first: it was stopped
+    by a deadline's signal (``DEADLINE_SIGNALS``; ``signum`` None: no signal reached it) and
+    an agent of the job created ``slots/local-first`` in the job directory
+    (``--grace-action local``). False outside a job. Local; ``Checkpointer`` agrees on it over
+    every rank."""
     job_dir = environ.get(contract.JOB_DIR_ENV)
-    if not job_dir:
+    if signum not in DEADLINE_SIGNALS or not job_dir:
         return False
     return (Path(job_dir) / contract.SLOTS_DIR / contract.LOCAL_FIRST_FILE).exists()
 
