@@ -94,12 +94,12 @@ ahead of them (``warm_modules``). ``torch.use_deterministic_algorithms`` sets
 it ``torch._dynamo`` and ``sympy``: 1.4 to 1.7 s more on top of ``import torch`` here, 5 s per
 worker when four start together on two loaded cores. ``examples/train.py`` calls it at its
 first line, so warm workers still paid it after the hand-over: 11 s of a 14 s restart on the
-local cluster (docs/benchmarks.md, "Prewarmed workers that really help"). ``torch.compile``
+local cluster (``bench/standby_bench.py``; docs/benchmarks.md, "Warm workers"). ``torch.compile``
 imports the same two packages. It costs a standby 70 MB more, so only scripts that name the
 call pay it. The first optimizer a process builds (``torch.optim``: its methods are wrapped
 to be skipped by dynamo) imports ``torch._dynamo``: 2.5 s for one process here, unloaded, and
 most of the 4-5 s an in-place replacement took to join the survivors in the side-by-side
-benchmark (docs/benchmarks.md); any script that says "optim" gets it warm."""
+benchmark (``bench/agent_bench.py --side-by-side``); any script that says "optim" gets it warm."""
 
 log = logging.getLogger(__name__)
 
