@@ -23,7 +23,7 @@ recovers at all) and the c10d rendezvous; an attempt that has not recovered with
 
     python bench/agent_bench.py --zk 127.0.0.1:2181 [--repeats 3] [--no-idle]
 
-``--side-by-side`` runs issue 17's table in one command: the three scenarios (worker SIGKILL,
+``--side-by-side`` runs the restart table in one command: the three scenarios (worker SIGKILL,
 node SIGKILL, a new node; 4 agents x 1 worker) for torchrun, the agent with cold workers,
 with ``--prewarm torch``, and with ``--in-place --prewarm torch`` (tests/workloads/
 train_inplace.py, which uses ``hpc_elastic.train.InPlace``). Every agent column needs a
@@ -451,7 +451,7 @@ def main() -> None:
     parser.add_argument(
         "--side-by-side",
         action="store_true",
-        help="Issue 17's table: the three scenarios for torchrun, cold, prewarmed and in-place.",
+        help="The restart table: the three scenarios for torchrun, cold, prewarmed and in-place.",
     )
     parser.add_argument(
         "--workload",
@@ -577,7 +577,7 @@ def side_by_side(
     *,
     workloads: list[Workload] | None = None,
 ) -> None:
-    """Issue 17's table in one run: rows are the three scenarios, columns the launchers, the
+    """The restart table in one run: rows are the three scenarios, columns the launchers, the
     in-place column last (its own workload and probe: fault -> a step by every rank of the new
     round, and, after ";", the survivors' first step after their agent knew the round).
     ``only`` and ``scenarios`` (``--only``, ``--scenario``) pick columns and rows; with other

@@ -1,4 +1,4 @@
-"""Elastic vs plain on Slurm: the issue's scenario, replayed on the local 4-node cluster.
+"""Elastic vs plain on Slurm: one scenario of busy nodes and a preemption, on the local cluster.
 
 The same events, at the same seconds after submission, for both modes:
 

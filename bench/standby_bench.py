@@ -1,6 +1,6 @@
 """Warm workers of examples/train.py: hand-over -> rank 0's first step, without a cluster.
 
-The smallest reproduction of a prewarmed restart (issue 17): ``--ranks`` standbys of
+The smallest reproduction of a prewarmed restart: ``--ranks`` standbys of
 ``examples/train.py`` start as the agent starts them (``standby_command`` through the PDEATHSIG
 trampoline), the bench waits until every one has finished its imports and sits on its stdin,
 then hands each its rank at once, as the agent does after a round forms, and times the hand-over

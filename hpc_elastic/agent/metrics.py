@@ -72,7 +72,7 @@ class AgentMetrics:
             "hpc_elastic_goodput_ratio", "Share of this agent's wall time its workers trained."
         )
         self.stragglers = counter(
-            "hpc_elastic_stragglers", "Ranks of this node reported as stragglers (issue 16)."
+            "hpc_elastic_stragglers", "Ranks of this node reported as stragglers."
         )
         self._straggler_score = Gauge(
             "hpc_elastic_straggler_score",
