@@ -26,6 +26,35 @@ from hpc_elastic.rendezvous import testing
 from hpc_elastic.rendezvous.secret import read_secret_file
 from hpc_elastic.rendezvous.zookeeper import DIGEST_USER, USERS
 
+SHARD_ENV = "HPC_ELASTIC_TEST_SHARD"
+"""``K/N``: run only the K-th of N equal shares of the selected tests (scripts/test-all runs the
+shared cluster's tests as two shares on two clusters at once, since they mostly wait)."""
+
+
+def _shard(text: str) -> tuple[int, int]:
+    """``K/N`` as (K, N), 1 <= K <= N; anything else stops the run with one sentence."""
+    number, _, total = text.partition("/")
+    if not (number.isdigit() and total.isdigit() and 1 <= int(number) <= int(total)):
+        raise pytest.UsageError(
+            f"{SHARD_ENV} {text!r} is not K/N with 1 <= K <= N; give e.g. 1/2, or unset it."
+        )
+    return int(number), int(total)
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k, so that the shares split what they selected
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With ``HPC_ELASTIC_TEST_SHARD=K/N``, every N-th test from the K-th on: the tests of one
+    file alternate between the shares, so a file of long tests does not land in one share."""
+    text = os.environ.get(SHARD_ENV)
+    if not text:
+        return
+    number, total = _shard(text)
+    kept = [item for index, item in enumerate(items) if index % total == number - 1]
+    dropped = [item for index, item in enumerate(items) if index % total != number - 1]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    items[:] = kept
+
 
 def _cluster_fixture(fixturenames: list[str]) -> str:
     """The fixture of the cluster a test runs on: its module's own, or the shared one."""
