@@ -156,6 +156,11 @@ DEFAULT_USER_SECRET_FILE = Path("~/.hpc-elastic/user-secret")
 bad node; ``hpc-elastic nodes`` and ``doctor`` read it, never create it. It guards the bad
 nodes remembered across the user's jobs in ZooKeeper, which no job's secret may guard since
 they outlive it."""
+GRACE_ACTIONS = ("warn", "lead", "local")
+"""``--grace-action``: what an agent does once a save no longer fits the time Slurm leaves
+(``slurm/grace.py``): say so (always, and nothing more with the default ``warn``), and with
+``lead`` also move its own time-limit signal earlier (``moved_lead``), with ``local`` also have
+every stop's save go to the node-local tier first (``JobDir.local_first``)."""
 CHECKPOINT_WHEN_BUSY_CHOICES = ("wait", "skip")
 DEFAULT_CHECKPOINT_WHEN_BUSY = "wait"
 DEFAULT_CHECKPOINT_KEEP = 3

@@ -13,6 +13,7 @@ A job directory holds everything one run needs and leaves behind::
         checkpoints/  what the training helpers save, unless the script says otherwise
         slots/        the requeue ledger of each elastic slot, <array task id>.json
         code/         the code snapshot: the script's project as submitted (``snapshot``)
+        heartbeat.json  the job's heartbeat (``write_beat``), for ``hpc-elastic watch``
         slurm-*.out   Slurm's output, one file per array task (elastic) or per job (fixed)
 
 ``JobDir`` names those paths (modelled on submitit's ``JobPaths``) and nothing else: no I/O,
@@ -36,6 +37,7 @@ from typing import Any
 
 from hpc_elastic import contract, events, trust
 from hpc_elastic.errors import UsageError
+from hpc_elastic.notify import check_url
 from hpc_elastic.spec import NodeRange, PreemptSignal, parse_zk
 
 JOB_FILE = contract.JOB_FILE
@@ -255,6 +257,41 @@ def write_private_bytes(path: Path, data: bytes) -> None:
     with os.fdopen(descriptor, "wb") as file:
         os.fchmod(file.fileno(), PRIVATE_FILE_MODE)
         file.write(data)
+
+
+# --- the job's heartbeat: written by one agent, read by ``hpc-elastic watch`` ---------------
+
+BEAT_FILE = "heartbeat.json"
+"""The job's heartbeat, in its job directory: ``{"at": time, "step": step, "slot": slot}``."""
+BEAT_S = 10.0
+"""Seconds between two writes of the job's heartbeat by the agent that writes it."""
+
+
+def write_beat(job_dir: Path, now: float, step: int | None, slot: str) -> None:
+    """Replace the job's heartbeat at once (a reader never sees half of it), mode 0600."""
+    scratch = job_dir / f".{BEAT_FILE}.{os.getpid()}"
+    write_private(scratch, json.dumps({"at": now, "step": step, "slot": slot}))
+    scratch.replace(job_dir / BEAT_FILE)
+
+
+@dataclass(frozen=True)
+class Beat:
+    at: float
+    step: int | None
+
+
+def read_beat(job_dir: Path) -> Beat | None:
+    """The job's heartbeat, or None: none yet (an older version, no agent ever ran), or one
+    that is not as written (any process of the user may write the job directory)."""
+    try:
+        raw = json.loads((job_dir / BEAT_FILE).read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    at, step = (raw.get("at"), raw.get("step")) if isinstance(raw, dict) else (None, None)
+    if not isinstance(at, int | float) or isinstance(at, bool):
+        return None
+    ok_step = isinstance(step, int) and not isinstance(step, bool)
+    return Beat(float(at), step if ok_step else None)
 
 
 @dataclass(frozen=True)
@@ -532,8 +569,6 @@ def _url(value: object, job_dir: Path) -> str | None:
     """The job's ``--notify`` URL, or None; one that is not an http(s) URL refuses the record."""
     if value is None:
         return None
-    from hpc_elastic.notify import check_url  # noqa: PLC0415 (notify -> events -> jobdir)
-
     try:
         return check_url(_word(value, "notify", job_dir) or "")
     except UsageError:

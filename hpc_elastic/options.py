@@ -35,9 +35,9 @@ from typing import Annotated, Any
 import typer
 
 from hpc_elastic import contract
+from hpc_elastic.contract import GRACE_ACTIONS
 from hpc_elastic.errors import UsageError
 from hpc_elastic.notify import check_url
-from hpc_elastic.slurm.grace import GRACE_ACTIONS
 from hpc_elastic.spec import (
     NodeRange,
     PreemptSignal,

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from slurm_fake import Reply, mocked_slurm
 
+from hpc_elastic import jobdir
 from hpc_elastic.commands import watch as command
 from hpc_elastic.errors import SlurmError
 from hpc_elastic.jobdir import JobRecord
@@ -52,7 +53,7 @@ def test_a_job_with_no_slot_running_is_alerted_once_after_the_delay_and_once_whe
     assert kind == "stalled"
     assert text.startswith("no slot of the job has run for 700 s")
     assert run(tmp_path, memory, 2500.0, held(1000.0)) == [], "said once"
-    back = watch.Look(running=1, quiet_since=2600.0, beat=watch.Beat(2600.0, 10), goodput=None)
+    back = watch.Look(running=1, quiet_since=2600.0, beat=jobdir.Beat(2600.0, 10), goodput=None)
     assert run(tmp_path, memory, 2610.0, back) == [("recovered", "stalled is over after 1610 s")]
     assert run(tmp_path, memory, 2620.0, back) == []
 
@@ -60,7 +61,7 @@ def test_a_job_with_no_slot_running_is_alerted_once_after_the_delay_and_once_whe
 def test_a_condition_that_ends_before_its_delay_is_never_said(tmp_path: Path) -> None:
     memory: dict[str, watch.JobWatch] = {}
     assert run(tmp_path, memory, 1100.0, held(1000.0)) == []
-    back = watch.Look(running=1, quiet_since=1100.0, beat=watch.Beat(1100.0, 1), goodput=None)
+    back = watch.Look(running=1, quiet_since=1100.0, beat=jobdir.Beat(1100.0, 1), goodput=None)
     assert run(tmp_path, memory, 1200.0, back) == []
     assert memory["train-1"].incidents == {}
 
@@ -71,7 +72,7 @@ def test_a_heartbeat_that_stops_or_a_step_that_stays_is_the_dead_mans_switch(
     memory: dict[str, watch.JobWatch] = {}
 
     def running(beat_at: float, step: int) -> watch.Look:
-        return watch.Look(running=2, quiet_since=0.0, beat=watch.Beat(beat_at, step), goodput=None)
+        return watch.Look(running=2, quiet_since=0.0, beat=jobdir.Beat(beat_at, step), goodput=None)
 
     assert run(tmp_path, memory, 1000.0, running(995.0, 10)) == []
     assert run(tmp_path, memory, 1200.0, running(1195.0, 11)) == []
@@ -98,7 +99,7 @@ def test_a_job_just_released_from_a_hold_is_no_dead_man(tmp_path: Path) -> None:
 
 def test_low_goodput_is_alerted_once(tmp_path: Path) -> None:
     memory: dict[str, watch.JobWatch] = {}
-    low = watch.Look(running=1, quiet_since=0.0, beat=watch.Beat(100.0, None), goodput=0.3)
+    low = watch.Look(running=1, quiet_since=0.0, beat=jobdir.Beat(100.0, None), goodput=0.3)
     [(kind, text)] = run(tmp_path, memory, 100.0, low)
     assert (kind, text.split(":")[0]) == ("goodput", "goodput is 30 %, under 50 %")
     assert run(tmp_path, memory, 110.0, low) == []
@@ -125,10 +126,10 @@ def test_the_memory_survives_a_run_and_is_private(tmp_path: Path) -> None:
 
 
 def test_the_job_heartbeat_is_read_back_and_garbage_is_none(tmp_path: Path) -> None:
-    watch.write_beat(tmp_path, 1234.5, 77, "0")
-    assert watch.read_beat(tmp_path) == watch.Beat(1234.5, 77)
-    (tmp_path / watch.BEAT_FILE).write_text('{"at": "soon"}')
-    assert watch.read_beat(tmp_path) is None
+    jobdir.write_beat(tmp_path, 1234.5, 77, "0")
+    assert jobdir.read_beat(tmp_path) == jobdir.Beat(1234.5, 77)
+    (tmp_path / jobdir.BEAT_FILE).write_text('{"at": "soon"}')
+    assert jobdir.read_beat(tmp_path) is None
 
 
 def test_install_writes_one_scrontab_entry_and_uninstall_removes_only_it(

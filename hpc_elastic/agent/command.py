@@ -27,7 +27,7 @@ from hpc_elastic.agent.agent import Agent, Prepared, prepare
 from hpc_elastic.agent.api import AgentSpec, ExitCode, parse_signal
 from hpc_elastic.errors import AgentError, RendezvousUnreachableError
 from hpc_elastic.events import Kind
-from hpc_elastic.jobdir import ensure_job_dir, untrusted_job_dir
+from hpc_elastic.jobdir import BEAT_S, ensure_job_dir, untrusted_job_dir, write_beat
 from hpc_elastic.logs import configure_from_env
 from hpc_elastic.options import AGENT_OPTIONS, with_options
 from hpc_elastic.rendezvous import local_store
@@ -345,8 +345,6 @@ def _beat_the_job(
     """The job's own heartbeat for a watcher outside it (``hpc-elastic watch``): every
     ``BEAT_S``, the job's lowest running slot (every agent of a job that is not an array)
     writes the time and the training step. Set the returned event to stop."""
-    from hpc_elastic.ops.watch import BEAT_S, write_beat  # noqa: PLC0415
-
     stop = threading.Event()
 
     def beat() -> None:

@@ -6,7 +6,7 @@ slot pending or held, a node crash that took the last one, agents that hang) say
 
 * ``stalled``: no slot has run for ``dead_after`` seconds (every slot pending, held or gone);
 * ``heartbeat``: slots run, but the job's heartbeat (``<job dir>/heartbeat.json``, written
-  every ``BEAT_S`` by one agent of the job: the lowest running slot) is older than
+  every ``jobdir.BEAT_S`` by one agent of the job: the lowest running slot) is older than
   ``heartbeat_after``, or its training step has not moved for that long: the dead man's
   switch;
 * ``goodput``: after ``goodput_after`` seconds of wall time, the job's goodput (the ``status``
@@ -29,15 +29,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hpc_elastic.events import Event
-from hpc_elastic.jobdir import JobRecord, index_file, write_private
+from hpc_elastic.jobdir import Beat, JobRecord, index_file, read_beat, write_private
 from hpc_elastic.slurm.commands import JobStatus
 
 log = logging.getLogger(__name__)
 
-BEAT_FILE = "heartbeat.json"
-"""The job's heartbeat, in its job directory: ``{"at": time, "step": step, "slot": slot}``."""
-BEAT_S = 10.0
-"""Seconds between two writes of the job's heartbeat by the agent that writes it."""
 DEAD_AFTER = 900.0
 HEARTBEAT_AFTER = 900.0
 GOODPUT_AFTER = 3600.0
@@ -45,36 +41,6 @@ MIN_GOODPUT = 0.5
 """The defaults of ``watch``'s thresholds (``--dead-after`` ... ``--min-goodput``)."""
 ENDED = "recovered"
 """The alert kind that says an incident ended."""
-
-
-# --- the job's heartbeat: written by one agent, read by the watcher --------------------------
-
-
-def write_beat(job_dir: Path, now: float, step: int | None, slot: str) -> None:
-    """Replace the job's heartbeat at once (a reader never sees half of it), mode 0600."""
-    scratch = job_dir / f".{BEAT_FILE}.{os.getpid()}"
-    write_private(scratch, json.dumps({"at": now, "step": step, "slot": slot}))
-    scratch.replace(job_dir / BEAT_FILE)
-
-
-@dataclass(frozen=True)
-class Beat:
-    at: float
-    step: int | None
-
-
-def read_beat(job_dir: Path) -> Beat | None:
-    """The job's heartbeat, or None: none yet (an older version, no agent ever ran), or one
-    that is not as written (any process of the user may write the job directory)."""
-    try:
-        raw = json.loads((job_dir / BEAT_FILE).read_bytes())
-    except (OSError, ValueError, RecursionError):
-        return None
-    at, step = (raw.get("at"), raw.get("step")) if isinstance(raw, dict) else (None, None)
-    if not isinstance(at, int | float) or isinstance(at, bool):
-        return None
-    ok_step = isinstance(step, int) and not isinstance(step, bool)
-    return Beat(float(at), step if ok_step else None)
 
 
 # --- the rules ---------------------------------------------------------------------------

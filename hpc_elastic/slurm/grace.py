@@ -45,10 +45,6 @@ from hpc_elastic.errors import SlurmError
 
 log = logging.getLogger(__name__)
 
-GRACE_ACTIONS = ("warn", "lead", "local")
-"""What an agent does once a save no longer fits: say so (always), and with ``lead`` also
-move its own time-limit signal earlier (``moved_lead``), with ``local`` also have every stop's
-save go to the node-local tier first (``JobDir.local_first``)."""
 SAVES_KEPT = 5
 """The newest saves a verdict rests on: the slowest of them is the save to plan for."""
 STEPS_KEPT = 50
