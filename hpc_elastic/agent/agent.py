@@ -971,13 +971,15 @@ class Agent:
             if not heartbeat.finished(worker.paths.heartbeat)  # its loop is over: not timed
         }
         times = {rank: proc.cpu_times(w.process.pid) for rank, w in running.items()}
+        marked = {rank: _reading(w) for rank, w in running.items()}
         verdict = watch.poll(
             time.time(),
-            {rank: _reading(w) for rank, w in running.items()},
-            # a rank writing a checkpoint cannot beat: time it by the checkpoint deadline
-            checkpointing=any(heartbeat.checkpointing(w.paths.heartbeat) for w in running.values()),
+            {rank: None if read is None else read[:2] for rank, read in marked.items()},
             queued={rank: cpu[1] for rank, cpu in times.items() if cpu is not None},
             ran={rank: cpu[0] for rank, cpu in times.items() if cpu is not None},
+            # a rank writing a checkpoint cannot beat: it is timed by the checkpoint deadline,
+            # learned from how long its saves took
+            saving={rank for rank, read in marked.items() if read is not None and read[2]},
         )
         for rank in verdict.stragglers:
             score = round(verdict.scores.get(rank, 0.0), 2)
@@ -1454,9 +1456,10 @@ class Agent:
             self._on_event(event)
 
 
-def _reading(worker: Worker) -> watchdog.Reading | None:
-    """A rank's heartbeat (mtime, step), or None before its first beat."""
+def _reading(worker: Worker) -> tuple[float, int | None, bool] | None:
+    """A rank's heartbeat (mtime, step, whether it is a checkpoint mark), or None before its
+    first beat."""
     try:
-        return heartbeat.read(worker.paths.heartbeat)
+        return heartbeat.read_marked(worker.paths.heartbeat)
     except OSError:
         return None

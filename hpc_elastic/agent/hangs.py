@@ -59,6 +59,10 @@ FINISHED = "finished"
 """Its training loop said it is over (``heartbeat.FINISHED``): not timed, never blamed."""
 UNKNOWN = "?"
 
+SAVE_PHASE = "checkpoint"
+"""``watchdog.Phase.CHECKPOINT``'s value, as a suspicion carries it (a plain string here: the
+rules never import the watchdog)."""
+
 
 @dataclass(frozen=True)
 class RankEvidence:
@@ -181,6 +185,13 @@ class Suspicion:
     """The deadline is ``--hang-timeout``, not learned."""
 
     def clause(self) -> str:
+        if self.phase == SAVE_PHASE:
+            # A save that hangs has its own words: what to look at is the storage, not a step.
+            how = "--hang-timeout" if self.overridden else "learned save deadline"
+            return (
+                f"the job hung in a checkpoint save: no progress for {self.waited:.1f} s while "
+                f"saving ({how} {self.deadline:.1f} s)"
+            )
         how = "--hang-timeout" if self.overridden else "learned deadline"
         return (
             f"the job made no progress for {self.waited:.1f} s in {self.phase} "

@@ -15,7 +15,7 @@ import math
 import re
 import statistics
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from hpc_elastic.events import Event, Kind
@@ -31,7 +31,9 @@ class Phase(enum.Enum):
     STEP = "step"
     """Between two heartbeats of a training loop."""
     CHECKPOINT = "checkpoint"
-    """Writing a checkpoint, during which the heartbeat does not move."""
+    """Writing a checkpoint, during which the heartbeat does not move: from the rank's mark
+    ("STEP checkpoint", ``train/heartbeat.py``) to the step it writes back after the save.
+    Its durations are learned apart from the steps' (``RankWatch._learn``)."""
 
 
 @dataclass(frozen=True)
@@ -311,6 +313,12 @@ class Hung:
         return (self.waited if self.counted is None else self.counted) > self.deadline
 
     def sentence(self, overridden: bool) -> str:
+        if self.phase is Phase.CHECKPOINT:
+            how = "--hang-timeout" if overridden else "learned save deadline"
+            return (
+                f"Rank {self.rank} hung in a checkpoint save: no progress for {self.waited:.1f} s "
+                f"while saving ({how} {self.deadline:.1f} s)."
+            )
         how = "--hang-timeout" if overridden else "learned deadline"
         return (
             f"Rank {self.rank} made no progress for {self.waited:.1f} s in {self.phase.value} "
@@ -341,10 +349,18 @@ class RankWatch:
     """Watches one round's local ranks through their heartbeats, learning as it goes.
 
     ``poll`` takes the time, each rank's heartbeat reading (None before its first beat),
-    whether a checkpoint is being written, and each rank's seconds spent waiting for a CPU so
-    far (``queued``, from ``/proc/PID/schedstat``); it feeds the durations it sees into
-    ``deadlines`` (kept by the agent across rounds) and returns the hung ranks and the new
-    stragglers.
+    which ranks' readings are a checkpoint mark (``saving``), and each rank's seconds spent
+    waiting for a CPU so far (``queued``, from ``/proc/PID/schedstat``); it feeds the
+    durations it sees into ``deadlines`` (kept by the agent across rounds) and returns the
+    hung ranks and the new stragglers.
+
+    **Saves** are learned as their own phase: from the reading that is a rank's mark to the
+    next one that is not (the step written back), a checkpoint duration, never a step. Counted
+    as a step, a save inflated the step deadline (a save every 50 steps is 2 % of the gaps,
+    above the 99th percentile) while the checkpoint deadline stayed at its initial value for
+    ever. A save shorter than a poll, mark and write-back both unseen, still counts as one
+    long step: the agent polls every 0.1 s, so only saves that short, which no deadline is
+    near, go unseen.
 
     **Under load** (docs/unattended.md, "Deadlines under load"): the time a rank waited for
     a CPU is not held against it, neither is the time this watch itself was polled late
@@ -372,6 +388,8 @@ class RankWatch:
     """Each rank's CPU seconds, as last read; and as read when its heartbeat last moved:"""
     _ran_at_move: dict[int, float] = field(default_factory=dict)
     _cpu_per_step: dict[int, deque[float]] = field(default_factory=dict)
+    _save_started: dict[int, float] = field(default_factory=dict)
+    """rank -> the mtime of its checkpoint mark, while its readings are the mark."""
     _polled_at: float | None = None
     _stalls: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=STALLS_KEPT))
     """(when a late poll came, seconds it was late)."""
@@ -381,21 +399,28 @@ class RankWatch:
         self,
         now: float,
         readings: Mapping[int, Reading | None],
+        *,
         checkpointing: bool = False,
         queued: Mapping[int, float] | None = None,
         ran: Mapping[int, float] | None = None,
+        saving: Collection[int] = (),
     ) -> Verdict:
         """``ran``: each rank's CPU seconds so far (``/proc/PID/schedstat``), for the CPU a
-        step takes (a hang's evidence: a rank that spins uses far more without a step)."""
+        step takes (a hang's evidence: a rank that spins uses far more without a step).
+        ``saving``: the ranks whose reading is a checkpoint mark, read with the reading (the
+        save's duration is learned from them). Every rank is timed by the checkpoint deadline
+        while one of them saves, or with ``checkpointing``: a rank that waits for a saving
+        peer cannot beat either."""
         self._note_stall(now)
         self._queued.update(queued or {})
         self._ran.update(ran or {})
+        checkpointing = checkpointing or bool(saving)
         moved = False
         hung = []
         waits = {}
         for rank, reading in sorted(readings.items()):
             if reading is not None:
-                moved |= self._learn(rank, reading)
+                moved |= self._learn(rank, reading, rank in saving)
                 if not checkpointing:
                     # A checkpoint mark rewrites the step after the collective, when every
                     # rank is there: it says nothing about who arrived last.
@@ -434,11 +459,14 @@ class RankWatch:
         """Seconds of late polls after ``since``."""
         return sum(min(late, at - since) for at, late in self._stalls if at > since)
 
-    def _learn(self, rank: int, reading: Reading) -> bool:
-        """Record a reading; True if the rank's heartbeat moved since the last poll."""
+    def _learn(self, rank: int, reading: Reading, saving: bool = False) -> bool:
+        """Record a reading (``saving``: it is a checkpoint mark); True if the rank's
+        heartbeat moved since the last poll."""
         previous = self._last.get(rank)
         if previous is not None and reading[0] <= previous[0]:
             return False
+        was_saving = rank in self._save_started
+        self._learn_save(rank, reading, saving)
         self._last[rank] = reading
         queued, queued_before = self._queued.get(rank), self._queued_at_move.get(rank)
         if queued is not None:
@@ -449,6 +477,10 @@ class RankWatch:
         if previous is None:
             self.deadlines.observe(Phase.STARTUP, reading[0] - self.started)
             return False
+        if was_saving:
+            # The gap since the mark was (part of) a save, observed as such by ``_learn_save``:
+            # not a step, neither its time nor its CPU (a save's serialising is no spin).
+            return True
         self.deadlines.observe(Phase.STEP, reading[0] - previous[0])
         seconds = step_seconds(previous, reading)
         if seconds is not None:
@@ -459,6 +491,23 @@ class RankWatch:
             if ran is not None and ran_before is not None:
                 steps = self._cpu_per_step.setdefault(rank, deque(maxlen=CPU_STEPS_KEPT))
                 steps.append(max(0.0, ran - ran_before) / advanced)
+        return True
+
+    def _learn_save(self, rank: int, reading: Reading, saving: bool) -> bool:
+        """Follow a rank's save through its readings; True when ``reading`` ends one (its
+        duration is then observed). A mark read again with a newer mtime (a second save's mark
+        after a save too short to see ended) starts the save afresh."""
+        started = self._save_started.pop(rank, None)
+        if saving:
+            self._save_started[rank] = reading[0]
+            if started is not None:
+                logger.debug("watchdog: rank %d marked a save again", rank)
+            return False
+        if started is None:
+            return False
+        seconds = reading[0] - started
+        logger.debug("watchdog: rank %d saved in %.3f s", rank, seconds)
+        self.deadlines.observe(Phase.CHECKPOINT, seconds)
         return True
 
     def _waiting(

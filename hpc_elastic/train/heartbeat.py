@@ -83,10 +83,19 @@ def read(path: Path | str) -> tuple[float, int | None]:
 
     A checkpoint mark keeps the step it follows, so the step does not seem to go backwards.
     """
+    mtime, step, _ = read_marked(path)
+    return mtime, step
+
+
+def read_marked(path: Path | str) -> tuple[float, int | None, bool]:
+    """``read``, and whether the text is a checkpoint mark, from the same read: the agent
+    learns how long a save takes from when the mark appears and goes (agent/watchdog.py), and
+    a second read could see the step written back after the first saw the mark."""
     path = Path(path)
     mtime = path.stat().st_mtime
     words = path.read_text().split()
-    return mtime, int(words[0]) if words and words[0].isdigit() else None
+    step = int(words[0]) if words and words[0].isdigit() else None
+    return mtime, step, words[1:] == [CHECKPOINT]
 
 
 class Heartbeat:
