@@ -38,7 +38,11 @@ from dataclasses import dataclass, field, replace
 
 from hpc_elastic.agent import agent as production
 from hpc_elastic.agent.agent import AfterRound, Outcome, RoundEnd, fence_after, poll_decision
-from hpc_elastic.errors import RendezvousClosedError, RendezvousError
+from hpc_elastic.errors import (
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousUnreachableError,
+)
 from hpc_elastic.rendezvous import state as st
 from hpc_elastic.rendezvous.api import (
     Failure,
@@ -72,6 +76,8 @@ SHRUNK_IN_REPORT = 5
 AFTER_ROUND_STEPS = 20
 """More actions than ``after_round`` ever takes for one round (it takes at most seven): a
 rule that keeps asking for more is a liveness bug of its own."""
+UNREACHABLE = "unreachable"
+"""How an agent cut off for longer than the outage limit ends (``SimAgent._guard``)."""
 FAULT_KINDS = ("worker_fail", "hang", "crash", "freeze", "partition", "preempt", "stuck")
 """``stuck``: the agent hangs for good on an unkillable worker while its ZooKeeper client
 keeps the session alive: the others must go on without it (``straggler_timeout``, the exit
@@ -309,13 +315,20 @@ class SimAgent:
             self._poll()
 
     def _guard(self, action: Callable[[], None]) -> None:
-        """The real agent's loop: job over, job closed, or rendezvous out of reach (exit 75)."""
+        """The real agent's loop (``Agent.run``): job over, job closed, cut off for longer
+        than the outage limit (exit 69, not requeued), or out of reach (exit 75, requeued)."""
         try:
             action()
         except JobFailedError as error:
             self._finish("failed", str(error))
         except RendezvousClosedError:
             self._finish("closed", "")
+        except RendezvousUnreachableError as error:
+            # ``Agent._unreachable``: the node leaves for good and its slot is not requeued.
+            # No drawn schedule gets here: its longest outage (``_cut_off``: three sessions,
+            # 18 s, plus a notification up to 3 s late) is far under the limit
+            # (``give_up_after``: ``min_wait``, 60 s), so ``_check_end`` counts it a violation.
+            self._finish(UNREACHABLE, str(error))
         except RendezvousError as error:
             self._exit_requeue(f"rendezvous error: {error}")
 
@@ -1286,6 +1299,10 @@ class World:
         for how, reason in self.endings:
             if how == "failed" and not reason:
                 raise Violation("liveness: the job failed without a reason")
+            if how == UNREACHABLE:
+                raise Violation(
+                    f"liveness: an agent gave up though no outage lasted so long: {reason}"
+                )
         if {"succeeded", "failed"} <= hows:
             raise Violation("success: one node succeeded and another failed the same job")
         if "succeeded" in hows and not self.server.closed:
