@@ -6,16 +6,29 @@ what the agents would share: each rank's /proc state, collective marker, stack a
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
+import json
+import logging
+import math
+from dataclasses import asdict, fields, replace
+from typing import cast
 
 import pytest
+from agent_fakes import MemoryJob
+from hypothesis import given, settings
+from hypothesis import strategies as hs
+from typed_json import decodes_or_refuses, each_value_replaced, json_values, mutated
 
+from hpc_elastic.agent import investigation
 from hpc_elastic.agent.hangs import (
     AMBIGUOUS,
     CULPRIT,
     DISMISSED,
+    EVIDENCE_FIELDS,
     EXITED,
     FINISHED,
+    RANK_FIELDS,
+    SUSPICION_FIELDS,
+    VERDICT_FIELDS,
     Member,
     NodeEvidence,
     RankEvidence,
@@ -24,6 +37,10 @@ from hpc_elastic.agent.hangs import (
     attribute,
     first_look,
 )
+from hpc_elastic.agent.workers import WorkerGroup
+from hpc_elastic.errors import AgentError
+from hpc_elastic.rendezvous.api import NodeInfo, RendezvousSettings, Round
+from hpc_elastic.spec import NodeRange
 
 MEMBERS = (Member("id0", "n0", 0, 2), Member("id1", "n1", 2, 2))
 CAUGHT = Suspicion(rank=0, phase="step", waited=61.0, deadline=60.0)
@@ -360,3 +377,139 @@ def test_a_rank_stopped_inside_a_collective_is_not_among_those_waiting_for_it() 
     verdict = attribute(nodes(in_backward(0), in_backward(1), frozen, in_backward(3)), MEMBERS)
     assert (verdict.kind, verdict.rank) == (CULPRIT, 2)
     assert "while ranks 0, 1 and 3 waited in backward for it;" in verdict.sentence
+
+
+# --- notes read back from the store: typed, and a malformed one is ignored with one warning ----
+
+evidence_values = hs.builds(
+    NodeEvidence,
+    node_id=hs.text(min_size=1, max_size=8),
+    slot=hs.text(max_size=8),
+    ranks=hs.lists(
+        hs.builds(
+            RankEvidence,
+            rank=hs.integers(0, 10**4),
+            state=hs.sampled_from(["R", "S", "T", "D", EXITED, FINISHED]),
+            age=hs.floats(0, 1e6),
+            cpu=hs.none() | hs.floats(0, 1e6),
+            inside=hs.none() | hs.booleans(),
+            dumped=hs.none() | hs.booleans(),
+            exit_code=hs.none() | hs.integers(-64, 255),
+        ),
+        max_size=3,
+    ).map(tuple),
+    stage=hs.sampled_from([1, 2]),
+    suspicion=hs.none() | hs.just(CAUGHT),
+)
+
+
+@settings(deadline=None)  # no timed assertion: a busy machine may take a second per example
+@given(json_values)
+def test_any_json_is_evidence_or_one_agent_error(value: object) -> None:
+    data = json.dumps(value).encode()
+    decodes_or_refuses(NodeEvidence.parse, data, AgentError, NodeEvidence)
+    decodes_or_refuses(Verdict.parse, data, AgentError, Verdict, asdict)
+
+
+@settings(deadline=None)
+@given(evidence=evidence_values, data=hs.data())
+def test_mutated_evidence_is_evidence_or_one_agent_error(
+    evidence: NodeEvidence, data: hs.DataObject
+) -> None:
+    assert NodeEvidence.parse(evidence.encode()) == evidence
+    mutant = mutated(json.loads(evidence.encode()), data)
+    decodes_or_refuses(NodeEvidence.parse, mutant, AgentError, NodeEvidence)
+
+
+def test_every_field_of_evidence_and_verdicts_meets_every_awkward_value() -> None:
+    evidence = nodes(waiting(0), stopped(1))["id0"]
+    for mutant in each_value_replaced(json.loads(evidence.encode())):
+        decodes_or_refuses(NodeEvidence.parse, mutant, AgentError, NodeEvidence)
+    verdict = attribute(nodes(waiting(0), waiting(1), stopped(2), waiting(3)), MEMBERS)
+    for mutant in each_value_replaced(json.loads(verdict.encode())):
+        decodes_or_refuses(Verdict.parse, mutant, AgentError, Verdict, asdict)
+
+
+def test_every_field_of_the_notes_has_a_check() -> None:
+    assert set(RANK_FIELDS) == {field.name for field in fields(RankEvidence)}
+    assert set(SUSPICION_FIELDS) == {field.name for field in fields(Suspicion)}
+    assert set(EVIDENCE_FIELDS) == {field.name for field in fields(NodeEvidence)}
+    assert set(VERDICT_FIELDS) == {field.name for field in fields(Verdict)}
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "said"),
+    [
+        (("ranks", 0, "rank"), True, "'ranks[0].rank' is True, not a whole number"),
+        (("ranks", 0, "age"), math.nan, "'ranks[0].age' is nan, not a time"),
+        (("ranks", 0, "inside"), "false", "'ranks[0].inside' is 'false', not true or false"),
+        (("ranks", 1, "state"), ["T"], "'ranks[1].state' is ['T'], not a string"),
+        (("suspicion", "waited"), "61", "'suspicion.waited' is '61', not a number of seconds"),
+        (("stage",), 2.0, "'stage' is 2.0, not a whole number"),
+    ],
+)
+def test_a_field_of_the_wrong_type_is_refused_not_coerced(
+    path: tuple[str | int, ...], value: object, said: str
+) -> None:
+    raw = json.loads(nodes(waiting(0), stopped(1))["id0"].encode())
+    at = raw
+    for step in path[:-1]:
+        at = at[step]
+    at[path[-1]] = value
+    with pytest.raises(AgentError) as refused:
+        NodeEvidence.parse(json.dumps(raw).encode())
+    assert said in str(refused.value)
+    assert str(refused.value).endswith("run the same hpc-elastic version on every node.")
+
+
+def test_a_malformed_note_is_one_warning_and_ignored_however_often_it_is_read(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    note = b'{"node_id": "id9", "slot": "n9", "ranks": [{"rank": "0"}], "stage": 1}'
+    with caplog.at_level(logging.WARNING, logger="hpc_elastic.agent.hangs"):
+        for _ in range(3):
+            assert NodeEvidence.decode(note, "the note of id9") is None
+            assert Verdict.decode(b'{"kind": "culprit"}', "the verdict") is None
+    warnings = [record.getMessage() for record in caplog.records]
+    assert len(warnings) == 2, warnings
+    assert warnings[0].startswith("Ignoring the note of id9: The hang evidence"), warnings
+    assert "'ranks[0].rank' is '0', not a whole number" in warnings[0]
+    assert warnings[1].startswith("Ignoring the verdict: The hang verdict"), warnings
+
+
+def test_the_investigation_leaves_out_a_malformed_note_and_decides_on_the_others(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Three nodes share on one stage through a real rendezvous: one note is not evidence, one
+    is a stopped rank's. The verdict rests on the good one and says who did not answer; the
+    malformed first answer agreed by some other version is taken for "go on", not a crash."""
+    job = MemoryJob(RendezvousSettings("hangs", NodeRange.parse("3")))
+    ids = ("id0", "id1", "id2")
+    nodes_ = [NodeInfo(node_id, "127.0.0.1", 2, f"n{index}") for index, node_id in enumerate(ids)]
+    rdzvs = [job.rendezvous(node) for node in nodes_]
+    rdzv_round = Round(1, tuple(nodes_), "127.0.0.1", 1, 0, 3)
+    garbage = b'{"node_id": "id1", "ranks": [], "stage": "two"}'
+    rdzvs[1].share(investigation.topic(1, 1, investigation.STACKS), garbage)
+    good = NodeEvidence("id2", "n2", (stopped(4), waiting(5)), 2, CAUGHT)
+    rdzvs[2].share(investigation.topic(1, 1, investigation.STACKS), good.encode())
+    rdzvs[2].agree(investigation.topic(1, 1, investigation.FIRST), b"[1, 2]")
+    with caplog.at_level(logging.WARNING, logger="hpc_elastic.agent.hangs"):
+        assert investigation.unanswered(rdzvs[0], 1, set()) == 1
+        assert investigation.unanswered(rdzvs[0], 1, set()) == 1
+        mine = NodeEvidence("id0", "n0", (waiting(0), waiting(1)), 2, CAUGHT)
+        look = investigation.Investigation(
+            rdzvs[0],
+            rdzv_round,
+            cast(WorkerGroup, None),  # not looked at: only the shared notes are
+            1,
+            {},
+            None,
+            0.01,
+            interrupted=lambda: False,
+        )
+        verdict = look._verdict(mine)
+    assert (verdict.kind, verdict.rank, verdict.node_id) == (CULPRIT, 4, "id2"), verdict
+    warnings = [record.getMessage() for record in caplog.records]
+    assert len(warnings) == 2, warnings
+    assert "the hang evidence of node 'id1'" in warnings[0] + warnings[1]
+    assert "the first answer agreed on 'hang-1-1.first'" in warnings[0] + warnings[1]

@@ -23,11 +23,27 @@ gathers the evidence, these rules decide, so every case is a unit test.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, cast
+
+from hpc_elastic.decoding import (
+    Check,
+    flag,
+    mapping_of,
+    one_of,
+    optional,
+    record,
+    seconds,
+    text,
+    tuple_of,
+    whole,
+)
+from hpc_elastic.errors import AgentError
 
 logger = logging.getLogger(__name__)
 
@@ -214,19 +230,26 @@ class NodeEvidence:
         return json.dumps(asdict(self), sort_keys=True).encode()
 
     @classmethod
-    def decode(cls, data: bytes) -> NodeEvidence | None:
-        """None for a note that is not evidence of this version (never trusted blindly)."""
+    def parse(cls, data: bytes) -> NodeEvidence:
+        """The evidence in ``data``, each field of its type (``EVIDENCE_FIELDS``), or one
+        ``AgentError`` sentence naming the field and its value."""
         try:
-            raw = json.loads(data)
-            ranks = tuple(RankEvidence(**rank) for rank in raw.pop("ranks"))
-            suspicion = raw.pop("suspicion")
-            return cls(
-                **raw,
-                ranks=ranks,
-                suspicion=Suspicion(**suspicion) if suspicion is not None else None,
-            )
-        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as error:
-            logger.debug("hangs: a note that is not evidence: %s", error)
+            return cast(NodeEvidence, _EVIDENCE(json.loads(data), ""))
+        except (ValueError, RecursionError) as error:  # MalformedError and JSON's errors
+            raise AgentError(
+                f"The hang evidence {data[:40]!r} is not what this agent shares ({error}); "
+                "run the same hpc-elastic version on every node."
+            ) from error
+
+    @classmethod
+    def decode(cls, data: bytes, where: str = "a hang note") -> NodeEvidence | None:
+        """``parse``, or None for a note that is not evidence of this version: one warning,
+        and the note is left out (its node counts as not answering), never a crash of the
+        investigation, nor a rule run on a value of the wrong type."""
+        try:
+            return cls.parse(data)
+        except AgentError as error:
+            _warn_once(data, where, error)
             return None
 
 
@@ -269,19 +292,104 @@ class Verdict:
         return json.dumps(asdict(self), sort_keys=True).encode()
 
     @classmethod
-    def decode(cls, data: bytes) -> Verdict | None:
+    def parse(cls, data: bytes) -> Verdict:
+        """The verdict in ``data``, each field of its type (``VERDICT_FIELDS``), or one
+        ``AgentError`` sentence naming the field and its value."""
         try:
-            raw = json.loads(data)
-            verdict = cls(**raw)
-        except (ValueError, TypeError, RecursionError) as error:
-            logger.debug("hangs: a note that is not a verdict: %s", error)
+            return cast(Verdict, _VERDICT(json.loads(data), ""))
+        except (ValueError, RecursionError) as error:  # MalformedError and JSON's errors
+            raise AgentError(
+                f"The hang verdict {data[:40]!r} is not one this agent agrees on ({error}); "
+                "run the same hpc-elastic version on every node."
+            ) from error
+
+    @classmethod
+    def decode(cls, data: bytes, where: str = "a hang verdict") -> Verdict | None:
+        """``parse``, or None (with one warning) for a verdict this version cannot read."""
+        try:
+            return cls.parse(data)
+        except AgentError as error:
+            _warn_once(data, where, error)
             return None
-        return verdict if verdict.kind in (CULPRIT, AMBIGUOUS, DISMISSED) else None
 
 
 CULPRIT = "culprit"
 AMBIGUOUS = "ambiguous"
 DISMISSED = "dismissed"
+
+# --- decoding what other agents shared ---------------------------------------------------------
+
+RANK_FIELDS: dict[str, Check] = {
+    "rank": whole(0),
+    "state": text(),
+    "age": seconds,
+    "waited": seconds,
+    "cpu": optional(seconds),
+    "cpu_per_step": optional(seconds),
+    "wchan": optional(text()),
+    "deadline": seconds,
+    "phase": text(),
+    "marker": optional(text()),
+    "inside": optional(flag),
+    "stack": optional(text()),
+    "waits_in": optional(text()),
+    "dumped": optional(flag),
+    "exit_code": optional(whole(-255, 255)),
+    "echo": flag,
+}
+"""``RankEvidence``'s fields (``hpc_elastic.decoding``): durations are finite and never
+negative (a NaN age would make every comparison false: never moving, never past its
+deadline), a flag is a JSON boolean (``"false"`` is true to Python), an exit code is a
+``Popen`` return code (negative: the signal)."""
+
+SUSPICION_FIELDS: dict[str, Check] = {
+    "rank": whole(0),
+    "phase": text(),
+    "waited": seconds,
+    "deadline": seconds,
+    "overridden": flag,
+}
+
+EVIDENCE_FIELDS: dict[str, Check] = {
+    "node_id": text(empty=False),
+    "slot": text(),
+    "ranks": tuple_of(record(RankEvidence, RANK_FIELDS, defaults=True)),
+    "stage": whole(1, 2),
+    "suspicion": optional(record(Suspicion, SUSPICION_FIELDS, defaults=True)),
+}
+"""``NodeEvidence``'s fields; a field a newer version added is refused (the note is left out),
+one an older version did not write takes its default."""
+
+VERDICT_FIELDS: dict[str, Check] = {
+    "kind": one_of((CULPRIT, AMBIGUOUS, DISMISSED)),
+    "sentence": text(),
+    "reporter": text(),
+    "rank": optional(whole(0)),
+    "node_id": text(),
+    "slot": text(),
+    "evidence": mapping_of(text()),
+}
+
+_EVIDENCE = record(NodeEvidence, EVIDENCE_FIELDS, defaults=True)
+_VERDICT = record(Verdict, VERDICT_FIELDS, defaults=True)
+
+WARNED_KEPT = 64
+"""Malformed notes remembered, so each is warned about once: an agent reads the same note at
+every poll of an investigation it has not joined yet, and again at each stage."""
+_warned: OrderedDict[bytes, None] = OrderedDict()
+
+
+def _warn_once(data: bytes, where: str, error: AgentError) -> None:
+    """Warn that the note ``data`` (read from ``where``) is ignored, once per note: logging
+    state only, no rule reads it."""
+    key = hashlib.sha256(where.encode() + b"\0" + data).digest()
+    if key in _warned:
+        logger.debug("hangs: %s is still unreadable", where)
+        return
+    _warned[key] = None
+    while len(_warned) > WARNED_KEPT:
+        _warned.popitem(last=False)
+    logger.warning("Ignoring %s: %s", where, error)
 
 
 def first_look(evidence: Mapping[str, NodeEvidence], members: Sequence[Member]) -> Verdict | None:

@@ -91,7 +91,8 @@ def unanswered(rdzv: Rendezvous, round_number: int, answered: set[int]) -> int |
             if (topic(round_number, number, FIRST) in topics)
             else None
         )
-        verdict = hangs.Verdict.decode(first) if first not in (None, GO_ON) else None
+        where = f"the first answer agreed on '{topic(round_number, number, FIRST)}'"
+        verdict = hangs.Verdict.decode(first, where) if first not in (None, GO_ON) else None
         if verdict is not None and verdict.kind == hangs.DISMISSED:
             answered.add(number)
             continue
@@ -225,7 +226,8 @@ class Investigation:
             dismissed = hangs.first_look(evidence, self.members)
             proposal = GO_ON if dismissed is None else dismissed.encode()
             answer = self.rdzv.agree(self._topic(FIRST), proposal)
-        verdict = hangs.Verdict.decode(answer) if answer != GO_ON else None
+        where = f"the first answer agreed on '{self._topic(FIRST)}'"
+        verdict = hangs.Verdict.decode(answer, where) if answer != GO_ON else None
         return verdict if verdict is not None and verdict.kind == hangs.DISMISSED else None
 
     # --- stage 2 --------------------------------------------------------------------------
@@ -264,9 +266,9 @@ class Investigation:
             evidence.setdefault(stacks.node_id, stacks)
             verdict = hangs.attribute(evidence, self.members)
             answer = self.rdzv.agree(self._topic(VERDICT), verdict.encode())
-        agreed = hangs.Verdict.decode(answer)
-        if agreed is None:  # a verdict this version cannot read: decide alone, say so
-            log.warning("hang %d: the agreed verdict is unreadable; deciding alone", self.number)
+        where = f"the verdict agreed on '{self._topic(VERDICT)}' (this node decides alone)"
+        agreed = hangs.Verdict.decode(answer, where)
+        if agreed is None:  # a verdict this version cannot read: decide alone (warned once)
             return hangs.attribute(self._shared(STACKS), self.members)
         return agreed
 
@@ -296,9 +298,14 @@ class Investigation:
     def _shared(self, part: str) -> dict[str, hangs.NodeEvidence]:
         found = {}
         for node_id, data in self.rdzv.shared(self._topic(part)).items():
-            evidence = hangs.NodeEvidence.decode(data)
+            where = f"the hang evidence of node '{node_id}' on '{self._topic(part)}'"
+            evidence = hangs.NodeEvidence.decode(data, where)
             if evidence is not None and evidence.node_id == node_id:
                 found[node_id] = evidence
+            elif evidence is not None:
+                log.warning(
+                    "Ignoring %s: it names node '%s', not its writer", where, evidence.node_id
+                )
         return found
 
 
