@@ -984,12 +984,20 @@ class Agent:
         for rank in verdict.stragglers:
             score = round(verdict.scores.get(rank, 0.0), 2)
             self._event(Kind.STRAGGLER, round=self._round_number, rank=rank, score=score)
-        number = investigation.unanswered(self.rdzv, rdzv_round.number, self._hangs_answered)
-        if number is None and not verdict.hung:
+        try:
+            number = investigation.unanswered(
+                self.rdzv, rdzv_round.number, self._hangs_answered, self._interruptibly
+            )
+            if number is None and not verdict.hung:
+                return None
+            if number is None:
+                number = investigation.next_number(self.rdzv, rdzv_round.number)
+            return self._investigate(group, rdzv_round, number, verdict)
+        except _Interrupted:
+            # A stop signal during the investigation's requests: the next poll drains the
+            # workers (thawed, they get the signal and --grace) and the agent leaves.
+            log.debug("%s: hang investigation given up on a stop signal", self._node)
             return None
-        if number is None:
-            number = investigation.next_number(self.rdzv, rdzv_round.number)
-        return self._investigate(group, rdzv_round, number, verdict)
 
     def _investigate(
         self, group: WorkerGroup, rdzv_round: Round, number: int, verdict: watchdog.Verdict
@@ -1019,6 +1027,7 @@ class Agent:
             interrupted=lambda: self._stop_signal is not None,
             say=self._say,
             keep_alive=self._lease_while_round_is_ours,
+            through=self._interruptibly,
         ).run()
         if found is None:
             return None

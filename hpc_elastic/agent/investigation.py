@@ -18,6 +18,13 @@ every node has looked at its own:
 
 Keys in the rendezvous' notes: ``hang-<round>-<n>.look`` and ``.stacks`` (each node's
 evidence), ``.first`` and ``.verdict`` (the agreed answers).
+
+Every request to the store goes ``through`` the agent's interruptible wait
+(``Agent._interruptibly``): kazoo holds a request until the connection comes back, for ever
+with a dead ensemble, and an investigation that made its requests on the agent's own thread
+kept a stop signal and the outage limit (``--zk-outage-limit``) from ending the agent. A
+signal or the limit ends the investigation with the wait's own exception; no rank is left
+frozen.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ import signal
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import Protocol, TypeVar
 
 from hpc_elastic.agent import hangs, proc, rootcause
 from hpc_elastic.agent.watchdog import Hung
@@ -37,6 +46,21 @@ from hpc_elastic.rendezvous.api import Rendezvous, Round
 from hpc_elastic.train import heartbeat
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Through(Protocol):
+    """How a store request is waited for: ``Agent._interruptibly``, which runs it on a helper
+    thread and raises on a stop signal or past the outage limit."""
+
+    def __call__(self, call: Callable[[], T], /) -> T: ...
+
+
+def directly(call: Callable[[], T]) -> T:
+    """A request made on the caller's thread: for tests of the rules without an agent."""
+    return call()
+
 
 EVIDENCE_WAIT = 30.0
 """Seconds an agent waits, at each stage, for every other member's evidence. A live agent
@@ -77,21 +101,20 @@ def members_of(rdzv_round: Round) -> list[hangs.Member]:
     return members
 
 
-def unanswered(rdzv: Rendezvous, round_number: int, answered: set[int]) -> int | None:
+def unanswered(
+    rdzv: Rendezvous, round_number: int, answered: set[int], through: Through = directly
+) -> int | None:
     """An investigation of this round that another agent opened and this one has not taken
     part in, and that is not over; None if there is none. From the notes the store pushed (no
-    request), but for an investigation whose first answer is in: a dismissed one is over,
-    and is added to ``answered``."""
+    request), but for an investigation whose first answer is in (asked ``through``): a
+    dismissed one is over, and is added to ``answered``."""
     topics = rdzv.sharers(topic_prefix(round_number))
     for number in sorted(_numbers(topics, round_number) - answered):
         if topic(round_number, number, VERDICT) in topics:
             continue  # over: the round ends with it
-        first = (
-            rdzv.agreed(topic(round_number, number, FIRST))
-            if (topic(round_number, number, FIRST) in topics)
-            else None
-        )
-        where = f"the first answer agreed on '{topic(round_number, number, FIRST)}'"
+        first_topic = topic(round_number, number, FIRST)
+        first = through(partial(rdzv.agreed, first_topic)) if first_topic in topics else None
+        where = f"the first answer agreed on '{first_topic}'"
         verdict = hangs.Verdict.decode(first, where) if first not in (None, GO_ON) else None
         if verdict is not None and verdict.kind == hangs.DISMISSED:
             answered.add(number)
@@ -142,6 +165,8 @@ class Investigation:
     keep_alive: Callable[[], None] = lambda: None
     """Called at every poll while waiting: the agent renews its workers' lease, or a rank
     thawed after a dismissal would fence itself at its next step (its lease gone stale)."""
+    through: Through = directly
+    """How each store request is waited for (see the module docstring)."""
     _frozen: list[Worker] = field(default_factory=list)
 
     @property
@@ -150,11 +175,19 @@ class Investigation:
 
     def run(self) -> Finding | None:
         """Both stages; None when the investigation was given up before any rank was harmed
-        (a stop signal, or the round changed under it): the caller's next poll acts on that."""
+        (a stop signal, or the round changed under it): the caller's next poll acts on that.
+        A request given up on (``through``'s exception) thaws the ranks and is raised."""
+        try:
+            return self._run()
+        except BaseException:
+            self._thaw()  # the agent's drain signals them next: they must be able to save
+            raise
+
+    def _run(self) -> Finding | None:
         node = self.rdzv.node
         look = hangs.NodeEvidence(node.node_id, node.slot, tuple(self._look()), 1, self.suspicion)
         self._freeze()
-        self.rdzv.share(self._topic(LOOK), look.encode())
+        self._share(LOOK, look)
         log.debug("%s: hang %d: looked at %d rank(s)", node.node_id, self.number, len(look.ranks))
         if not self._wait_for(LOOK, FIRST, give_up_on_change=True):
             self._thaw()
@@ -164,12 +197,24 @@ class Investigation:
             self._thaw()
             return Finding(dismissed, look, self.number)
         stacks = hangs.with_stage(look, self._stacks(look), 2)
-        self.rdzv.share(self._topic(STACKS), stacks.encode())
+        self._share(STACKS, stacks)
         self._wait_for(STACKS, VERDICT, give_up_on_change=False)
         return Finding(self._verdict(stacks), stacks, self.number)
 
     def _topic(self, part: str) -> str:
         return topic(self.rdzv_round.number, self.number, part)
+
+    def _share(self, part: str, evidence: hangs.NodeEvidence) -> None:
+        name, data = self._topic(part), evidence.encode()
+        self.through(lambda: self.rdzv.share(name, data))
+
+    def _agreed(self, part: str) -> bytes | None:
+        name = self._topic(part)
+        return self.through(lambda: self.rdzv.agreed(name))
+
+    def _agree(self, part: str, proposal: bytes) -> bytes:
+        name = self._topic(part)
+        return self.through(lambda: self.rdzv.agree(name, proposal))
 
     # --- stage 1 --------------------------------------------------------------------------
 
@@ -219,13 +264,13 @@ class Investigation:
 
     def _first_look(self, look: hangs.NodeEvidence) -> hangs.Verdict | None:
         """Stage 1's agreed answer: a DISMISSED verdict, or None: go on to the stacks."""
-        answer = self.rdzv.agreed(self._topic(FIRST))
+        answer = self._agreed(FIRST)
         if answer is None:
             evidence = self._shared(LOOK)
             evidence.setdefault(look.node_id, look)
             dismissed = hangs.first_look(evidence, self.members)
             proposal = GO_ON if dismissed is None else dismissed.encode()
-            answer = self.rdzv.agree(self._topic(FIRST), proposal)
+            answer = self._agree(FIRST, proposal)
         where = f"the first answer agreed on '{self._topic(FIRST)}'"
         verdict = hangs.Verdict.decode(answer, where) if answer != GO_ON else None
         return verdict if verdict is not None and verdict.kind == hangs.DISMISSED else None
@@ -240,7 +285,7 @@ class Investigation:
             f"A hang was caught; asking every local rank for its stacks (up to "
             f"{STACK_DUMP_DEADLINE:g} s) before killing them."
         )
-        answered = _dump(self.group, offsets)
+        answered = _dump(self.group, offsets, self.interrupted)
         self._frozen.clear()
         ranks = []
         for rank in look.ranks:
@@ -260,12 +305,12 @@ class Investigation:
 
     def _verdict(self, stacks: hangs.NodeEvidence) -> hangs.Verdict:
         """Stage 2's agreed verdict, from every member's evidence that came in time."""
-        answer = self.rdzv.agreed(self._topic(VERDICT))
+        answer = self._agreed(VERDICT)
         if answer is None:
             evidence = self._shared(STACKS)
             evidence.setdefault(stacks.node_id, stacks)
             verdict = hangs.attribute(evidence, self.members)
-            answer = self.rdzv.agree(self._topic(VERDICT), verdict.encode())
+            answer = self._agree(VERDICT, verdict.encode())
         where = f"the verdict agreed on '{self._topic(VERDICT)}' (this node decides alone)"
         agreed = hangs.Verdict.decode(answer, where)
         if agreed is None:  # a verdict this version cannot read: decide alone (warned once)
@@ -277,7 +322,8 @@ class Investigation:
     def _wait_for(self, part: str, answer: str, *, give_up_on_change: bool) -> bool:
         """Until every member shared on ``part``, or someone already agreed on ``answer``, or
         ``EVIDENCE_WAIT`` passed; False when given up (a stop signal; with
-        ``give_up_on_change``, the round changed: a member left, or the job was failed)."""
+        ``give_up_on_change``, the round changed: a member left, or the job was failed).
+        Cut off past the outage limit, ``check_reach`` raises, as the agent's own waits do."""
         wanted = {member.node_id for member in self.rdzv_round.members}
         shared, agreed = self._topic(part), self._topic(answer)
         deadline = time.monotonic() + EVIDENCE_WAIT
@@ -285,6 +331,7 @@ class Investigation:
             if self.interrupted() or (give_up_on_change and self.rdzv.changed.is_set()):
                 log.debug("hang %d: given up at %s", self.number, part)
                 return False
+            self.rdzv.check_reach()
             self.keep_alive()
             seen = self.rdzv.sharers(self._topic(""))
             if agreed in seen or wanted <= seen.get(shared, frozenset()):
@@ -297,7 +344,8 @@ class Investigation:
 
     def _shared(self, part: str) -> dict[str, hangs.NodeEvidence]:
         found = {}
-        for node_id, data in self.rdzv.shared(self._topic(part)).items():
+        name = self._topic(part)
+        for node_id, data in self.through(lambda: self.rdzv.shared(name)).items():
             where = f"the hang evidence of node '{node_id}' on '{self._topic(part)}'"
             evidence = hangs.NodeEvidence.decode(data, where)
             if evidence is not None and evidence.node_id == node_id:
@@ -320,11 +368,16 @@ def _size(path: os.PathLike[str]) -> int:
         return 0
 
 
-def _dump(group: WorkerGroup, offsets: Mapping[int, int]) -> dict[int, bool]:
+def _dump(
+    group: WorkerGroup, offsets: Mapping[int, int], interrupted: Callable[[], bool] = lambda: False
+) -> dict[int, bool]:
     """SIGABRT, then SIGCONT, each rank of ``offsets`` (its leader only: a DataLoader child's
     dump would bury the rank's), and wait until each died or began its dump: within
     ``STACK_DUMP_DEADLINE``, or ``DUMP_PATIENCE`` for a rank that waited for a CPU meanwhile.
-    Then SIGKILL what is left. Which ranks answered (False: silent, alive and mute)."""
+    Then SIGKILL what is left. Which ranks answered (False: silent, alive and mute).
+
+    A stop signal (``interrupted``) ends the waits at once: the ranks die of the dump anyway,
+    and the agent leaves without a verdict, within its grace rather than after the patience."""
     asked = [worker for worker in group.workers if worker.rank in offsets]
     queued = {worker.rank: proc.queued(worker.process.pid) for worker in asked}
     for worker in asked:
@@ -334,6 +387,10 @@ def _dump(group: WorkerGroup, offsets: Mapping[int, int]) -> dict[int, bool]:
     started = time.monotonic()
     answered: dict[int, bool] = {}
     while len(answered) < len(asked):
+        if interrupted():
+            for worker in asked:  # not judged: the investigation is given up
+                answered.setdefault(worker.rank, worker.returncode is not None)
+            break
         waited = time.monotonic() - started
         for worker in asked:
             if worker.rank in answered:
@@ -350,7 +407,7 @@ def _dump(group: WorkerGroup, offsets: Mapping[int, int]) -> dict[int, bool]:
     # Those that began their dump get the rest of the deadline to finish it.
     deadline = started + STACK_DUMP_DEADLINE
     while any(w.returncode is None for w in asked if answered[w.rank]) and (
-        time.monotonic() < deadline
+        time.monotonic() < deadline and not interrupted()
     ):
         time.sleep(0.02)
     log.debug(
