@@ -71,7 +71,7 @@ def run_agents(
 
 
 def test_a_hang_is_caught_by_a_learned_deadline_without_any_hang_timeout(tmp_path: Path) -> None:
-    job, codes, _, recorded = run_agents(
+    job, codes, said, recorded = run_agents(
         tmp_path,
         (sys.executable, str(WORKER)),
         env={"FAKE_WORKER_STOP": "1:0", "FAKE_WORKER_SECONDS": "4"},
@@ -84,6 +84,10 @@ def test_a_hang_is_caught_by_a_learned_deadline_without_any_hang_timeout(tmp_pat
     assert "made no progress" in root.message
     assert "in step (learned deadline" in root.message
     assert [e.details["hung"] for e in recorded if e.kind == "failure"] == [True]
+    # The agent's own output says who hung, then where, and where its stacks are.
+    [told] = [line for line in said if line.startswith("Hang, root cause: Rank 0 on node")]
+    assert "\n    Rank 0 hung in worker.py:" in told, told
+    assert told.endswith("; its log has every thread's stack."), told
 
 
 def test_a_user_error_fails_the_job_at_once_without_spending_a_restart(tmp_path: Path) -> None:

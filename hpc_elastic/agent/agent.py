@@ -360,6 +360,9 @@ class _Ended:
     this node's ranks only waited, and the round ends as for an echo of a peer's failure."""
     sentence: str = ""
     """A hang's verdict, the one sentence the failure is read as."""
+    said: str = ""
+    """What the agent prints under a hang's sentence: where the culprit hung and where its
+    stacks are (``rootcause.hung_sentence``), or each rank's evidence when nobody is blamed."""
     node_fault: bool = True
     """Whether the failure counts against this node (never for a hang not blamed on it)."""
     blamed: int | None = None
@@ -377,6 +380,8 @@ class _RoundFacts:
     hang: bool = False
     """The failure is a hang's (``_Ended.hung`` or ``victim``)."""
     sentence: str = ""
+    said: str = ""
+    """``_Ended.said``."""
     node_fault: bool = True
     blamed: int | None = None
     """A hang's culprit, None when nobody is blamed."""
@@ -1070,10 +1075,15 @@ class Agent:
         if investigation.culprit_here(verdict, node.node_id):
             assert verdict.rank is not None
             worker = next(w for w in group.workers if w.rank == verdict.rank)
-            reason = f"{verdict.sentence}\n{rootcause.hung_sentence(worker.rank, worker.paths.log)}"
-            failure = self._failure(verdict.rank, None, reason)
+            where = rootcause.hung_sentence(worker.rank, worker.paths.log)
+            failure = self._failure(verdict.rank, None, f"{verdict.sentence}\n{where}")
             return _Ended(
-                Outcome.FAILED, failure, hung=True, sentence=verdict.sentence, blamed=verdict.rank
+                Outcome.FAILED,
+                failure,
+                hung=True,
+                sentence=verdict.sentence,
+                said=where,
+                blamed=verdict.rank,
             )
         lines = "\n".join(f"rank {rank}: {line}" for rank, line in verdict.evidence.items())
         # The rendezvous state wants a rank: the culprit's, else this node's first (the
@@ -1096,6 +1106,7 @@ class Agent:
             hung=here,
             victim=not here,
             sentence=verdict.sentence,
+            said=lines,
             node_fault=False,
             blamed=verdict.rank,
         )
@@ -1124,6 +1135,7 @@ class Agent:
             failure,
             hang=ended.hung or ended.victim,
             sentence=ended.sentence,
+            said=ended.said,
             node_fault=ended.node_fault,
             blamed=ended.blamed,
         )
@@ -1238,7 +1250,11 @@ class Agent:
         or on nobody)."""
         hung = facts.hang
         if facts.sentence:
-            self._say(f"Hang, root cause: {facts.sentence}")
+            # The verdict's sentence first, then where the culprit hung and that its log has
+            # every thread's stack, or each rank's evidence; not the log's tail (the failure's
+            # message keeps that), which buried the sentence once.
+            body = "".join(f"\n    {line}" for line in facts.said.splitlines())
+            self._say(f"Hang, root cause: {facts.sentence}{body}")
         else:
             self._say(f"Worker failure, root cause:\n{rootcause.summary(failure)}")
         self._event(
