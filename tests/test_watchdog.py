@@ -308,7 +308,7 @@ def test_arrival_lags_come_from_the_newest_step_every_rank_reached() -> None:
     )
 
 
-# --- deadlines under load (docs/unattended.md, "Deadlines under load") ---------------------
+# --- deadlines under load (docs/reliability.md, "Deadlines under load") ---------------------
 
 
 def learned(rank_watch: RankWatch, ranks: int = 2, queued: float = 0.0) -> dict[int, float]:

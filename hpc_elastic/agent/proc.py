@@ -44,7 +44,7 @@ def cpu_times(pid: int) -> tuple[float, float] | None:
     """Seconds the process's main thread ran on a CPU and waited in a run queue for one, from
     ``/proc/PID/schedstat``; None if unknown. A process that wants a CPU and cannot get one
     (the machine is busy) accumulates the second: the watchdog does not hold that time
-    against it (docs/unattended.md, "Deadlines under load")."""
+    against it (docs/reliability.md, "Deadlines under load")."""
     try:
         with open(f"/proc/{pid}/schedstat", "rb") as file:
             ran, queued, *_ = file.read().split()

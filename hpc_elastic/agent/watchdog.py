@@ -362,7 +362,7 @@ class RankWatch:
     long step: the agent polls every 0.1 s, so only saves that short, which no deadline is
     near, go unseen.
 
-    **Under load** (docs/unattended.md, "Deadlines under load"): the time a rank waited for
+    **Under load** (docs/reliability.md, "Deadlines under load"): the time a rank waited for
     a CPU is not held against it, neither is the time this watch itself was polled late
     (with ``poll_interval`` given: the agent was not scheduled, the machine is busy). A hung
     rank still exceeds its deadline: one that sleeps (a stopped rank, a rank waiting in a
