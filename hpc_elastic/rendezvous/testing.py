@@ -63,6 +63,12 @@ class ZooKeeperServer:
     peers: list[tuple[int, int]] = field(default_factory=list)
     """(quorum port, election port) of every server, in myid order; empty for standalone."""
     process: subprocess.Popen[bytes] | None = None
+    heap: str = "256m"
+    """The JVM's ``-Xmx``: the default suits tests; the scale bench's thousands of sessions
+    and watches need more."""
+    options: dict[str, str] = field(default_factory=dict)
+    """More ``zoo.cfg`` lines, e.g. ``maxClientCnxns=0``: by default a server takes 60
+    connections from one address, and every client of a loopback bench is 127.0.0.1."""
 
     @property
     def hosts(self) -> str:
@@ -82,6 +88,7 @@ class ZooKeeperServer:
             "clientPortAddress=127.0.0.1",
             "admin.enableServer=false",
             "4lw.commands.whitelist=ruok,srvr,stat,mntr,conf",
+            *(f"{key}={value}" for key, value in self.options.items()),
         ]
         for number, (quorum, election) in enumerate(self.peers, start=1):
             lines.append(f"server.{number}=127.0.0.1:{quorum}:{election}")
@@ -96,7 +103,15 @@ class ZooKeeperServer:
         classpath = [str(ZOOKEEPER_JAR), *([str(SLF4J_SIMPLE)] if SLF4J_SIMPLE.exists() else [])]
         with (self.data_dir / "zk.out").open("ab") as log:
             self.process = subprocess.Popen(
-                ["java", "-Xmx256m", *LOGGER_FLAGS, "-cp", ":".join(classpath), main, str(config)],
+                [
+                    "java",
+                    f"-Xmx{self.heap}",
+                    *LOGGER_FLAGS,
+                    "-cp",
+                    ":".join(classpath),
+                    main,
+                    str(config),
+                ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -127,11 +142,37 @@ class ZooKeeperServer:
         self.process = None
 
 
-def ensemble(base: Path, size: int = 3) -> list[ZooKeeperServer]:
+def ensemble(
+    base: Path, size: int = 3, *, heap: str = "256m", options: dict[str, str] | None = None
+) -> list[ZooKeeperServer]:
     """``size`` servers that form one quorum on loopback; start them all, then wait."""
     ports = free_ports(3 * size)
     peers = [(ports[size + 2 * i], ports[size + 2 * i + 1]) for i in range(size)]
     return [
-        ZooKeeperServer(base / f"zk{i + 1}", port=ports[i], myid=i + 1, peers=peers)
+        ZooKeeperServer(
+            base / f"zk{i + 1}",
+            port=ports[i],
+            myid=i + 1,
+            peers=peers,
+            heap=heap,
+            options=dict(options or {}),
+        )
         for i in range(size)
     ]
+
+
+def mode(port: int) -> str | None:
+    """The role the server on ``port`` says it plays (``srvr``'s ``Mode:`` line: "leader",
+    "follower", "standalone"), or None when it does not answer."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2.0) as probe:
+            probe.sendall(b"srvr")
+            reply = b""
+            while chunk := probe.recv(4096):
+                reply += chunk
+    except OSError:
+        return None
+    for line in reply.decode(errors="replace").splitlines():
+        if line.startswith("Mode:"):
+            return line.split(":", 1)[1].strip()
+    return None

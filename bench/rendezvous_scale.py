@@ -1,0 +1,694 @@
+"""Rendezvous at scale: N simulated agents over P driver processes against a real ZooKeeper.
+
+Each agent is the real ``StoreRendezvous`` on a real ``ZooKeeperStore``; a driver process
+runs its share of the agents, one thread each, over sessions of its own (one per agent, or
+one per 16 agents where N sessions do not fit the machine: ``--share``). The drivers are
+the 16-process harness of ``bench/rendezvous_bench.py`` grown into a scenario. Per N and
+per server kind (one standalone server, a 3-server ensemble on loopback ports):
+
+  * round 1, a join storm: every agent joins at once and calls ``next_round``;
+  * then ``--rounds`` restarts (5): one agent reports a worker failure, and every agent, once
+    its round is superseded (``changed``), calls ``next_round`` again, as after a failure.
+    The round time of the table (median, p99) is theirs: a job pays it at every restart;
+  * a kill: the driver that holds 1 % of the agents is SIGKILLed; the others notice once
+    the victims' sessions expire, and form the next round without them (detect, re-form);
+  * on the ensemble, a leader kill: the leader is SIGKILLed in the middle of a restart round.
+
+Per round: time from the trigger (the common start, the failure report, the kill) until the
+last agent holds the new round; bytes, requests and watch events each agent's sessions read
+and wrote (counted in the drivers' kazoo connections, divided by the agents sharing them);
+ZooKeeper's CPU and the drivers' CPU (from /proc). Every round is checked: every agent holds
+the same round, each rank once, ranks 0..N-1.
+
+Usage::
+
+    python bench/rendezvous_scale.py --quick                # N = 64 and 256, 3 rounds
+    python bench/rendezvous_scale.py --sizes 4096 --servers 3 --json out.json
+    python bench/rendezvous_scale.py --fit out.json more.json   # round time against N
+
+Prints one Markdown row per (N, servers), and with ``--json`` writes every measured figure.
+The script re-invokes itself as ``... driver <json>`` for each driver process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from hpc_elastic.rendezvous import testing  # noqa: E402
+from hpc_elastic.rendezvous.api import (  # noqa: E402
+    Failure,
+    NodeInfo,
+    RendezvousSettings,
+    Round,
+)
+from hpc_elastic.rendezvous.backend import ConnectionState  # noqa: E402
+from hpc_elastic.rendezvous.handler import StoreRendezvous  # noqa: E402
+from hpc_elastic.rendezvous.zookeeper import (  # noqa: E402
+    ZooKeeperAddress,
+    ZooKeeperStore,
+    open_client,
+)
+from hpc_elastic.spec import NodeRange  # noqa: E402
+
+SESSION = 6.0
+"""The agents' session timeout: the product's default, the one the targets are set for."""
+LAST_CALL = 120.0
+"""Long enough that a join storm never completes below N: every round here is meant to hold
+all N agents (a shrink after the kill skips the last call, ``state.no_newcomer``)."""
+SHARE_ABOVE = 1024
+"""Above this N, agents share sessions 16 to 1 unless ``--share`` says otherwise."""
+THREAD_STACK = 256 * 1024
+"""Bytes of stack per agent thread: a thousand threads a driver must fit in memory."""
+ZK_HEAP = "2g"
+SERVER_OPTIONS = {"maxClientCnxns": "0"}
+"""Unlimited connections per client address: every bench client is 127.0.0.1."""
+
+
+# ------------------------------------------------------ counting a driver's ZooKeeper traffic
+
+
+class Traffic:
+    """What the kazoo connections of one driver process read and wrote, counted by wrapping
+    four methods of kazoo's ``ConnectionHandler`` (bench-only: the product never does this).
+    Pings are not requests of the rendezvous and are left out of the request counts."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.counts: Counter[str] = Counter()
+
+    def add(self, key: str, amount: int = 1) -> None:
+        with self._lock:
+            self.counts[key] += amount
+
+    def snapshot(self) -> Counter[str]:
+        with self._lock:
+            return Counter(self.counts)
+
+    def install(self) -> None:
+        from kazoo.protocol import connection  # noqa: PLC0415 (the bench's own instrument)
+
+        handler = connection.ConnectionHandler
+        read, write = handler._read, handler._write
+        submit, watch_event = handler._submit, handler._read_watch_event
+
+        def counted_read(this: Any, length: int, timeout: float) -> bytes:
+            data: bytes = read(this, length, timeout)
+            self.add("bytes_in", len(data))
+            return data
+
+        def counted_write(this: Any, msg: bytes, timeout: float) -> None:
+            self.add("bytes_out", len(msg))
+            write(this, msg, timeout)
+
+        def counted_submit(this: Any, request: Any, timeout: float, xid: Any = None) -> None:
+            name = type(request).__name__
+            if name != "Ping":
+                self.add(f"op:{name}")
+            submit(this, request, timeout, xid)
+
+        def counted_watch(this: Any, buffer: bytes, offset: int) -> None:
+            self.add("watch_events")
+            watch_event(this, buffer, offset)
+
+        handler._read = counted_read
+        handler._write = counted_write
+        handler._submit = counted_submit
+        handler._read_watch_event = counted_watch
+
+
+# ------------------------------------------------------------------------- driver process
+
+
+def say(**fields: Any) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+@dataclass
+class Outcome:
+    """What one agent did in one round."""
+
+    noticed: float | None = None
+    done: float | None = None
+    number: int = 0
+    rank: int = -1
+    members: int = 0
+    digest: str = ""
+    """Which round it holds: its number, a hash of its members in rank order, its port."""
+    error: str = ""
+
+
+class Driver:
+    """``job["agents"]`` agents (global indices from ``job["first"]``) over sessions of their
+    own, ``job["share"]`` agents a session."""
+
+    def __init__(self, job: dict[str, Any], traffic: Traffic) -> None:
+        self.job = job
+        self.traffic = traffic
+        address = ZooKeeperAddress.parse(job["hosts"])
+        settings = RendezvousSettings(
+            run_id=job["run_id"],
+            nodes=NodeRange(job["min"], job["max"]),
+            last_call=LAST_CALL,
+            session_timeout=job["session"],
+            max_restarts=1000,
+        )
+        count, share = job["agents"], job["share"]
+        self.connection_states: Counter[str] = Counter()
+        self.stores: list[ZooKeeperStore] = []
+        for _ in range(math.ceil(count / share)):
+            client = open_client(address, None, job["session"], connect_timeout=120.0)
+            store = ZooKeeperStore(client, address, job["run_id"], None)
+            store.subscribe_connection(self._on_connection)
+            self.stores.append(store)
+        self.agents = [
+            StoreRendezvous(
+                settings,
+                NodeInfo(f"agent-{job['first'] + i:05d}", "127.0.0.1", 1),
+                self.stores[i // share],
+                owns_store=False,
+            )
+            for i in range(count)
+        ]
+        self._digests: dict[int, tuple[tuple[NodeInfo, ...], str]] = {}
+        """Digests of the members tuples this round's agents hold, by ``id``: each tuple is
+        kept here with its digest, so that no id is reused for another tuple meanwhile."""
+
+    def _on_connection(self, state: ConnectionState) -> None:
+        self.connection_states[state.value] += 1
+
+    def round(self, command: dict[str, Any]) -> dict[str, Any]:
+        """Run one round: every agent waits for its round to be superseded (not in round 1),
+        then calls ``next_round``; ``trigger``: this driver's first agent reports a failure at
+        ``at``, which is what supersedes the round."""
+        before = self.traffic.snapshot()
+        self._digests.clear()
+        outcomes = [Outcome() for _ in self.agents]
+        threads = [
+            threading.Thread(target=self._one, args=(agent, outcome, command), daemon=True)
+            for agent, outcome in zip(self.agents, outcomes, strict=True)
+        ]
+        for thread in threads:
+            thread.start()
+        if command.get("trigger"):
+            until(command["at"])
+            self.agents[0].report_failure(
+                Failure(self.agents[0].node.node_id, "127.0.0.1", 0, 1, None, "bench", time.time())
+            )
+        deadline = time.monotonic() + command["timeout"]
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        traffic = self.traffic.snapshot()
+        traffic.subtract(before)
+        return self._report(command, outcomes, traffic)
+
+    def _one(self, agent: StoreRendezvous, outcome: Outcome, command: dict[str, Any]) -> None:
+        try:
+            if command["k"] == 1:
+                until(command["at"])
+            else:
+                if not agent.changed.wait(command["timeout"]):
+                    outcome.error = "never superseded"
+                    return
+                outcome.noticed = time.time()
+            got = agent.next_round()
+            outcome.done = time.time()
+            outcome.number = got.number
+            outcome.rank = got.group_rank(agent.node.node_id)
+            outcome.members = len(got.members)
+            outcome.digest = self._digest(got)
+        except Exception as error:  # reported, never raised: one agent must not end the bench
+            outcome.error = f"error: {type(error).__name__}: {error}"
+
+    def _digest(self, got: Round) -> str:
+        """The round's identity: every agent of one round holds the same decoded members tuple,
+        so it is hashed once per tuple (with sha256: ``hash`` differs between processes)."""
+        key = id(got.members)
+        if key not in self._digests:
+            ids = ",".join(member.node_id for member in got.members).encode()
+            digest = hashlib.sha256(ids).hexdigest()[:16]
+            self._digests[key] = (got.members, f"{got.number}:{digest}:{got.master_port}")
+        return self._digests[key][1]
+
+    def _report(
+        self, command: dict[str, Any], outcomes: list[Outcome], traffic: Counter[str]
+    ) -> dict[str, Any]:
+        done = [o.done for o in outcomes if o.done is not None]
+        noticed = [o.noticed for o in outcomes if o.noticed is not None]
+        problems = Counter(o.error for o in outcomes if o.error)
+        return {
+            "k": command["k"],
+            "returned": len(done),
+            "agents": len(outcomes),
+            "first_done": min(done, default=None),
+            "last_done": max(done, default=None),
+            "last_noticed": max(noticed, default=None),
+            "numbers": sorted({o.number for o in outcomes if o.done is not None}),
+            "ranks": [o.rank for o in outcomes if o.done is not None],
+            "sizes": sorted({o.members for o in outcomes if o.done is not None}),
+            "digests": sorted({o.digest for o in outcomes if o.digest}),
+            "problems": dict(problems),
+            "traffic": dict(traffic),
+            "connection_states": dict(self.connection_states),
+            "state_bytes": len(self.stores[0].get_state()[0] or b""),
+            "children_bytes": sum(4 + len(node) for node in self.stores[0].alive()),
+        }
+
+
+def until(t0: float) -> None:
+    time.sleep(max(0.0, t0 - time.time()))
+
+
+def driver_main(job: dict[str, Any]) -> None:
+    threading.stack_size(THREAD_STACK)
+    traffic = Traffic()
+    traffic.install()
+    driver = Driver(job, traffic)
+    say(ready=True, sessions=len(driver.stores))
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command["do"] == "round":
+            say(**driver.round(command))
+        elif command["do"] == "stop":
+            break
+    for agent in driver.agents:
+        agent.leave()
+    for store in driver.stores:
+        store.release()
+
+
+# ------------------------------------------------------------------------------ orchestration
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of process ``pid`` so far (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_bytes(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+@dataclass
+class DriverProcess:
+    process: subprocess.Popen[str]
+    agents: int
+    sessions: int = 0
+    lines: list[dict[str, Any]] = field(default_factory=list)
+    reader: threading.Thread | None = None
+
+    def read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if line.startswith("{"):
+                self.lines.append(json.loads(line))
+
+    def send(self, **command: Any) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+
+    def wait_lines(self, count: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while len(self.lines) < count:
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                return len(self.lines) >= count
+            time.sleep(0.02)
+        return True
+
+
+@dataclass
+class Plan:
+    """One measurement: N agents, sessions shared ``share`` to 1, over ``processes`` drivers."""
+
+    n: int
+    servers: int
+    processes: int
+    share: int
+    rounds: int
+    session: float
+    timeout: float
+
+    @property
+    def victims(self) -> int:
+        """1 % of the agents (at least one session's worth), all in the last driver."""
+        wanted = max(1, round(self.n / 100))
+        return math.ceil(wanted / self.share) * self.share
+
+    def slices(self) -> list[int]:
+        """Agents per driver: the others spread evenly (whole sessions), the victims last."""
+        rest = self.n - self.victims
+        sessions = math.ceil(rest / self.share)
+        drivers = max(1, min(self.processes - 1, sessions))
+        per, extra = divmod(sessions, drivers)
+        counts = [(per + (i < extra)) * self.share for i in range(drivers)]
+        counts[-1] -= sum(counts) - rest
+        return [*counts, self.victims]
+
+
+@contextmanager
+def zookeeper(servers: int, scratch: Path) -> Iterator[list[testing.ZooKeeperServer]]:
+    if servers == 1:
+        made = [testing.ZooKeeperServer(scratch / "zk", heap=ZK_HEAP, options=SERVER_OPTIONS)]
+    else:
+        made = testing.ensemble(scratch, servers, heap=ZK_HEAP, options=SERVER_OPTIONS)
+    for server in made:
+        server.start(wait=0)
+    try:
+        for server in made:
+            server.wait_ready(120)
+        yield made
+    finally:
+        for server in made:
+            server.stop(signal.SIGKILL)
+
+
+class Bench:
+    """One plan against one ZooKeeper (standalone or ensemble): every round and scenario."""
+
+    def __init__(self, plan: Plan, servers: list[testing.ZooKeeperServer]) -> None:
+        self.plan = plan
+        self.servers = servers
+        self.drivers: list[DriverProcess] = []
+        self.rows: list[dict[str, Any]] = []
+
+    def start_drivers(self) -> None:
+        hosts = ",".join(server.hosts for server in self.servers)
+        first = 0
+        run_id = f"scale-{self.plan.n}-{self.plan.servers}"
+        for count in self.plan.slices():
+            job = {
+                "hosts": hosts,
+                "run_id": run_id,
+                "first": first,
+                "agents": count,
+                "share": self.plan.share,
+                "min": self.plan.n - self.plan.victims,
+                "max": self.plan.n,
+                "session": self.plan.session,
+            }
+            first += count
+            process = subprocess.Popen(
+                [sys.executable, __file__, "driver", json.dumps(job)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )
+            driver = DriverProcess(process, count)
+            driver.reader = threading.Thread(target=driver.read, daemon=True)
+            driver.reader.start()
+            self.drivers.append(driver)
+        for driver in self.drivers:
+            if not driver.wait_lines(1, 600):
+                raise RuntimeError(f"a driver of {driver.agents} agents did not start")
+            driver.sessions = driver.lines[0]["sessions"]
+
+    def stop(self) -> None:
+        for driver in self.drivers:
+            if driver.process.poll() is None:
+                driver.process.kill()
+            driver.process.wait()
+
+    def round(
+        self,
+        k: int,
+        kind: str,
+        drivers: list[DriverProcess],
+        act: Callable[[float], None] | None = None,
+        trigger: bool = True,
+    ) -> dict[str, Any]:
+        """Send round ``k`` to ``drivers``; ``act(at)`` runs at the round's start (a kill)."""
+        at = time.time() + 0.5
+        pids = [server.process.pid for server in self.servers if server.process]
+        zk_cpu = sum(cpu_seconds(pid) for pid in pids)
+        agents_cpu = sum(cpu_seconds(d.process.pid) for d in drivers)
+        counts = {id(driver): len(driver.lines) + 1 for driver in drivers}
+        for index, driver in enumerate(drivers):
+            first = trigger and index == 0
+            driver.send(do="round", k=k, at=at, trigger=first, timeout=self.plan.timeout)
+        if act is not None:
+            until(at)
+            act(at)
+        for driver in drivers:
+            driver.wait_lines(counts[id(driver)], self.plan.timeout + 60)
+        reports = [d.lines[-1] for d in drivers if len(d.lines) >= counts[id(d)]]
+        row = summarize(k, kind, at, reports, drivers=len(drivers), plan=self.plan)
+        row["zk_cpu_s"] = sum(cpu_seconds(pid) for pid in pids) - zk_cpu
+        row["agents_cpu_s"] = sum(cpu_seconds(d.process.pid) for d in drivers) - agents_cpu
+        row["zk_rss_mb"] = sum(rss_bytes(pid) for pid in pids) / 2**20
+        row["agents_rss_mb"] = sum(rss_bytes(d.process.pid) for d in drivers) / 2**20
+        self.rows.append(row)
+        print(json.dumps(compact(row)), flush=True)
+        return row
+
+    def run(self) -> None:
+        self.start_drivers()
+        every = self.drivers
+        for k in range(1, self.plan.rounds + 2):
+            row = self.round(k, "join storm" if k == 1 else "restart", every, trigger=k > 1)
+            if not row["ok"]:
+                return
+        victims, survivors = self.drivers[-1], self.drivers[:-1]
+        k = self.plan.rounds + 2
+        row = self.round(
+            k, "1% killed", survivors, act=lambda _: victims.process.kill(), trigger=False
+        )
+        if not row["ok"] or len(self.servers) == 1:
+            return
+        leader = next((s for s in self.servers if testing.mode(s.port) == "leader"), None)
+        if leader is None:
+            print("no leader found; the leader kill is skipped", flush=True)
+            return
+        restarts = [r["round_s"] for r in self.rows if r["kind"] == "restart" and r["ok"]]
+        delay = statistics.median(restarts) / 2 if restarts else 0.1
+
+        def kill_leader(at: float) -> None:
+            until(at + delay)
+            assert leader.process is not None
+            leader.process.kill()
+
+        row = self.round(k + 1, "leader killed", survivors, act=kill_leader)
+        row["leader_killed_after_s"] = delay
+
+
+def summarize(
+    k: int, kind: str, at: float, reports: list[dict[str, Any]], *, drivers: int, plan: Plan
+) -> dict[str, Any]:
+    """One round's figures from its drivers' reports, and whether its invariants held."""
+    agents = sum(r["agents"] for r in reports)
+    returned = sum(r["returned"] for r in reports)
+    ranks = sorted(rank for r in reports for rank in r["ranks"])
+    digests = {d for r in reports for d in r["digests"]}
+    numbers = {n for r in reports for n in r["numbers"]}
+    traffic: Counter[str] = Counter()
+    states: Counter[str] = Counter()
+    problems: Counter[str] = Counter()
+    for report in reports:
+        traffic.update(report["traffic"])
+        states.update(report["connection_states"])
+        problems.update(report["problems"])
+    last = max((r["last_done"] for r in reports if r["last_done"]), default=None)
+    noticed = max((r["last_noticed"] for r in reports if r["last_noticed"]), default=None)
+    ok = (
+        len(reports) == drivers
+        and returned == agents
+        and ranks == list(range(agents))
+        and len(digests) == 1
+        and len(numbers) == 1
+    )
+    return {
+        "k": k,
+        "kind": kind,
+        "n": plan.n,
+        "servers": plan.servers,
+        "share": plan.share,
+        "agents": agents,
+        "returned": returned,
+        "ok": ok,
+        "round_s": (last - at) if last and ok else None,
+        "noticed_s": (noticed - at) if noticed else None,
+        "numbers": sorted(numbers),
+        "problems": dict(problems),
+        "per_agent": {key: value / max(agents, 1) for key, value in sorted(traffic.items())},
+        "state_bytes": max((r["state_bytes"] for r in reports), default=0),
+        "children_bytes": max((r["children_bytes"] for r in reports), default=0),
+        "connection_states": dict(states),
+    }
+
+
+def compact(row: dict[str, Any]) -> dict[str, Any]:
+    """A row with its figures rounded, for the progress lines."""
+    shown = {k: v for k, v in row.items() if k != "per_agent"}
+    shown["per_agent"] = {k: round(v, 1) for k, v in row["per_agent"].items()}
+    for key, value in shown.items():
+        if isinstance(value, float):
+            shown[key] = round(value, 3)
+    return shown
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile by the nearest rank: with 5 values, p99 is the largest."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
+
+
+def table_row(plan: Plan, rows: list[dict[str, Any]]) -> str:
+    rounds = [r for r in rows if r["kind"] == "restart"]
+    times = [r["round_s"] for r in rounds if r["round_s"] is not None]
+    failed = plan.rounds - len(times)
+
+    def figure(kind: str) -> str:
+        found = [r for r in rows if r["kind"] == kind]
+        if not found:
+            return "-"
+        row = found[0]
+        if row["round_s"] is None:
+            return f"no round ({row['returned']} of {row['agents']} returned)"
+        noticed = f"detect {row['noticed_s']:.2f} s, " if kind == "1% killed" else ""
+        return f"{noticed}re-form {row['round_s']:.2f} s"
+
+    def mean(key: str) -> float:
+        return statistics.mean(r[key] for r in rounds) if rounds else 0.0
+
+    bytes_in = [r["per_agent"].get("bytes_in", 0.0) for r in rounds]
+    lost = sum(r["connection_states"].get("lost", 0) for r in rows)
+    sessions = f"{plan.n // plan.share} (shared {plan.share}:1)" if plan.share > 1 else f"{plan.n}"
+    median = f"{statistics.median(times):.2f} s" if times else "-"
+    p99 = f"{percentile(times, 0.99):.2f} s" if times else "-"
+    if failed:
+        p99 += f"; {failed} of {plan.rounds} rounds not measured (one took over {plan.timeout:g} s)"
+    join = rows[0]["round_s"] if rows and rows[0]["round_s"] is not None else None
+    return (
+        f"| {plan.n} | {'standalone' if plan.servers == 1 else f'{plan.servers} servers'} "
+        f"| {sessions} | {plan.processes} | {median} | {p99} "
+        f"| {'-' if join is None else f'{join:.2f} s'} "
+        f"| {statistics.median(bytes_in) / 1024 if bytes_in else 0:.1f} KiB "
+        f"| {mean('zk_cpu_s'):.2f} s | {mean('agents_cpu_s'):.2f} s "
+        f"| {figure('1% killed')} | {figure('leader killed')} | {lost} |"
+    )
+
+
+HEADER = (
+    "| agents | ZooKeeper | sessions | drivers | restart round, median | restart round, p99 "
+    "| join storm | read per agent a restart (median) | ZooKeeper CPU a restart "
+    "| agents' CPU a restart "
+    "| 1 % killed (session {session:g} s) | leader killed mid-round | sessions lost |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def power_law(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """``(a, b)`` of the least-squares fit of ``t = a * n**b`` on a log-log scale."""
+    xs = [math.log(n) for n, _ in points]
+    ys = [math.log(t) for _, t in points]
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - mx) ** 2 for x in xs
+    )
+    return math.exp(my - b * mx), b
+
+
+def fit(files: list[Path]) -> None:
+    """Print, per ZooKeeper kind and round kind, the median time at each N and the power law
+    through them, from the ``--json`` files of earlier runs."""
+    rows = [row for file in files for row in json.loads(file.read_text())]
+    groups: dict[tuple[int, str], dict[int, list[float]]] = {}
+    for row in rows:
+        if row["round_s"] is not None:
+            key = (row["servers"], row["kind"])
+            groups.setdefault(key, {}).setdefault(row["n"], []).append(row["round_s"])
+    for (servers, kind), by_n in sorted(groups.items()):
+        points = sorted((n, statistics.median(times)) for n, times in by_n.items())
+        shown = ", ".join(f"N={n}: {t:.2f} s" for n, t in points)
+        print(f"{servers} server(s), {kind}: {shown}")
+        if len(points) >= 2:
+            a, b = power_law(points)
+            print(f"    fit: t = {a:.3g} * N^{b:.2f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="N = 64 and 256, 3 rounds, 4 drivers")
+    parser.add_argument("--sizes", default="256,1024,4096,16384", help="comma-separated N")
+    parser.add_argument("--servers", default="1,3", help="1 (standalone), 3 (ensemble) or both")
+    parser.add_argument("--processes", type=int, default=16, help="driver processes")
+    parser.add_argument(
+        "--share", type=int, help=f"agents a session (default 16 above N={SHARE_ABOVE}, else 1)"
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="restart rounds after the storm")
+    parser.add_argument("--session", type=float, default=SESSION, help="session timeout, s")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds a round may take")
+    parser.add_argument("--json", type=Path, help="write every round's figures here")
+    parser.add_argument("--fit", type=Path, nargs="+", help="only fit the --json files given")
+    args = parser.parse_args()
+    if args.fit:
+        fit(args.fit)
+        return
+    load = os.getloadavg()
+    print(f"load average at the start: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}", flush=True)
+    sizes = [64, 256] if args.quick else [int(n) for n in args.sizes.split(",")]
+    processes = 4 if args.quick else args.processes
+    rounds = 3 if args.quick else args.rounds
+    timeout = min(args.timeout, 60.0) if args.quick else args.timeout
+    table: list[str] = []
+    everything: list[dict[str, Any]] = []
+    for n in sizes:
+        for servers in (int(s) for s in args.servers.split(",")):
+            share = args.share or (16 if n > SHARE_ABOVE else 1)
+            plan = Plan(n, servers, processes, share, rounds, args.session, timeout)
+            print(
+                f"# N={n}, servers={servers}, share={share}, drivers={len(plan.slices())}",
+                flush=True,
+            )
+            with tempfile.TemporaryDirectory() as scratch, zookeeper(servers, Path(scratch)) as zk:
+                bench = Bench(plan, zk)
+                try:
+                    bench.run()
+                finally:
+                    bench.stop()
+            table.append(table_row(plan, bench.rows))
+            everything.extend(bench.rows)
+            if args.json:
+                args.json.write_text(json.dumps(everything, indent=1))
+    load = os.getloadavg()
+    print(f"\nload average at the end: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
+    print(HEADER.format(session=args.session))
+    for row in table:
+        print(row)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "driver":
+        driver_main(json.loads(sys.argv[2]))
+    else:
+        main()
