@@ -1,0 +1,128 @@
+"""A round of 512 agents on a real ZooKeeper: its invariants, never its time.
+
+The agents are the real ``StoreRendezvous`` handlers, 16 to a ZooKeeper connection, in this
+process: the layout, the watches and the compare-and-set of a large round are exercised end to
+end. How long a round takes is measured by ``bench/rendezvous_scale.py``, never asserted here.
+
+No Slurm is needed, so this is not a cluster test: like the store contract's ZooKeeper tests it
+runs on the module's own server (``private_zookeeper``), fails in CI and skips elsewhere when
+ZooKeeper is not installed.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import pytest
+
+from hpc_elastic.rendezvous import state as st
+from hpc_elastic.rendezvous.api import NodeInfo, RendezvousSettings, Round
+from hpc_elastic.rendezvous.backend import ConnectionState
+from hpc_elastic.rendezvous.handler import StoreRendezvous
+from hpc_elastic.rendezvous.zookeeper import ZooKeeperAddress, ZooKeeperStore, open_client
+from hpc_elastic.spec import NodeRange
+
+AGENTS = 512
+SHARE = 16
+"""Agents a ZooKeeper connection, as the bench shares sessions where they do not fit."""
+SESSION = 20.0
+"""Long, so that a loaded machine never expires a session: the test is about the round."""
+DEADLINE = 240.0
+"""Seconds the round may take before the test says so; a quiet machine needs a few."""
+RUN = "scale"
+
+
+@pytest.fixture
+def address(private_zookeeper: str) -> ZooKeeperAddress:
+    """The module's server under a fresh chroot."""
+    return ZooKeeperAddress.parse(f"{private_zookeeper}/scale-{uuid.uuid4().hex}")
+
+
+@dataclass
+class Crowd:
+    agents: list[StoreRendezvous]
+    cut_off: list[ConnectionState] = field(default_factory=list)
+    """Every time one of the connections was cut off (SUSPENDED or LOST)."""
+
+    def note(self, state: ConnectionState) -> None:
+        if state is not ConnectionState.CONNECTED:
+            self.cut_off.append(state)
+
+
+@pytest.fixture
+def crowd(address: ZooKeeperAddress) -> Iterator[Crowd]:
+    """``AGENTS`` handlers over connections of their own, each ``SHARE`` agents; every agent
+    leaves and every connection is released afterwards."""
+    settings = RendezvousSettings(
+        run_id=RUN, nodes=NodeRange(AGENTS, AGENTS), session_timeout=SESSION
+    )
+    stores = [
+        ZooKeeperStore(open_client(address, None, SESSION), address, RUN, None)
+        for _ in range(AGENTS // SHARE)
+    ]
+    agents = [
+        StoreRendezvous(
+            settings,
+            NodeInfo(f"agent-{index:03d}", "127.0.0.1", 1),
+            stores[index // SHARE],
+            owns_store=False,
+        )
+        for index in range(AGENTS)
+    ]
+    made = Crowd(agents)
+    for store in stores:
+        store.subscribe_connection(made.note)
+    yield made
+    for agent in agents:
+        agent.leave()
+    for store in stores:
+        store.release()
+
+
+def state_version(address: ZooKeeperAddress) -> int:
+    """How many times the job's state was written since its creation (its znode version),
+    read from the server itself."""
+    client = open_client(address, None, SESSION)
+    try:
+        _, stat = client.get(f"{address.job_path(RUN)}/state")
+        return int(stat.version)
+    finally:
+        client.stop()
+        client.close()
+
+
+@pytest.mark.timeout(DEADLINE + 60)
+def test_a_round_of_512_agents_ranks_every_member_once_in_one_commit(
+    address: ZooKeeperAddress, crowd: Crowd
+) -> None:
+    agents = crowd.agents
+    with ThreadPoolExecutor(len(agents)) as pool:
+        futures = [pool.submit(agent.next_round) for agent in agents]
+        rounds: list[Round] = [future.result(timeout=DEADLINE) for future in futures]
+
+    first = rounds[0]
+    assert {got.number for got in rounds} == {1}
+    assert all(got == first for got in rounds), "agents hold different rounds"
+    ids = [agent.node.node_id for agent in agents]
+    assert sorted(member.node_id for member in first.members) == sorted(ids)
+    held = list(zip(agents, rounds, strict=True))
+    ranks = sorted(got.group_rank(agent.node.node_id) for agent, got in held)
+    assert ranks == list(range(AGENTS)), "a rank is missing or held twice"
+    global_ranks = sorted(got.first_rank(agent.node.node_id) for agent, got in held)
+    assert global_ranks == list(range(first.world_size)), "global ranks are not contiguous"
+    assert first.world_size == AGENTS
+
+    # Written once when created, then twice: the round's commit and rank 0's port. Counted on
+    # the server: a proposer that lost its compare-and-set to identical bytes logs "completed
+    # round" too (its write counts as won, as a retry's would). The only other writes allowed
+    # are the same-bytes refreshes of the agents of a connection that was cut off.
+    refreshes = len(crowd.cut_off) * SHARE
+    assert 2 <= state_version(address) <= 2 + refreshes, "round 1 was committed more than once"
+    stored = agents[0].snapshot()
+    assert stored is not None
+    assert stored.round == 1
+    assert stored.to_round() == first, "the stored round is not the one the agents hold"
+    assert not st.round_over(stored)
