@@ -44,13 +44,25 @@ from hpc_elastic.agent.workers import (
     launch,
     worker_env,
 )
-from hpc_elastic.contract import ASSIGNMENT_FILE_ENV, LEASE_FILE_ENV, LEASE_TIMEOUT_ENV
+from hpc_elastic.contract import (
+    ASSIGNMENT_FILE_ENV,
+    FENCED_EXIT_CODE,
+    LEASE_FILE_ENV,
+    LEASE_TIMEOUT_ENV,
+)
 from hpc_elastic.errors import (
     RendezvousClosedError,
     RendezvousError,
     RendezvousUnreachableError,
 )
 from hpc_elastic.events import FailedDetails, FailureDetails, HangDetails, Kind, RoundDetails
+from hpc_elastic.protocol.assignment import (
+    ROUND_KEYS,
+    Assignment,
+    ack_path,
+    read_ack,
+    write_assignment,
+)
 from hpc_elastic.rendezvous import state as rdzv_state
 from hpc_elastic.rendezvous.api import (
     Failure,
@@ -61,14 +73,6 @@ from hpc_elastic.rendezvous.api import (
 )
 from hpc_elastic.rendezvous.handler import free_port
 from hpc_elastic.train import heartbeat
-from hpc_elastic.train.assignment import (
-    ROUND_KEYS,
-    Assignment,
-    ack_path,
-    read_ack,
-    write_assignment,
-)
-from hpc_elastic.train.exitcodes import FENCED_EXIT_CODE
 
 T = TypeVar("T")
 

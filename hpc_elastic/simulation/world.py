@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 
 from hpc_elastic.agent import agent as production
 from hpc_elastic.agent.agent import AfterRound, Outcome, RoundEnd, fence_after, poll_decision
+from hpc_elastic.contract import FENCED_EXIT_CODE
 from hpc_elastic.errors import (
     RendezvousClosedError,
     RendezvousError,
@@ -55,7 +56,6 @@ from hpc_elastic.rendezvous.backend import ABSENT
 from hpc_elastic.rendezvous.handler import StoreRendezvous
 from hpc_elastic.rendezvous.memory import Deliver, ManualClock, MemoryServer, MemoryStore, View
 from hpc_elastic.spec import NodeRange
-from hpc_elastic.train.exitcodes import FENCED_EXIT_CODE
 
 SESSION = 6.0
 TICK = 1.0

@@ -2,8 +2,10 @@
 preemption.
 
 Use it as ``import hpc_elastic.train as elastic``. This is the only part of hpc-elastic that
-imports torch, and it does so lazily: the agent imports ``exitcodes`` and ``heartbeat`` from
-here without paying for torch.
+imports torch, and it does so lazily: the agent imports ``heartbeat`` from here without paying
+for torch. What else the agent and the workers share lives in ``hpc_elastic.protocol`` (the
+lease, the round assignment) and ``hpc_elastic.contract`` (the exit codes); ``lease``,
+``assignment`` and ``exitcodes`` here re-export it for training scripts that import it here.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from hpc_elastic.train.exitcodes import FENCED_EXIT_CODE, PREEMPTED_EXIT_CODE
+from hpc_elastic.contract import FENCED_EXIT_CODE, PREEMPTED_EXIT_CODE
 
 if TYPE_CHECKING:
     from hpc_elastic.train._torchdata import stateful_loader

@@ -43,11 +43,11 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from hpc_elastic import contract, events
 from hpc_elastic.errors import CheckpointError, CheckpointFencedError, UsageError
+from hpc_elastic.protocol import lease
 from hpc_elastic.train import (
     _dist,
     _integrity,
     background,
-    lease,
     local_tier,
     preemption,
     rng,

@@ -28,7 +28,7 @@ Any other error ends the worker as before, and the agent restarts it the normal 
 Nothing travels between ranks as a pickle (issue #12): the state's structure goes as the tagged
 JSON of ``_dist.encode``, the tensors themselves with ``dist.broadcast``.
 
-The agent's half of the hand-over (the files) is torch-free, in ``train/assignment.py``.
+The agent's half of the hand-over (the files) is torch-free, in ``protocol/assignment.py``.
 """
 
 from __future__ import annotations
@@ -48,14 +48,14 @@ import torch
 import torch.distributed as dist
 
 from hpc_elastic import contract, events
-from hpc_elastic.train import _dist
-from hpc_elastic.train.assignment import (
+from hpc_elastic.protocol.assignment import (
     ASSIGNMENT_FILE_ENV,
     Assignment,
     is_collective_error,
     read_assignment,
     write_ack,
 )
+from hpc_elastic.train import _dist
 from hpc_elastic.train.collectives import collective
 
 log = logging.getLogger(__name__)

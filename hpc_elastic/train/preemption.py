@@ -27,9 +27,10 @@ import torch
 import torch.distributed as dist
 
 from hpc_elastic import events
-from hpc_elastic.train import _dist, background, lease
+from hpc_elastic.contract import PREEMPTED_EXIT_CODE
+from hpc_elastic.protocol import lease
+from hpc_elastic.train import _dist, background
 from hpc_elastic.train.collectives import collective
-from hpc_elastic.train.exitcodes import PREEMPTED_EXIT_CODE
 from hpc_elastic.train.heartbeat import Heartbeat
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
@@ -126,7 +127,7 @@ def should_stop(step: int | None = None) -> bool:
     It is a collective (one all_reduce of one element) and it beats the progress heartbeat,
     writing ``step`` (or a call count when no step is given) at most every half second. Under
     the hpc-elastic agent it also checks the agent's lease first and exits with
-    ``FENCED_EXIT_CODE`` when it is stale (see ``hpc_elastic.train.lease``).
+    ``FENCED_EXIT_CODE`` when it is stale (see ``hpc_elastic.protocol.lease``).
 
     After an asynchronous save it also carries, in the same all_reduce, whether any rank's
     background commit failed: then every rank raises that ``CheckpointError`` here. When it

@@ -33,7 +33,8 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from hpc_elastic import events
-from hpc_elastic.train import _dist, _integrity, background, lease, preemption, sharded_local
+from hpc_elastic.protocol import lease
+from hpc_elastic.train import _dist, _integrity, background, preemption, sharded_local
 from hpc_elastic.train.checkpoint import (
     Checkpointer,
     _name,
