@@ -563,8 +563,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def table_row(plan: Plan, rows: list[dict[str, Any]]) -> str:
-    rounds = [r for r in rows if r["kind"] == "restart"]
-    times = [r["round_s"] for r in rounds if r["round_s"] is not None]
+    """One Markdown row; the cost columns average the restart rounds that completed only."""
+    rounds = [r for r in rows if r["kind"] == "restart" and r["ok"]]
+    times = [r["round_s"] for r in rounds]
     failed = plan.rounds - len(times)
 
     def figure(kind: str) -> str:
@@ -577,23 +578,27 @@ def table_row(plan: Plan, rows: list[dict[str, Any]]) -> str:
         noticed = f"detect {row['noticed_s']:.2f} s, " if kind == "1% killed" else ""
         return f"{noticed}re-form {row['round_s']:.2f} s"
 
-    def mean(key: str) -> float:
-        return statistics.mean(r[key] for r in rounds) if rounds else 0.0
+    def mean(key: str) -> str:
+        return f"{statistics.mean(r[key] for r in rounds):.2f} s" if rounds else "-"
 
-    bytes_in = [r["per_agent"].get("bytes_in", 0.0) for r in rounds]
+    bytes_in = [r["per_agent"].get("bytes_in", 0.0) / 1024 for r in rounds]
     lost = sum(r["connection_states"].get("lost", 0) for r in rows)
     sessions = f"{plan.n // plan.share} (shared {plan.share}:1)" if plan.share > 1 else f"{plan.n}"
     median = f"{statistics.median(times):.2f} s" if times else "-"
     p99 = f"{percentile(times, 0.99):.2f} s" if times else "-"
-    if failed:
-        p99 += f"; {failed} of {plan.rounds} rounds not measured (one took over {plan.timeout:g} s)"
-    join = rows[0]["round_s"] if rows and rows[0]["round_s"] is not None else None
+    storm = rows[0] if rows else None
+    if storm is None or not storm["ok"]:
+        returned = f"{storm['returned']} of {storm['agents']} returned" if storm else "none started"
+        join = f"none within {plan.timeout:g} s ({returned})"
+    else:
+        join = f"{storm['round_s']:.2f} s"
+        if failed:
+            p99 += f"; {failed} of {plan.rounds} not measured: one took over {plan.timeout:g} s"
     return (
         f"| {plan.n} | {'standalone' if plan.servers == 1 else f'{plan.servers} servers'} "
-        f"| {sessions} | {plan.processes} | {median} | {p99} "
-        f"| {'-' if join is None else f'{join:.2f} s'} "
-        f"| {statistics.median(bytes_in) / 1024 if bytes_in else 0:.1f} KiB "
-        f"| {mean('zk_cpu_s'):.2f} s | {mean('agents_cpu_s'):.2f} s "
+        f"| {sessions} | {len(plan.slices())} | {median} | {p99} | {join} "
+        f"| {f'{statistics.median(bytes_in):.1f} KiB' if bytes_in else '-'} "
+        f"| {mean('zk_cpu_s')} | {mean('agents_cpu_s')} "
         f"| {figure('1% killed')} | {figure('leader killed')} | {lost} |"
     )
 
