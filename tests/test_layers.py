@@ -228,6 +228,21 @@ def test_no_modules_import_each_other_directly_or_through_others() -> None:
     assert cycles(imports(PACKAGE)) == []
 
 
+def test_neither_the_agent_nor_the_simulation_imports_the_training_package() -> None:
+    """The agent and the workers meet in the worker protocol and below (docs/design.md): the
+    agent never loads the training helpers, nor torch through them; nor does the simulation,
+    which runs the agent's rules."""
+    package = PACKAGE.name
+    into_train = [
+        f"{edge.where} imports {edge.target}; take it from {package}.protocol or contract"
+        for module, edges in imports(PACKAGE).items()
+        if module.startswith((f"{package}.agent", f"{package}.simulation"))
+        for edge in edges
+        if edge.target.startswith(f"{package}.train")
+    ]
+    assert into_train == []
+
+
 # --- the reader and the checks, on a package written for them ----------------------------
 
 

@@ -56,6 +56,7 @@ from hpc_elastic.errors import (
     RendezvousUnreachableError,
 )
 from hpc_elastic.events import FailedDetails, FailureDetails, HangDetails, Kind, RoundDetails
+from hpc_elastic.protocol import heartbeat
 from hpc_elastic.protocol.assignment import (
     ROUND_KEYS,
     Assignment,
@@ -72,7 +73,6 @@ from hpc_elastic.rendezvous.api import (
     Round,
 )
 from hpc_elastic.rendezvous.handler import free_port
-from hpc_elastic.train import heartbeat
 
 T = TypeVar("T")
 

@@ -42,8 +42,8 @@ from typing import Protocol, TypeVar
 from hpc_elastic.agent import hangs, proc, rootcause
 from hpc_elastic.agent.watchdog import Hung
 from hpc_elastic.agent.workers import Worker, WorkerGroup
+from hpc_elastic.protocol import heartbeat
 from hpc_elastic.rendezvous.api import Rendezvous, Round
-from hpc_elastic.train import heartbeat
 
 log = logging.getLogger(__name__)
 

@@ -27,9 +27,9 @@ from hpc_elastic.agent.api import AgentSpec
 from hpc_elastic.agent.standby import StandbyPool, hand_off
 from hpc_elastic.errors import AgentError
 from hpc_elastic.jobdir import JobDir
+from hpc_elastic.protocol import heartbeat
 from hpc_elastic.rendezvous.api import NodeInfo, Round
 from hpc_elastic.tracking import tracker_env
-from hpc_elastic.train import heartbeat
 
 log = logging.getLogger(__name__)
 

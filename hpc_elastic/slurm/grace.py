@@ -70,7 +70,7 @@ class Beat:
 
 
 def parse_beat(text: str, mtime: float) -> Beat:
-    """``"1200"`` or ``"1200 checkpoint"`` (train/heartbeat.py) with the file's mtime."""
+    """``"1200"`` or ``"1200 checkpoint"`` (protocol/heartbeat.py) with the file's mtime."""
     words = text.split()
     step = int(words[0]) if words and words[0].isdigit() else None
     return Beat(mtime, step, words[1:] == ["checkpoint"])

@@ -2,10 +2,10 @@
 preemption.
 
 Use it as ``import hpc_elastic.train as elastic``. This is the only part of hpc-elastic that
-imports torch, and it does so lazily: the agent imports ``heartbeat`` from here without paying
-for torch. What else the agent and the workers share lives in ``hpc_elastic.protocol`` (the
-lease, the round assignment) and ``hpc_elastic.contract`` (the exit codes); ``lease``,
-``assignment`` and ``exitcodes`` here re-export it for training scripts that import it here.
+imports torch, and it does so lazily. What the agent and the workers share lives below it, so
+the agent never imports this package: the heartbeat, the lease and the round assignment in
+``hpc_elastic.protocol``, the exit codes in ``hpc_elastic.contract``. ``heartbeat``, ``lease``,
+``assignment`` and ``exitcodes`` here re-export them for training scripts that import them here.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from hpc_elastic.train.heartbeat import CollectiveMarker
+from hpc_elastic.protocol.heartbeat import CollectiveMarker
 
 log = logging.getLogger(__name__)
 

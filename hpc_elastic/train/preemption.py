@@ -29,9 +29,9 @@ import torch.distributed as dist
 from hpc_elastic import events
 from hpc_elastic.contract import PREEMPTED_EXIT_CODE
 from hpc_elastic.protocol import lease
+from hpc_elastic.protocol.heartbeat import Heartbeat
 from hpc_elastic.train import _dist, background
 from hpc_elastic.train.collectives import collective
-from hpc_elastic.train.heartbeat import Heartbeat
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 INTERRUPTS_TO_RAISE = 3
