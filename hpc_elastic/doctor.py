@@ -57,7 +57,7 @@ class Level(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Check:
+class Diagnosis:
     """One finding: what was checked, its severity, what was seen, and the fix (the hint)."""
 
     name: str
@@ -73,19 +73,19 @@ class Check:
 # --- pure rules ----------------------------------------------------------------------------
 
 
-def version_check(text: str) -> Check:
+def version_check(text: str) -> Diagnosis:
     match = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
     if match is None:
-        return Check("Slurm version", Level.WARN, f"cannot read '{text.strip()}'")
+        return Diagnosis("Slurm version", Level.WARN, f"cannot read '{text.strip()}'")
     found = (int(match.group(1)), int(match.group(2)))
     if found < MIN_SLURM:
-        return Check(
+        return Diagnosis(
             "Slurm version",
             Level.WARN,
             f"{match.group(0)} is older than {MIN_SLURM[0]}.{MIN_SLURM[1]}",
             "per-task requeue of job arrays may misbehave; test preemption before relying on it",
         )
-    return Check("Slurm version", Level.PASS, match.group(0))
+    return Diagnosis("Slurm version", Level.PASS, match.group(0))
 
 
 @dataclass(frozen=True)
@@ -123,11 +123,11 @@ class Preemption:
         return self.mode.split(",")[0].upper()
 
 
-def preempt_type_rule(settings: Preemption) -> Check:
+def preempt_type_rule(settings: Preemption) -> Diagnosis:
     """Without a preemption plugin an elastic job can never borrow idle nodes."""
     if settings.enabled:
-        return Check("PreemptType", Level.PASS, settings.preempt_type)
-    return Check(
+        return Diagnosis("PreemptType", Level.PASS, settings.preempt_type)
+    return Diagnosis(
         "PreemptType",
         Level.WARN,
         "preemption is off (preempt/none): nodes never come back to an elastic job "
@@ -137,18 +137,18 @@ def preempt_type_rule(settings: Preemption) -> Check:
     )
 
 
-def preempt_mode_rule(settings: Preemption) -> Check:
+def preempt_mode_rule(settings: Preemption) -> Diagnosis:
     """REQUEUE brings a preempted task back; CANCEL and SUSPEND shrink the job for good."""
     where = f"in partition '{settings.partition}'"
     if settings.action == "REQUEUE":
-        return Check(
+        return Diagnosis(
             "PreemptMode",
             Level.PASS,
             f"{settings.mode} {where}: a preempted array task is requeued and its "
             "agent rejoins when it runs again",
         )
     if settings.action == "OFF":
-        return Check(
+        return Diagnosis(
             "PreemptMode",
             Level.WARN if settings.enabled else Level.PASS,
             f"OFF {where}: its jobs are never preempted",
@@ -158,7 +158,7 @@ def preempt_mode_rule(settings: Preemption) -> Check:
             else "",
         )
     fate = "cancelled for good" if settings.action == "CANCEL" else "suspended, not requeued"
-    return Check(
+    return Diagnosis(
         "PreemptMode",
         Level.WARN,
         f"{settings.mode} {where}: a preempted task is {fate}",
@@ -166,16 +166,16 @@ def preempt_mode_rule(settings: Preemption) -> Check:
     )
 
 
-def user_signal_rule(settings: Preemption) -> Check:
+def user_signal_rule(settings: Preemption) -> Diagnosis:
     """Only with preempt_send_user_signal does a preempted task get the job's --signal."""
     if "preempt_send_user_signal" in settings.slurmctld_parameters:
-        return Check(
+        return Diagnosis(
             "preempt_send_user_signal",
             Level.PASS,
             "a preempted task gets the job's --signal (USR2) at GraceTime, so workers "
             "checkpoint before they stop",
         )
-    return Check(
+    return Diagnosis(
         "preempt_send_user_signal",
         Level.WARN,
         "not in SlurmctldParameters: a preempted task gets SIGTERM, not --signal",
@@ -184,7 +184,7 @@ def user_signal_rule(settings: Preemption) -> Check:
     )
 
 
-def job_requeue_rule(settings: Preemption) -> Check:
+def job_requeue_rule(settings: Preemption) -> Diagnosis:
     """Informational: hpc-elastic's scripts pass --requeue, so either value works."""
     meaning = (
         "jobs are requeueable by default"
@@ -192,14 +192,14 @@ def job_requeue_rule(settings: Preemption) -> Check:
         else "jobs are not requeueable by default; hpc-elastic's scripts ask for "
         "--requeue themselves"
     )
-    return Check("JobRequeue", Level.PASS, f"{settings.job_requeue}: {meaning}")
+    return Diagnosis("JobRequeue", Level.PASS, f"{settings.job_requeue}: {meaning}")
 
 
-def grace_time_rule(settings: Preemption) -> Check | None:
+def grace_time_rule(settings: Preemption) -> Diagnosis | None:
     """A requeued task without GraceTime is killed before its workers can checkpoint."""
     if settings.action != "REQUEUE" or settings.grace_time not in ("0", "00:00:00"):
         return None
-    return Check(
+    return Diagnosis(
         "GraceTime",
         Level.WARN,
         f"0 in partition '{settings.partition}': preempted tasks are killed at once",
@@ -208,7 +208,7 @@ def grace_time_rule(settings: Preemption) -> Check | None:
     )
 
 
-PreemptionRule = Callable[[Preemption], Check | None]
+PreemptionRule = Callable[[Preemption], Diagnosis | None]
 PREEMPTION_RULES: tuple[PreemptionRule, ...] = (
     preempt_type_rule,
     preempt_mode_rule,
@@ -219,14 +219,14 @@ PREEMPTION_RULES: tuple[PreemptionRule, ...] = (
 """Run in this order; a rule that has nothing to say returns None."""
 
 
-def preemption_checks(config: Mapping[str, str], partition: Mapping[str, str]) -> list[Check]:
+def preemption_checks(config: Mapping[str, str], partition: Mapping[str, str]) -> list[Diagnosis]:
     """What the cluster's preemption settings mean for an elastic job in ``partition``."""
     settings = Preemption.read(config, partition)
     return [check for rule in PREEMPTION_RULES if (check := rule(settings)) is not None]
 
 
-def partition_check(record: Mapping[str, str]) -> Check:
-    return Check(
+def partition_check(record: Mapping[str, str]) -> Diagnosis:
+    return Diagnosis(
         "partition",
         Level.PASS,
         f"'{record.get('PartitionName', '?')}' exists: nodes {record.get('Nodes', '?')}, "
@@ -234,8 +234,8 @@ def partition_check(record: Mapping[str, str]) -> Check:
     )
 
 
-def unknown_partition_check(name: str | None, known: list[str]) -> Check:
-    return Check(
+def unknown_partition_check(name: str | None, known: list[str]) -> Diagnosis:
+    return Diagnosis(
         "partition",
         Level.FAIL,
         f"'{name or '(default)'}' does not exist",
@@ -246,27 +246,27 @@ def unknown_partition_check(name: str | None, known: list[str]) -> Check:
 # --- probes: ask Slurm, ZooKeeper and the filesystem, then apply the rules -----------------
 
 
-def slurm_checks(partition: str | None) -> tuple[list[Check], str | None]:
+def slurm_checks(partition: str | None) -> tuple[list[Diagnosis], str | None]:
     """Tools, version, controller, partition and preemption; also the partition to use
     (None when Slurm is not usable, which skips the shared-filesystem step)."""
     missing = commands.missing_tools(TOOLS)
     if missing:
         return [
-            Check(
+            Diagnosis(
                 "Slurm tools",
                 Level.FAIL,
                 f"{', '.join(missing)} not found on PATH",
                 "run doctor on a login node, or load Slurm (e.g. `module load slurm`)",
             )
         ], None
-    checks = [Check("Slurm tools", Level.PASS, ", ".join(TOOLS) + " found"), _version_probe()]
+    checks = [Diagnosis("Slurm tools", Level.PASS, ", ".join(TOOLS) + " found"), _version_probe()]
     try:
         config = commands.show_config()
         record = commands.partition_record(partition)
         known = commands.partitions() if record is None else []
     except SlurmError as error:
         log.debug("doctor: Slurm is not usable: %s", error)
-        return [*checks, Check("slurmctld", Level.FAIL, str(error))], None
+        return [*checks, Diagnosis("slurmctld", Level.FAIL, str(error))], None
     if record is None:
         return [*checks, unknown_partition_check(partition, known)], None
     log.debug("doctor: checking partition %s", record.get("PartitionName"))
@@ -277,14 +277,14 @@ def slurm_checks(partition: str | None) -> tuple[list[Check], str | None]:
     ], record.get("PartitionName")
 
 
-def _version_probe() -> Check:
+def _version_probe() -> Diagnosis:
     try:
         return version_check(commands.slurm_version())
     except SlurmError as error:
-        return Check("Slurm version", Level.WARN, str(error))
+        return Diagnosis("Slurm version", Level.WARN, str(error))
 
 
-def zookeeper_check(hosts: str, samples: int = 5) -> Check:
+def zookeeper_check(hosts: str, samples: int = 5) -> Diagnosis:
     """Each server's ``srvr`` answer and round-trip time; a quorum must answer."""
     servers = hosts.split("/", maxsplit=1)[0].split(",")
     answers: list[str] = []
@@ -299,13 +299,13 @@ def zookeeper_check(hosts: str, samples: int = 5) -> Check:
             continue
         answers.append(f"{server} {version} in {statistics.median(times) * 1000:.1f} ms")
     if len(answers) * 2 > len(servers):
-        return Check(
+        return Diagnosis(
             "ZooKeeper",
             Level.WARN if failures else Level.PASS,
             "; ".join(answers) + (f"; unreachable: {', '.join(failures)}" if failures else ""),
             "a server of the ensemble is down" if failures else "",
         )
-    return Check(
+    return Diagnosis(
         "ZooKeeper",
         Level.FAIL,
         f"'{hosts}' is unreachable: {', '.join(failures)}",
@@ -326,20 +326,20 @@ def _round_trip(host: str, port: int) -> tuple[float, str]:
     return elapsed, f"ZooKeeper {match.group(1).decode()}" if match else "answers"
 
 
-def source_check(choice: ZkChoice) -> Check:
+def source_check(choice: ZkChoice) -> Diagnosis:
     """Which ensemble the checks below ask, and why that one (``ensemble.choice``)."""
     if choice.is_default:
-        return Check(
+        return Diagnosis(
             "ZooKeeper ensemble",
             Level.WARN,
             f"none named, so the built-in default {choice.address} is tried",
             "start your own with `hpc-elastic zk start`, or name your site's with --zk, "
             f"${ZK_ENV} or the config file (docs/cluster-setup.md)",
         )
-    return Check("ZooKeeper ensemble", Level.PASS, f"{choice.address} ({choice.source})")
+    return Diagnosis("ZooKeeper ensemble", Level.PASS, f"{choice.address} ({choice.source})")
 
 
-def quorum_rule(healths: Sequence[fourletter.Health]) -> Check:
+def quorum_rule(healths: Sequence[fourletter.Health]) -> Diagnosis:
     """A leader, and how many servers serve: a degraded ensemble survives one loss fewer."""
     state = fourletter.quorum_state(healths)
     serving = [health for health in healths if health.serving]
@@ -347,14 +347,14 @@ def quorum_rule(healths: Sequence[fourletter.Health]) -> Check:
         (health.address for health in healths if health.mode in ("leader", "standalone")), None
     )
     if state == "no quorum":
-        return Check(
+        return Diagnosis(
             "ZooKeeper quorum",
             Level.FAIL,
             f"no leader: {', '.join(f'{h.address} {h.mode}' for h in healths)}",
             "a majority of the servers must run; `hpc-elastic zk status` shows yours",
         )
     if len(healths) == 1:
-        return Check(
+        return Diagnosis(
             "ZooKeeper quorum",
             Level.PASS,
             f"a single server at {leader}: it serves, and survives no loss",
@@ -362,21 +362,21 @@ def quorum_rule(healths: Sequence[fourletter.Health]) -> Check:
     message = f"leader {leader}; {len(serving)} of {len(healths)} servers serving"
     if state == "degraded":
         down = ", ".join(f"{h.address} {h.mode}" for h in healths if not h.serving)
-        return Check(
+        return Diagnosis(
             "ZooKeeper quorum",
             Level.WARN,
             f"{message} ({down})",
             f"it survives {len(serving) - zoocfg.quorum(len(healths))} more lost server(s); "
             "bring the missing ones back",
         )
-    return Check("ZooKeeper quorum", Level.PASS, message)
+    return Diagnosis("ZooKeeper quorum", Level.PASS, message)
 
 
-def session_rule(requested: float, bounds: tuple[float, float] | None) -> Check:
+def session_rule(requested: float, bounds: tuple[float, float] | None) -> Diagnosis:
     """The agents' session timeout against the server's bounds: outside them, the server
     silently gives another one, and a dead node is noticed later (or a slow one dropped)."""
     if bounds is None:
-        return Check(
+        return Diagnosis(
             "ZooKeeper sessions",
             Level.PASS,
             f"not checked: the servers do not say their session bounds (`conf` is not allowed); "
@@ -384,13 +384,13 @@ def session_rule(requested: float, bounds: tuple[float, float] | None) -> Check:
         )
     low, high = bounds
     if low <= requested <= high:
-        return Check(
+        return Diagnosis(
             "ZooKeeper sessions",
             Level.PASS,
             f"the agents' {requested:g} s sessions are within the server's {low:g}-{high:g} s",
         )
     given = min(max(requested, low), high)
-    return Check(
+    return Diagnosis(
         "ZooKeeper sessions",
         Level.WARN,
         f"the agents ask for {requested:g} s but the server allows {low:g}-{high:g} s, so they "
@@ -399,7 +399,7 @@ def session_rule(requested: float, bounds: tuple[float, float] | None) -> Check:
     )
 
 
-def restart_rule(session_timeout: float, prewarm: bool) -> Check:
+def restart_rule(session_timeout: float, prewarm: bool) -> Diagnosis:
     """What a job with these settings pays at a failure, and the flag that changes it: the
     defaults make a worker failure cost a few tenths of a second (warm standbys, the round's
     store open before any rank knocks); without prewarming every restart imports torch again.
@@ -411,7 +411,7 @@ def restart_rule(session_timeout: float, prewarm: bool) -> Check:
         "stall for seconds)"
     )
     if not prewarm:
-        return Check(
+        return Diagnosis(
             "Restart speed",
             Level.WARN,
             f"cold restarts: every worker imports torch again at each restart (2 s or more "
@@ -420,7 +420,7 @@ def restart_rule(session_timeout: float, prewarm: bool) -> Check:
             "imported make a worker failure cost a few tenths of a second, for about 250 MB "
             "of host memory per worker",
         )
-    return Check(
+    return Diagnosis(
         "Restart speed",
         Level.PASS,
         f"warm restarts: standby workers hold torch imported and the round's store listens "
@@ -428,23 +428,23 @@ def restart_rule(session_timeout: float, prewarm: bool) -> Check:
     )
 
 
-def acl_rule(enforced: bool | None) -> Check:
+def acl_rule(enforced: bool | None) -> Diagnosis:
     """Every job's nodes are guarded by a digest ACL: an ensemble that does not enforce ACLs
     lets every user read, forge and end every job."""
     if enforced is None:
-        return Check(
+        return Diagnosis(
             "ZooKeeper ACLs",
             Level.WARN,
             "not checked: no node may be made under /hpc-elastic",
             "ask the ensemble's admin to give /hpc-elastic world CREATE (docs/rendezvous.md)",
         )
     if enforced:
-        return Check(
+        return Diagnosis(
             "ZooKeeper ACLs",
             Level.PASS,
             "enforced: a node guarded by a digest ACL is refused to a client without its secret",
         )
-    return Check(
+    return Diagnosis(
         "ZooKeeper ACLs",
         Level.FAIL,
         "NOT enforced: a client without the secret read a node guarded by a digest ACL",
@@ -481,7 +481,7 @@ def session_bounds(
     return None
 
 
-def zookeeper_checks(choice: ZkChoice, session_timeout: float) -> list[Check]:
+def zookeeper_checks(choice: ZkChoice, session_timeout: float) -> list[Diagnosis]:
     """Which ensemble, whether it answers (``zookeeper_check``), then its quorum, its session
     bounds and whether it enforces ACLs; the last three only when it answers."""
     checks = [source_check(choice), zookeeper_check(choice.address)]
@@ -500,11 +500,11 @@ def zookeeper_checks(choice: ZkChoice, session_timeout: float) -> list[Check]:
     try:
         checks.append(acl_rule(zookeeper.acls_enforced(choice.address)))
     except HpcElasticError as error:
-        checks.append(Check("ZooKeeper ACLs", Level.WARN, f"not checked: {error}"))
+        checks.append(Diagnosis("ZooKeeper ACLs", Level.WARN, f"not checked: {error}"))
     return checks
 
 
-def checkpoint_checks(directory: Path, partition: str | None, slurm_ok: bool) -> list[Check]:
+def checkpoint_checks(directory: Path, partition: str | None, slurm_ok: bool) -> list[Diagnosis]:
     """Writable here, and readable from a compute node (one short ``srun``)."""
     marker = directory / f".hpc-elastic-doctor-{secrets.token_hex(4)}"
     token = secrets.token_hex(8)
@@ -513,18 +513,18 @@ def checkpoint_checks(directory: Path, partition: str | None, slurm_ok: bool) ->
         marker.write_text(token)
     except OSError as error:
         return [
-            Check(
+            Diagnosis(
                 "checkpoint dir",
                 Level.FAIL,
                 f"'{directory}' is not writable ({error.strerror})",
                 "give a writable --checkpoint-dir on a shared filesystem",
             )
         ]
-    checks = [Check("checkpoint dir", Level.PASS, f"'{directory}' is writable")]
+    checks = [Diagnosis("checkpoint dir", Level.PASS, f"'{directory}' is writable")]
     try:
         if not slurm_ok:
             checks.append(
-                Check(
+                Diagnosis(
                     "shared filesystem",
                     Level.WARN,
                     "not checked: Slurm is not usable here",
@@ -562,17 +562,17 @@ def measure_save(directory: Path, size: int) -> float:
         path.unlink(missing_ok=True)
 
 
-def save_fit_rule(fit: grace.Fit, how: str) -> Check:
+def save_fit_rule(fit: grace.Fit, how: str) -> Diagnosis:
     """The agents' own check (slurm/grace.py) on the save doctor timed or was given."""
     message = f"{fit.sentence()} ({how})"
     if fit.fits:
-        return Check("checkpoint save", Level.PASS, message)
-    return Check("checkpoint save", Level.WARN, message, fit.advice())
+        return Diagnosis("checkpoint save", Level.PASS, message)
+    return Diagnosis("checkpoint save", Level.WARN, message, fit.advice())
 
 
 def save_fit_check(
     partition: str | None, qos: str | None, lead_s: float, save_s: float, how: str
-) -> Check:
+) -> Diagnosis:
     """Whether a save of ``save_s`` (plus no step: doctor runs none) fits the ``--signal``
     lead and what a preemption in ``partition`` (or of ``qos``) leaves."""
     try:
@@ -583,33 +583,33 @@ def save_fit_check(
             rows = commands.qos_table()
             table = {name: grace.QosRow(name, *row) for name, row in rows.items()}
     except SlurmError as error:
-        return Check("checkpoint save", Level.WARN, f"not checked: {error}")
+        return Diagnosis("checkpoint save", Level.WARN, f"not checked: {error}")
     job = {"Partition": record.get("PartitionName", partition or ""), "QOS": qos or "normal"}
     limits = grace.limits_from(lead_s, job, config, record, table)
     return save_fit_rule(grace.check(save_s, 0.0, limits), how)
 
 
-def shared_filesystem_check(marker: Path, token: str, partition: str | None) -> Check:
+def shared_filesystem_check(marker: Path, token: str, partition: str | None) -> Diagnosis:
     """A compute node must read back the token just written to ``marker`` on this host."""
     try:
         seen = commands.read_on_a_node(str(marker), partition)
     except SlurmError as error:
-        return Check("shared filesystem", Level.WARN, str(error))
+        return Diagnosis("shared filesystem", Level.WARN, str(error))
     if seen is None:
-        return Check(
+        return Diagnosis(
             "shared filesystem",
             Level.FAIL,
             f"compute nodes do not see '{marker.parent}'",
             "put checkpoints on a filesystem every node mounts (e.g. /scratch, $HOME)",
         )
     if seen.strip() != token:
-        return Check(
+        return Diagnosis(
             "shared filesystem",
             Level.WARN,
             f"a compute node read something else at '{marker}'",
             "make sure every node mounts the checkpoint directory at the same path",
         )
-    return Check("shared filesystem", Level.PASS, "a compute node reads what is written here")
+    return Diagnosis("shared filesystem", Level.PASS, "a compute node reads what is written here")
 
 
 def is_url(text: str) -> bool:
@@ -617,10 +617,10 @@ def is_url(text: str) -> bool:
     return "://" in text
 
 
-def object_store_check(url: str) -> Check:
+def object_store_check(url: str) -> Diagnosis:
     """An object store is not a directory: making ``s3:/bucket`` here would be wrong, so
     doctor says what it cannot check instead of creating a local look-alike."""
-    return Check(
+    return Diagnosis(
         "checkpoint dir",
         Level.WARN,
         f"'{url}' is an object store, which doctor does not check",
@@ -632,19 +632,19 @@ PYXIS_OPTIONS = ("--container-image", "--container-mounts")
 """What ``--container-image`` puts on the srun line; pyxis adds both to ``srun --help``."""
 
 
-def pyxis_rule(srun_help: str | None) -> Check:
+def pyxis_rule(srun_help: str | None) -> Diagnosis:
     """Whether ``submit --container-image`` can work here. No pyxis is no fault of the
     cluster: it passes, and says what the flag needs."""
     if srun_help is None:
-        return Check("pyxis", Level.PASS, "not checked: srun is not usable here")
+        return Diagnosis("pyxis", Level.PASS, "not checked: srun is not usable here")
     missing = [option for option in PYXIS_OPTIONS if option not in srun_help]
     if not missing:
-        return Check(
+        return Diagnosis(
             "pyxis",
             Level.PASS,
             "srun has --container-image and --container-mounts: --container-image IMAGE works",
         )
-    return Check(
+    return Diagnosis(
         "pyxis",
         Level.PASS,
         f"srun has no {' or '.join(missing)} (no pyxis plugin): --container-image cannot be "
@@ -652,16 +652,16 @@ def pyxis_rule(srun_help: str | None) -> Check:
     )
 
 
-def apptainer_rule(found: bool) -> Check:
+def apptainer_rule(found: bool) -> Diagnosis:
     """Whether ``submit --apptainer`` can work: the command must be on PATH. Only this host's
     PATH is seen; the compute nodes need it too."""
     if found:
-        return Check(
+        return Diagnosis(
             "apptainer",
             Level.PASS,
             "found on PATH here (the compute nodes need it too): --apptainer IMAGE works",
         )
-    return Check(
+    return Diagnosis(
         "apptainer",
         Level.PASS,
         "not on PATH here: --apptainer cannot be used unless the compute nodes have it "
@@ -669,7 +669,7 @@ def apptainer_rule(found: bool) -> Check:
     )
 
 
-def container_checks() -> list[Check]:
+def container_checks() -> list[Diagnosis]:
     """The two container runtimes ``submit`` knows (``--container-image``, ``--apptainer``)."""
     try:
         help_text: str | None = commands.srun_help()
@@ -679,17 +679,19 @@ def container_checks() -> list[Check]:
     return [pyxis_rule(help_text), apptainer_rule(not commands.missing_tools(("apptainer",)))]
 
 
-def bad_nodes_rule(records: Sequence[BadNode], now: float) -> Check:
+def bad_nodes_rule(records: Sequence[BadNode], now: float) -> Diagnosis:
     """The nodes the user's jobs keep away from: not a fault of the cluster, but a job that
     waits for nodes is told why it gets fewer than the partition has."""
     if not records:
-        return Check("bad nodes", Level.PASS, "none remembered: your jobs may run on every node")
+        return Diagnosis(
+            "bad nodes", Level.PASS, "none remembered: your jobs may run on every node"
+        )
     shown = "; ".join(
         f"{record.host} until {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(record.until))} "
         f"({one_line(record.reason)})"
         for record in records
     )
-    return Check(
+    return Diagnosis(
         "bad nodes",
         Level.WARN,
         f"{len(records)} kept out of your jobs since their health check failed: {shown}",
@@ -697,17 +699,17 @@ def bad_nodes_rule(records: Sequence[BadNode], now: float) -> Check:
     )
 
 
-def bad_nodes_check(zk: str, secret_file: Path, zk_ok: bool) -> Check:
+def bad_nodes_check(zk: str, secret_file: Path, zk_ok: bool) -> Diagnosis:
     """The user's remembered bad nodes (``hpc-elastic nodes``), read with the user's secret."""
     if not zk_ok:
-        return Check(
+        return Diagnosis(
             "bad nodes",
             Level.WARN,
             "not checked: ZooKeeper did not answer",
             "once ZooKeeper answers, `hpc-elastic nodes` lists them",
         )
     if not secret_file.expanduser().is_file():
-        return Check(
+        return Diagnosis(
             "bad nodes",
             Level.PASS,
             f"none remembered (no user secret at '{secret_file.expanduser()}' yet)",
@@ -717,7 +719,7 @@ def bad_nodes_check(zk: str, secret_file: Path, zk_ok: bool) -> Check:
             records = badnodes.listing(book, time.time())
     except HpcElasticError as error:
         log.debug("doctor: the bad-node list is unreadable: %s", error)
-        return Check(
+        return Diagnosis(
             "bad nodes",
             Level.WARN,
             f"not read: {error}",
@@ -740,7 +742,7 @@ def diagnose(
     *,
     prewarm: bool = True,
     save: SavePlan | None = None,
-) -> list[Check]:
+) -> list[Diagnosis]:
     """Every check; ``checkpoint_dir`` is a local directory, or a URL (``is_url``) left as is.
     ``zk`` is the ensemble to check and where it came from (a bare address: given by hand).
     ``session_timeout`` and ``prewarm``: what the user's jobs will get (the config file).
@@ -773,11 +775,11 @@ class SavePlan:
     size: int = TEST_SAVE_BYTES
     qos: str | None = None
 
-    def check(self, partition: str, directory: Path | str) -> Check:
+    def check(self, partition: str, directory: Path | str) -> Diagnosis:
         if self.seconds is not None:
             return save_fit_check(partition, self.qos, self.lead_s, self.seconds, "as given")
         if isinstance(directory, str):
-            return Check(
+            return Diagnosis(
                 "checkpoint save",
                 Level.WARN,
                 f"not timed: '{directory}' is object storage",
@@ -786,6 +788,6 @@ class SavePlan:
         try:
             seconds = measure_save(directory, self.size)
         except OSError as error:
-            return Check("checkpoint save", Level.WARN, f"not timed ({error.strerror})")
+            return Diagnosis("checkpoint save", Level.WARN, f"not timed ({error.strerror})")
         how = f"a test save of {self.size / 1e6:.0f} MB to '{directory}' took {seconds:.1f} s"
         return save_fit_check(partition, self.qos, self.lead_s, seconds, how)

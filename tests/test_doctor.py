@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from hpc_elastic import cli
 from hpc_elastic.doctor import (
-    Check,
+    Diagnosis,
     Level,
     checkpoint_checks,
     container_checks,
@@ -83,11 +83,11 @@ NO_SUCH_FILE = (
 )
 
 
-def levels(checks: list[Check]) -> dict[str, Level]:
+def levels(checks: list[Diagnosis]) -> dict[str, Level]:
     return {check.name: check.level for check in checks}
 
 
-def levels_and_messages(checks: list[Check]) -> dict[str, str]:
+def levels_and_messages(checks: list[Diagnosis]) -> dict[str, str]:
     return {check.name: f"{check.level.value}: {check.message}" for check in checks}
 
 
@@ -189,7 +189,7 @@ def test_missing_slurm_tools_fail_in_one_line_and_nothing_else_is_asked(tmp_path
         checks, partition = slurm_checks("low")
         checks += checkpoint_checks(tmp_path, partition, slurm_ok=partition is not None)
     assert partition is None
-    assert checks[0] == Check(
+    assert checks[0] == Diagnosis(
         "Slurm tools",
         Level.FAIL,
         "sbatch, srun not found on PATH",
@@ -240,7 +240,7 @@ def test_an_unknown_partition_fails_and_lists_the_real_ones() -> None:
         )
         checks, partition = slurm_checks("gpu")
     assert partition is None
-    assert checks[-1] == Check(
+    assert checks[-1] == Diagnosis(
         "partition", Level.FAIL, "'gpu' does not exist", "pick one of low, high with --partition"
     )
 
@@ -439,7 +439,7 @@ def test_doctor_says_srun_has_pyxis_when_its_help_lists_the_container_options() 
     with mocked_slurm() as fake:
         fake.answer("srun", "--help", stdout=PYXIS_HELP)
         pyxis, apptainer = container_checks()
-    assert pyxis == Check(
+    assert pyxis == Diagnosis(
         "pyxis",
         Level.PASS,
         "srun has --container-image and --container-mounts: --container-image IMAGE works",
