@@ -28,12 +28,11 @@ import sys
 import tempfile
 import threading
 import time
+import tomllib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import tomllib
 
 REPO = Path(__file__).resolve().parent.parent
 MUTANTS = REPO / "bench" / "mutants.toml"

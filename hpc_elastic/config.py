@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import logging
 import os
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import tomllib
 
 from hpc_elastic.contract import DEFAULT_ZK, ZK_ENV
 from hpc_elastic.errors import ConfigError, UsageError

@@ -108,11 +108,6 @@ class SubmittedJob:
     plan: Plan
     grow_job_id: str | None = None
 
-    @property
-    def log_pattern(self) -> Path:
-        """Where Slurm writes the job's output (the built-in templates' --output)."""
-        return self.plan.paths.slurm_output(self.job_id, elastic=self.plan.spec.is_array)
-
 
 RUN_ID_RANDOM_BYTES = 16
 """128 random bits: the name and the time are public (``squeue`` shows both), so the suffix

@@ -4,10 +4,10 @@ fail loudly when a typer release moves those classes, instead of the CLI printin
 from __future__ import annotations
 
 import re
+import tomllib
 from importlib.metadata import version
 from pathlib import Path
 
-import tomllib
 import typer
 from typer.core import TyperGroup
 from typer.testing import CliRunner

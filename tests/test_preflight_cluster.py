@@ -16,7 +16,7 @@ from cluster import Cluster, wait_until
 from submit_output import submitted
 
 from hpc_elastic import events
-from hpc_elastic.agent.badnodes import remembered
+from hpc_elastic.agent.badnodes import clear, remembered
 from hpc_elastic.rendezvous import zookeeper
 from hpc_elastic.rendezvous.secret import user_secret
 
@@ -81,4 +81,5 @@ def test_a_slot_never_joins_on_a_remembered_bad_node_and_finishes_on_a_good_one(
             assert f"ExcNodeList={','.join(sorted(bad))}" in shown.stdout, shown.stdout
         assert len(said("join")) == 1, "only the agent on the good node may join"
     finally:
-        zookeeper.clear_bad_nodes(cluster.zk_hosts, user, user_secret(secret_file))
+        with zookeeper.bad_node_book(cluster.zk_hosts, user, user_secret(secret_file)) as book:
+            clear(book)

@@ -22,7 +22,7 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import NoAuthError
 from kazoo.security import ACL, OPEN_ACL_UNSAFE, make_digest_acl
 
-from hpc_elastic.agent.badnodes import listing, remembered
+from hpc_elastic.agent.badnodes import Cleared, clear, listing, remembered
 from hpc_elastic.errors import (
     RendezvousAccessError,
     RendezvousClosedError,
@@ -38,7 +38,6 @@ from hpc_elastic.rendezvous.zookeeper import (
     ZooKeeperAddress,
     ZooKeeperStore,
     bad_node_book,
-    clear_bad_nodes,
     close_job,
     connect,
     describe_job,
@@ -461,10 +460,11 @@ def test_bad_nodes_are_remembered_per_user_listed_until_they_expire_and_cleared(
     ]
     with bad_node_book(chroot, "bob", "bobs-secret") as book:
         assert listing(book, now) == []
-    assert clear_bad_nodes(chroot, "alice", SECRET, ["node3", "node7"]) == ["node3"]
+    with bad_node_book(chroot, "alice", SECRET) as book:
+        assert clear(book, ["node3", "node7"]) == Cleared(("node3",), ("node7",))
     with bad_node_book(chroot, "alice", SECRET) as book:
         assert [record.host for record in listing(book, now)] == ["node1"]
-    assert clear_bad_nodes(chroot, "alice", SECRET) == ["node1"]
+        assert clear(book) == Cleared(("node1",), ())
     with bad_node_book(chroot, "alice", SECRET) as book:
         assert listing(book, now) == []
 

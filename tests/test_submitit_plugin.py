@@ -9,13 +9,13 @@ import stat
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import submitit
-import tomllib
 from slurm_fake import Sbatch
 from submitit.core import plugins, utils
 

@@ -10,6 +10,7 @@ from hpc_elastic.agent.watchdog import (
     DeadlineRule,
     Deadlines,
     ExitClass,
+    Hung,
     Phase,
     RankWatch,
     StragglerRule,
@@ -17,7 +18,6 @@ from hpc_elastic.agent.watchdog import (
     arrival_lags,
     checkpoints_at_restarts,
     classify_exit,
-    is_hung,
     learned_deadline,
     paced_step_times,
     percentile,
@@ -25,6 +25,12 @@ from hpc_elastic.agent.watchdog import (
     user_error_sentence,
 )
 from hpc_elastic.events import Event, kind_of
+
+
+def past_deadline(phase: Phase, waited: float, deadlines: Deadlines) -> bool:
+    """The watchdog's own rule (``Hung.past_deadline``) for a rank that waited ``waited``."""
+    return Hung(0, phase, waited, deadlines.deadline(phase)).past_deadline
+
 
 RULE = DeadlineRule(initial=600.0, floor=10.0, percentile=99.0, factor=5.0, min_samples=5)
 
@@ -69,8 +75,8 @@ def test_deadlines_are_learned_per_phase_and_ignore_nonsense_durations() -> None
     assert deadlines.samples(Phase.STEP) == [4.0] * 10
     assert deadlines.deadline(Phase.STEP) == 20.0
     assert deadlines.deadline(Phase.CHECKPOINT) == DEFAULT_RULES[Phase.CHECKPOINT].initial
-    assert is_hung(Phase.STEP, 20.5, deadlines)
-    assert not is_hung(Phase.STEP, 19.5, deadlines)
+    assert past_deadline(Phase.STEP, 20.5, deadlines)
+    assert not past_deadline(Phase.STEP, 19.5, deadlines)
 
 
 def test_one_start_up_teaches_the_start_up_deadline() -> None:
@@ -84,7 +90,7 @@ def test_the_default_step_floor_is_far_above_a_loaded_machines_hiccups() -> None
     for _ in range(100):
         deadlines.observe(Phase.STEP, 0.05)
     deadlines.observe(Phase.STEP, 4.0)
-    assert not is_hung(Phase.STEP, 30.0, deadlines)
+    assert not past_deadline(Phase.STEP, 30.0, deadlines)
 
 
 def test_a_rank_slower_than_k_times_the_median_for_m_steps_is_a_straggler_once() -> None:

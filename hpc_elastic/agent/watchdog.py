@@ -114,11 +114,6 @@ class Deadlines:
         return value
 
 
-def is_hung(phase: Phase, waited: float, deadlines: Deadlines) -> bool:
-    """True once a rank has waited longer than its phase allows."""
-    return waited > deadlines.deadline(phase)
-
-
 @dataclass(frozen=True)
 class StragglerRule:
     """A rank slower than ``factor`` times the median step time for ``consecutive`` steps in a

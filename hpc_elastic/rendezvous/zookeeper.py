@@ -968,17 +968,6 @@ def remember_bad_node(zk: str, user: str, secret: str, record: BadNode) -> None:
         book.remember(record)
 
 
-def clear_bad_nodes(
-    zk: str, user: str, secret: str, hosts: Iterable[str] | None = None
-) -> list[str]:
-    """Forget ``hosts`` (all of the user's bad nodes when None); returns the hosts forgotten."""
-    with bad_node_book(zk, user, secret) as book:
-        known = sorted({record.host for record in book.records()})
-        chosen = known if hosts is None else sorted(set(hosts) & set(known))
-        book.forget(chosen)
-        return chosen
-
-
 ACL_CHECK = ".acl-check-"
 """Ephemeral znodes under the prefix that ``acls_enforced`` makes: gone with its session."""
 

@@ -343,14 +343,6 @@ def drained_nodes(
     return parse_drains(_checked(argv, env, timeout=timeout))
 
 
-def node_state(name: str, env: Mapping[str, str] | None = None) -> str:
-    """Slurm's state of one node as sinfo prints it: ``idle``, ``allocated``, ``down*``, ..."""
-    states = _checked(["sinfo", "-h", "-N", "-n", name, "-o", "%T"], env).split()
-    if not states:
-        raise SlurmError(f"Slurm has no node '{name}'; run `sinfo -N` to list the nodes.")
-    return states[0]
-
-
 def missing_tools(tools: Sequence[str], env: Mapping[str, str] | None = None) -> list[str]:
     """The tools among ``tools`` that cannot be run. Each one runs ``--version`` through the one
     subprocess call, so a test can take a tool away just as it answers for one."""

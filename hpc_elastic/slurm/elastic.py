@@ -323,10 +323,6 @@ def every_task_held(statuses: Sequence[JobStatus]) -> bool:
     return bool(statuses) and all(held_reason(status) is not None for status in statuses)
 
 
-def held_tasks(statuses: Sequence[JobStatus]) -> list[int]:
-    return sorted(held_reasons(statuses))
-
-
 def churn_held_tasks(statuses: Sequence[JobStatus]) -> list[int]:
     """Held tasks the job may release itself: held for too many requeues, and for nothing
     else. An admin's hold (``JobHeldAdmin``) or the user's own (``JobHeldUser``) is a person's
