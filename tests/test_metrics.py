@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hpc_elastic.agent.api import Phase
+from hpc_elastic.agent.api import AgentPhase
 from hpc_elastic.agent.metrics import AgentMetrics, MetricsExporter
 from hpc_elastic.errors import UsageError
 from hpc_elastic.events import Event, Kind
@@ -142,20 +142,20 @@ def phase_shown(metrics: AgentMetrics) -> str:
 
 def test_the_agents_phase_follows_its_events_and_the_live_phase(tmp_path: Path) -> None:
     metrics = AgentMetrics("job", "3", tmp_path / "events.jsonl", now=100.0)
-    assert phase_shown(metrics) == Phase.JOINING.value
-    metrics.observe(Event(Kind.START, round=1, details={"phase": Phase.RUNNING.value}))
-    assert phase_shown(metrics) == Phase.RUNNING.value
+    assert phase_shown(metrics) == AgentPhase.JOINING.value
+    metrics.observe(Event(Kind.START, round=1, details={"phase": AgentPhase.RUNNING.value}))
+    assert phase_shown(metrics) == AgentPhase.RUNNING.value
     metrics.observe(Event(Kind.RESTART, round=1, details={"phase": "no such phase"}))
-    assert phase_shown(metrics) == Phase.RUNNING.value  # a stranger's line changes nothing
-    metrics.refresh(step=None, now=101.0, phase=Phase.DONE)
-    assert phase_shown(metrics) == Phase.DONE.value
+    assert phase_shown(metrics) == AgentPhase.RUNNING.value  # a stranger's line changes nothing
+    metrics.refresh(step=None, now=101.0, phase=AgentPhase.DONE)
+    assert phase_shown(metrics) == AgentPhase.DONE.value
 
 
 def test_the_exporter_writes_the_live_phase_to_the_textfile(tmp_path: Path) -> None:
     metrics = AgentMetrics("job", "3", tmp_path / "events.jsonl")
     textfile = tmp_path / "agent.prom"
     exporter = MetricsExporter(
-        metrics, lambda: None, textfile=textfile, interval=0.05, phase=lambda: Phase.DRAINING
+        metrics, lambda: None, textfile=textfile, interval=0.05, phase=lambda: AgentPhase.DRAINING
     )
     exporter.stop()
     text = textfile.read_text()

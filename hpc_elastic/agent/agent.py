@@ -32,7 +32,7 @@ from typing import TypeVar
 
 from hpc_elastic import events
 from hpc_elastic.agent import hangs, investigation, proc, rootcause, sockets, stops, watchdog
-from hpc_elastic.agent.api import AgentSpec, ExitCode, Phase
+from hpc_elastic.agent.api import AgentPhase, AgentSpec, ExitCode
 from hpc_elastic.agent.rundir import RunDir
 from hpc_elastic.agent.standby import StandbyPool, may_import, standby_command
 from hpc_elastic.agent.storehost import StoreHost, store_host_command, wants_store_host
@@ -524,7 +524,7 @@ class Agent:
         self._lease = self._run_dir / "lease"
         """Touched every poll while this node holds a live round and is connected; workers
         stop on their own once it is older than the session timeout (self-fencing)."""
-        self._phase = Phase.JOINING
+        self._phase = AgentPhase.JOINING
         self._standbys = self._prepared.standbys
         self._store_host = self._prepared.store_host
         self._agent_store: int | None = None
@@ -565,7 +565,7 @@ class Agent:
         return self.rdzv.node.slot or self.rdzv.node.node_id
 
     @property
-    def phase(self) -> Phase:
+    def phase(self) -> AgentPhase:
         """Where the agent is in its life cycle (for metrics and status)."""
         return self._phase
 
@@ -607,7 +607,7 @@ class Agent:
             log.exception("the agent loop failed")
             return self._abort(error, ExitCode.FAILED)
         finally:
-            self._enter(Phase.DONE)
+            self._enter(AgentPhase.DONE)
             if self._group is not None:
                 self._group.stop(0.0)
             self._prepared.close()
@@ -656,7 +656,7 @@ class Agent:
         )
         self._event(Kind.ERROR, reason=str(error), exit_code=int(code))
         if self._group is not None:
-            self._enter(Phase.DRAINING)
+            self._enter(AgentPhase.DRAINING)
             self._stop_with_grace(
                 self._group, signal.SIGTERM, self.spec.grace, self._lease_while_connected
             )
@@ -673,7 +673,7 @@ class Agent:
         self._say(str(error))
         self._event(Kind.ERROR, reason=str(error), exit_code=int(code))
         if self._group is not None:  # fenced long ago; stopped all the same, with grace
-            self._enter(Phase.DRAINING)
+            self._enter(AgentPhase.DRAINING)
             self._stop_with_grace(
                 self._group, signal.SIGTERM, self.spec.grace, self._lease_while_connected
             )
@@ -681,14 +681,14 @@ class Agent:
         self._release()
         return code
 
-    def _enter(self, phase: Phase) -> None:
+    def _enter(self, phase: AgentPhase) -> None:
         if phase is not self._phase:
             log.debug("%s: %s -> %s", self._node, self._phase.value, phase.value)
             self._phase = phase
 
     def _loop(self) -> ExitCode:
         while True:
-            self._enter(Phase.JOINING)
+            self._enter(AgentPhase.JOINING)
             try:
                 rdzv_round = self._interruptibly(self.rdzv.next_round)
             except _Interrupted:
@@ -734,7 +734,7 @@ class Agent:
         self._round = rdzv_round
         self._hangs_answered = set()
         self._group = self._start_workers(rdzv_round)
-        self._enter(Phase.RUNNING)
+        self._enter(AgentPhase.RUNNING)
         self._event(
             Kind.START, round=rdzv_round.number, ranks=[w.rank for w in self._group.workers]
         )
@@ -1161,7 +1161,7 @@ class Agent:
         if action in (AfterRound.STOP_WORKERS, AfterRound.KEEP_WORKERS):
             self._stop_or_keep(action, end.outcome, number)
             if end.outcome is Outcome.FAILED:
-                self._enter(Phase.REPORTING)
+                self._enter(AgentPhase.REPORTING)
             return replace(end, workers_stopped=True)
         if action is AfterRound.WAIT_FOR_CHANGE:
             heard, stalled = self._listen_for_change()
@@ -1225,7 +1225,7 @@ class Agent:
     def _stop_or_keep(self, action: AfterRound, outcome: Outcome, round_number: int) -> None:
         group = self._group
         assert group is not None
-        self._enter(Phase.STOPPING)
+        self._enter(AgentPhase.STOPPING)
         if action is AfterRound.KEEP_WORKERS:
             # In-place mode: the workers that are alive wait for the next round at a step
             # boundary (or broke out of a collective on the dead peer); only the dead are gone.
@@ -1328,7 +1328,7 @@ class Agent:
         """The exit barrier: True when every node succeeded, False when a failure elsewhere
         ended the round, None when a stop signal interrupted the wait. A job that failed
         meanwhile raises ``JobFailedError``, which the loop ends the job with."""
-        self._enter(Phase.SUCCEEDING)
+        self._enter(AgentPhase.SUCCEEDING)
         self._say("All local workers finished; waiting for the other nodes.")
         try:
             return self._interruptibly(self.rdzv.report_success)
@@ -1337,7 +1337,7 @@ class Agent:
 
     def _drain(self, group: WorkerGroup, code: ExitCode) -> ExitCode:
         """Forward the stop signal once, give the workers ``--grace`` to save, then kill them."""
-        self._enter(Phase.DRAINING)
+        self._enter(AgentPhase.DRAINING)
         signum = self._stop_signal
         if signum is not None:
             self._say(
@@ -1388,7 +1388,7 @@ class Agent:
         """Leave on the pending stop signal; in-place survivors kept for the next round get
         the signal and ``--grace`` first, as any drained worker does."""
         if self._group is not None:
-            self._enter(Phase.DRAINING)
+            self._enter(AgentPhase.DRAINING)
             self._stop_with_grace(
                 self._group,
                 self._stop_signal or signal.SIGTERM,

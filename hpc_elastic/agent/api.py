@@ -15,7 +15,7 @@ from hpc_elastic.jobdir import JobDir
 _MODULE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
-class Phase(enum.Enum):
+class AgentPhase(enum.Enum):
     """Where the agent is in its life cycle; shown in its events, metrics and debug log.
 
     Here rather than beside the loop in ``agent.py`` so that readers of events and metrics

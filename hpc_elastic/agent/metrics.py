@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, start_htt
 from prometheus_client import write_to_textfile as _write_textfile
 
 from hpc_elastic import events
-from hpc_elastic.agent.api import Phase
+from hpc_elastic.agent.api import AgentPhase
 from hpc_elastic.errors import UsageError
 from hpc_elastic.events import Event, Kind, RoundDetails
 
@@ -29,7 +29,7 @@ and the training step are nobody else's business, and a scraper on the node (nod
 neighbour, an SSH tunnel) reaches loopback."""
 INTERVAL = 1.0
 """Seconds between two refreshes (step rate, checkpoint age, the textfile)."""
-_PHASES = frozenset(phase.value for phase in Phase)
+_PHASES = frozenset(phase.value for phase in AgentPhase)
 _STOPPED_KINDS = frozenset(
     {Kind.RESTART, Kind.FAILURE, Kind.PREEMPT, Kind.LEAVE, Kind.DONE, Kind.FAILED}
 )
@@ -83,12 +83,12 @@ class AgentMetrics:
         self._labels = values
         self.phase = Enum(
             "hpc_elastic_agent_phase",
-            "The agent's phase (agent.Phase): 1 for the current one, 0 for the others.",
+            "The agent's phase (AgentPhase): 1 for the current one, 0 for the others.",
             labels,
-            states=[phase.value for phase in Phase],
+            states=[phase.value for phase in AgentPhase],
             registry=self.registry,
         ).labels(**values)
-        self.phase.state(Phase.JOINING.value)
+        self.phase.state(AgentPhase.JOINING.value)
         self._events_file = events_file
         self._events_offset = 0
         self._started = time.time() if now is None else now
@@ -141,7 +141,7 @@ class AgentMetrics:
             self.phase.state(phase)
 
     def refresh(
-        self, step: int | None, now: float | None = None, phase: Phase | None = None
+        self, step: int | None, now: float | None = None, phase: AgentPhase | None = None
     ) -> None:
         """Fold in the workers' step, the agent's phase (when given: it changes between
         events too, e.g. to ``done`` after the last one) and the job's checkpoints; called
@@ -185,7 +185,7 @@ class MetricsExporter:
         bind: str = DEFAULT_BIND,
         textfile: Path | None = None,
         interval: float = INTERVAL,
-        phase: Callable[[], Phase] | None = None,
+        phase: Callable[[], AgentPhase] | None = None,
     ) -> None:
         self.metrics = metrics
         self._progress = progress
