@@ -733,3 +733,37 @@ def test_a_late_report_of_a_round_that_is_over_spends_nothing() -> None:
     before = world.server.state
     b.report_failure(Failure("b", "host-b", 0, 1, None, "late", 0.0))
     assert world.server.state == before
+
+
+def test_a_member_reported_departed_is_left_out_at_once_while_its_session_lives() -> None:
+    """c's agent was killed: its link closed, its session lives on. a reports it; the next
+    round forms of a and b without waiting for c as a straggler nor for the last call, and c
+    is still a member of the store when it does."""
+    config = RendezvousSettings(run_id="job", nodes=NodeRange(1, 3), last_call=1.0)
+    world = Stepped(config)
+    a, b, c = world.handler("a"), world.handler("b"), world.handler("c")
+    world.rounds([a, b, c])
+    assert a.report_departed("c", 1)
+    assert a.changed.is_set()
+    assert b.changed.is_set()
+    assert b.peer_lost(), "the survivors' ranks are blocked on c's: no grace for them"
+    before = world.clock.now
+    second = world.rounds([a, b])
+    assert [m.node_id for m in second[0].members] == ["a", "b"]
+    # On the simulated clock: only the proposers' stagger (0.1 s a node id) passed, neither
+    # the straggler deadline nor the last call.
+    assert world.clock.now - before < config.last_call
+    assert "c" in world.server.member_ids
+
+
+def test_a_link_of_a_round_that_moved_on_marks_nobody_departed() -> None:
+    """b closes its link of round 1 once it holds round 2: that end proves nothing."""
+    config = RendezvousSettings(run_id="job", nodes=NodeRange(1, 2), last_call=1.0)
+    world = Stepped(config)
+    a, b = world.handler("a"), world.handler("b")
+    world.rounds([a, b])
+    a.report_failure(Failure("a", "host-a", 0, 1, None, "boom", 0.0))
+    world.rounds([a, b])
+    before = world.server.state
+    assert not a.report_departed("b", 1)
+    assert world.server.state == before, "not even a write"

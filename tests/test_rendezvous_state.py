@@ -544,3 +544,103 @@ def test_a_success_in_a_job_that_failed_does_not_count() -> None:
     failed = st.fail(st.record_success(running("a", "b"), 1, "a"), "node 'b' left round 1")
     assert st.record_success(failed, 1, "b") == failed
     assert not st.all_succeeded(st.record_success(failed, 1, "b"))
+
+
+# --- a killed node noticed at the speed of a closed connection ---------------------------------
+
+
+def test_a_member_whose_link_closed_is_gone_at_once_and_the_round_forms_without_it() -> None:
+    """c's agent was SIGKILLed: its link to a (the centre) ended with FIN, while its session
+    lives on. Without the mark, the survivors wait for c as a straggler until its session
+    expires; with it, they form the next round at once, without the last call (a shrink)."""
+    alive = frozenset("abc")
+    state = running("a", "b", "c")
+    assert st.next_action(back("ab", state), alive, "a", 1, ONE_TO_FOUR) is st.Action.STRAGGLERS
+    departed = st.depart(state, alive, "a", "c", 1)
+    assert departed.departed == ("c",)
+    assert st.present(departed, alive) == frozenset("ab")
+    assert not st.round_is_live(departed, alive, ONE_TO_FOUR), "c's death ends the round"
+    assert st.peer_lost(departed, alive, 1), "the survivors' ranks are blocked on c's"
+    assert not st.only_arrivals(departed, alive, 1)
+    both_back = back("ab", departed)
+    assert st.stragglers(both_back, alive) == frozenset()
+    assert st.next_action(both_back, alive, "a", 1, ONE_TO_FOUR) is st.Action.COMPLETE
+    nxt = st.complete_round(both_back, [node("a"), node("b")], ONE_TO_FOUR)
+    assert [member.node_id for member in nxt.members] == ["a", "b"]
+    nxt = st.publish_master(nxt, 2, 29501)
+    assert st.round_is_live(nxt, alive, ONE_TO_FOUR), "c, alive in the store, is no newcomer"
+    assert st.next_action(nxt, alive, "b", 1, ONE_TO_FOUR) is st.Action.RETURN
+
+
+def test_a_departed_node_that_is_alive_after_all_comes_back_and_supersedes_the_round() -> None:
+    """A false report (the rule makes it impossible short of a bug): c's agent finds itself
+    departed, comes back through READMIT like an excluded straggler, and is then a newcomer
+    that ends the round the others formed without it: a restart, nothing worse."""
+    alive = frozenset("abc")
+    departed = st.depart(running("a", "b", "c"), alive, "a", "c", 1)
+    assert st.next_action(departed, alive, "c", 1, ONE_TO_FOUR) is st.Action.READMIT
+    nxt = st.publish_master(
+        st.complete_round(back("ab", departed), [node("a"), node("b")], ONE_TO_FOUR), 2, 29501
+    )
+    assert st.next_action(nxt, alive, "c", 1, ONE_TO_FOUR) is st.Action.READMIT
+    again = st.readmit(nxt, "c")
+    assert again.departed == ()
+    assert not st.round_is_live(again, alive, ONE_TO_FOUR), "c now arrives as a newcomer"
+
+
+def second_round(names: str) -> st.JobState:
+    """Round 2 of ``names``, every one of them back from round 1."""
+    state = st.complete_round(back(names, running(*names)), [node(n) for n in names], ONE_TO_FOUR)
+    return st.publish_master(state, 2, 29501)
+
+
+PAIR = running("a", "b")
+NO_DEPARTURE: dict[str, tuple[st.JobState, str, str, str, int]] = {
+    "an older round's link": (second_round("abc"), "abc", "a", "c", 1),
+    "a node of no round": (PAIR, "abx", "a", "x", 1),
+    "a reporter of no round": (PAIR, "abx", "x", "b", 1),
+    "itself": (PAIR, "ab", "a", "a", 1),
+    "a node already gone from the store": (PAIR, "a", "a", "b", 1),
+    "a finishing round": (st.record_success(PAIR, 1, "a"), "ab", "a", "b", 1),
+    "a failed job": (st.fail(PAIR, "boom"), "ab", "a", "b", 1),
+    "a closed job": (st.close(PAIR), "ab", "a", "b", 1),
+    "a reporter left out": (replace(running("a", "b", "c"), excluded=("a",)), "abc", "a", "b", 1),
+    "a departed reporter": (replace(running("a", "b", "c"), departed=("a",)), "abc", "a", "b", 1),
+}
+"""Closed links that say nothing: (state, alive, reporter, node, the link's round)."""
+
+
+@pytest.mark.parametrize("why", NO_DEPARTURE)
+def test_a_closed_link_departs_nobody_unless_both_ends_are_members_of_the_latest_round(
+    why: str,
+) -> None:
+    """A link of round N ends whenever its node moves on to a later round (it closes the old
+    links then): only while N is the latest round does its end say the peer's process exited."""
+    state, alive, reporter, node_id, round_number = NO_DEPARTURE[why]
+    assert st.depart(state, frozenset(alive), reporter, node_id, round_number) == state
+
+
+def test_a_closed_link_in_a_round_that_already_failed_still_spares_the_wait_for_its_node() -> None:
+    """A worker failure was recorded (the survivors' ranks failed at once on the dead peer's
+    closed connection): the next round still waits for no straggler that is dead."""
+    alive = frozenset("abc")
+    failed = st.record_failure(running("a", "b", "c"), 1, failure("a"))
+    departed = st.depart(failed, alive, "b", "c", 1)
+    assert departed.departed == ("c",)
+    assert st.stragglers(back("ab", departed), alive) == frozenset()
+
+
+def test_departed_nodes_that_the_store_no_longer_lists_are_forgotten_at_the_next_mark() -> None:
+    alive = frozenset("abcd")
+    first = st.depart(running("a", "b", "c", "d"), alive, "a", "d", 1)
+    assert st.depart(first, alive, "b", "d", 1) == first, "marked once"
+    second = st.depart(first, frozenset("abc"), "a", "c", 1)  # d's session expired meanwhile
+    assert second.departed == ("c",)
+    assert st.decode(st.encode(second)) == second
+
+
+def test_a_member_record_names_where_its_agent_takes_links() -> None:
+    linked = replace(node("a"), link_port=40000)
+    assert st.decode_node(st.encode_node(linked)) == linked
+    with pytest.raises(RendezvousError, match="link_port"):
+        st.decode_node(json.dumps({**json.loads(st.encode_node(linked)), "link_port": -1}).encode())

@@ -89,6 +89,10 @@ class NodeInfo:
     """Workers this node runs (LOCAL_WORLD_SIZE)."""
     slot: str = ""
     """Slurm slot (array task id or node name); empty outside Slurm."""
+    link_port: int = 0
+    """Where this agent accepts the links of a round it is the centre of (group rank 0), on
+    ``host``; 0: it takes none, and its death is noticed by its session alone
+    (agent/links.py, docs/rendezvous.md "A killed node noticed at once")."""
 
 
 @dataclass(frozen=True)
@@ -186,6 +190,14 @@ class Rendezvous(ABC):
         JobFailedError if the job failed, a member vanished, or a member did not finish
         within ``exit_barrier_timeout``.
         """
+
+    def report_departed(self, node_id: str, round_number: int) -> bool:
+        """This node's link of round ``round_number`` to member ``node_id`` ended in order
+        (its kernel closed it: the process exited); mark it departed (``state.depart``) so
+        that the next round forms without waiting for its session. Whether the state holds
+        it departed for that round now. Blocks on the store; False by default (no links)."""
+        del node_id, round_number
+        return False
 
     def check_reach(self) -> None:
         """Raise ``RendezvousUnreachableError`` once the store has been out of reach for

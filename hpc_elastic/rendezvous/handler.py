@@ -456,6 +456,21 @@ class StoreRendezvous(Rendezvous):
         )
         return Step(decision, again=True)
 
+    def report_departed(self, node_id: str, round_number: int) -> bool:
+        me = self.node.node_id
+        state = self._update(
+            lambda state: st.depart(state, self._store.alive(), me, node_id, round_number)
+        )
+        marked = state.round == round_number and node_id in state.departed
+        log.debug(
+            "%s: link of round %d to %s closed by its peer; %s",
+            me,
+            round_number,
+            node_id,
+            "departed" if marked else "not marked (the round moved on, or it left already)",
+        )
+        return marked
+
     def share(self, topic: str, data: bytes) -> None:
         log.debug("%s: sharing a note on %s", self.node.node_id, topic)
         self._store.put_note(_note_key(topic, self.node.node_id), data)

@@ -30,8 +30,9 @@ from hpc_elastic.errors import RendezvousError
 from hpc_elastic.rendezvous.api import Failure, NodeInfo, RendezvousSettings, Round
 from hpc_elastic.spec import NodeRange
 
-FORMAT = 3
-"""Bumped when the JSON layout changes, so an old agent refuses a state it cannot read."""
+FORMAT = 4
+"""Bumped when the JSON layout changes, so an old agent refuses a state it cannot read
+(4: ``departed``, and a member's ``link_port``)."""
 
 MARGIN = 2.0
 """Seconds added to every derived deadline for scheduling and ZooKeeper tick granularity."""
@@ -66,6 +67,11 @@ class JobState:
     ``straggler_timeout``: their agents are stuck (e.g. on an unkillable worker). They count
     as absent until they come back to ``next_round``, so that a stuck node can neither stall
     the others nor make every round they form look superseded at once."""
+    departed: tuple[str, ...] = ()
+    """Members whose agent process is known to have exited although their ZooKeeper session
+    lives on: a link of the latest round to them ended in order (the peer's kernel closed it,
+    ``depart``). They count as gone at once, without waiting for the session; one that is
+    alive after all (a false report) comes back through ``READMIT`` like an excluded node."""
 
     @property
     def failed(self) -> bool:
@@ -124,6 +130,7 @@ NODE_FIELDS: dict[str, Check] = {
     "host": text(empty=False),
     "nproc": whole(1),
     "slot": text(),
+    "link_port": whole(0, 65535),
 }
 """``NodeInfo``'s fields: a member needs an id, an address the others reach and a worker."""
 
@@ -153,6 +160,7 @@ STATE_FIELDS: dict[str, Check] = {
     "failure_summary": text(),
     "closed": flag,
     "excluded": tuple_of(text(empty=False)),
+    "departed": tuple_of(text(empty=False)),
 }
 """``JobState``'s fields, by the name ``encode`` writes them under."""
 
@@ -244,8 +252,8 @@ class Action(Enum):
     MARK_READY = "mark_ready"
     """We are a member of the latest round and back here: say so, which ends the round."""
     READMIT = "readmit"
-    """We were excluded as a stuck straggler and are back: drop the exclusion, then join
-    like any newcomer."""
+    """We were excluded as a stuck straggler (or reported departed, yet here we are) and are
+    back: drop the exclusion, then join like any newcomer."""
     STRAGGLERS = "stragglers"
     """Members of the latest round are alive but not back yet: wait until they come back,
     their sessions expire or ``straggler_timeout`` passes, so that no round includes a node
@@ -284,7 +292,7 @@ def next_action(
     reruns from its checkpoint). ``stragglers_overdue``: this agent has waited
     ``straggler_timeout`` for the stragglers (see ``stragglers_overdue``); they are left out.
     """
-    if me in state.excluded:
+    if me in state.excluded or me in state.departed:
         return Action.READMIT
     if state.succeeded and not round_over(state):
         if me in state.member_ids and me not in state.succeeded:
@@ -367,8 +375,11 @@ def round_over(state: JobState) -> bool:
 
 
 def present(state: JobState, alive: frozenset[str]) -> frozenset[str]:
-    """The live nodes that count: those excluded as stuck stragglers are treated as gone."""
-    return alive - frozenset(state.excluded) if state.excluded else alive
+    """The live nodes that count: those excluded as stuck stragglers, and those whose agent
+    is known to have exited (``departed``), are treated as gone."""
+    if not (state.excluded or state.departed):
+        return alive
+    return alive - frozenset(state.excluded) - frozenset(state.departed)
 
 
 def stragglers(state: JobState, alive: frozenset[str]) -> frozenset[str]:
@@ -448,10 +459,48 @@ def mark_ready(state: JobState, node_id: str) -> JobState:
 
 
 def readmit(state: JobState, node_id: str) -> JobState:
-    """A stuck straggler came back: it is a node like any other again."""
-    if node_id not in state.excluded:
+    """A stuck straggler (or a node reported departed) came back: it is a node like any
+    other again."""
+    if node_id not in state.excluded and node_id not in state.departed:
         return state
-    return replace(state, excluded=tuple(n for n in state.excluded if n != node_id))
+    return replace(
+        state,
+        excluded=tuple(n for n in state.excluded if n != node_id),
+        departed=tuple(n for n in state.departed if n != node_id),
+    )
+
+
+def depart(
+    state: JobState, alive: frozenset[str], reporter: str, node_id: str, round_number: int
+) -> JobState:
+    """``reporter``'s link of round ``round_number`` to ``node_id`` ended in order: the peer's
+    kernel closed it (FIN), which a live agent never makes happen while that round is the
+    latest (docs/rendezvous.md, "A killed node noticed at once"). So ``node_id``'s agent
+    process has exited, and its workers with it (they die with their agent): it counts as
+    gone now (``departed``) instead of when its session expires, and the next round forms
+    without waiting for it as a straggler.
+
+    Only while ``round_number`` is still the latest round, both nodes are its members, the
+    reporter itself counts (neither left out nor reported departed), the round is not
+    finishing (a success was recorded: the exit barrier decides as before) and the job goes
+    on. A link of an older round ends whenever its node moves on, so its end says nothing.
+    Departed nodes that the store no longer lists are forgotten on the way: a node id is an
+    agent process's, and a dead one never comes back (a live one whose session expired, and
+    that joins again under its id, is then a node like any other)."""
+    if (
+        state.closed
+        or state.failed
+        or state.succeeded
+        or state.round != round_number
+        or reporter == node_id
+        or not {reporter, node_id} <= state.member_ids
+        or reporter not in present(state, alive)
+        or node_id not in alive
+        or node_id in state.departed
+    ):
+        return state
+    kept = tuple(node for node in state.departed if node in alive)
+    return replace(state, departed=(*kept, node_id))
 
 
 def complete_round(
@@ -463,7 +512,9 @@ def complete_round(
 ) -> JobState:
     """Open the next round with stable ranks: survivors keep their order, so rank 0 stays
     on a surviving node; newcomers follow in the order given (their join order).
-    ``exclude``: overdue stragglers, left out until they come back (see ``excluded``)."""
+    ``exclude``: overdue stragglers, left out until they come back (see ``excluded``).
+    Departed nodes stay so: their sessions may live on, and listed as alive outside the
+    round they would look like newcomers that supersede it."""
     by_id = {candidate.node_id: candidate for candidate in candidates}
     survivors = [member for member in state.members if member.node_id in by_id]
     kept = {member.node_id for member in survivors}
