@@ -72,6 +72,9 @@ class Kind(enum.StrEnum):
     NODE_LOST = "node_lost"
     NODE_ARRIVED = "node_arrived"
     """Membership changes between two rounds (details: nodes)."""
+    DEPARTED = "departed"
+    """A member's agent process exited, told by the end of its link (agent/links.py), and is
+    marked gone before its session expires (details: node, departed: its id, cause)."""
     ROUND_ENDED = "round_ended"
     """The restart timeline (``ops/phases.py``): this agent saw its round end (details: outcome)."""
     FAILURE_REPORTED = "failure_reported"

@@ -33,6 +33,7 @@ from typing import TypeVar
 from hpc_elastic import events
 from hpc_elastic.agent import hangs, investigation, proc, rootcause, sockets, stops, watchdog
 from hpc_elastic.agent.api import AgentPhase, AgentSpec, ExitCode
+from hpc_elastic.agent.links import Links, Peer
 from hpc_elastic.agent.rundir import RunDir
 from hpc_elastic.agent.standby import StandbyPool, may_import, standby_command
 from hpc_elastic.agent.storehost import StoreHost, store_host_command, wants_store_host
@@ -73,6 +74,7 @@ from hpc_elastic.rendezvous.api import (
     Round,
 )
 from hpc_elastic.rendezvous.handler import free_port
+from hpc_elastic.spec import MASTER_PORTS_ENV
 
 T = TypeVar("T")
 
@@ -423,12 +425,19 @@ class Prepared:
     store_host: StoreHost | None = None
     """Opens each round's TCPStore before the workers start, when this node is the round's
     group rank 0 (agent/storehost.py); kept beside torch standbys only."""
+    links: Links | None = None
+    """The links to the other agents of each round (agent/links.py): listening from the
+    start, so that this node's ``NodeInfo`` can name the port."""
 
     def close(self) -> None:
+        """Only once the workers are gone: closing the links tells the others this node's
+        process is done (agent/links.py)."""
         if self.standbys is not None:
             self.standbys.close()
         if self.store_host is not None:
             self.store_host.close()
+        if self.links is not None:
+            self.links.close()
         self.run.remove()
 
 
@@ -437,18 +446,29 @@ def prepare(
     run_id: str,
     environ: Mapping[str, str],
     say: Callable[[str], None] = _stderr,
+    *,
+    links: bool = False,
 ) -> Prepared:
     """Make the run directory and start the standbys (``--prewarm``) at once. The CLI calls it
     before the health preflight, so that their imports overlap its checks (on a GPU node the
     matmul check alone imports torch and initialises CUDA in a process of its own): an
-    arriving node is warm sooner, and joins sooner (``Agent._warm_up``)."""
+    arriving node is warm sooner, and joins sooner (``Agent._warm_up``). With ``links``, this
+    node also listens for the links of the rounds it will be the centre of (agent/links.py)."""
     run = RunDir(run_id)
     standbys = standby_pool(spec, environ, say, run.path / "standbys")
     store_host = None
     if standbys is not None:
         standbys.fill()
         store_host = make_store_host(spec, environ, run.path)
-    return Prepared(run, standbys, store_host)
+    linked = Links.open(environ) if links else None
+    if links and linked is None:
+        ports = environ.get(MASTER_PORTS_ENV, "any")
+        say(
+            f"No port free for the links to the other agents ({MASTER_PORTS_ENV} '{ports}'); "
+            "this node's death will be noticed when its ZooKeeper session expires, not at "
+            "once: widen --master-port-range."
+        )
+    return Prepared(run, standbys, store_host, linked)
 
 
 def make_store_host(spec: AgentSpec, environ: Mapping[str, str], run_dir: Path) -> StoreHost | None:
@@ -546,6 +566,10 @@ class Agent:
         self._acks: dict[int, tuple[int, float]] = {}
         """In-place mode: local rank -> (round, deadline) of each survivor yet to take it up."""
         rdzv.on_spare = self._waiting_as_spare
+        self._links = self._prepared.links
+        """Last: a link's end may call ``_peer_departed`` from now on."""
+        if self._links is not None:
+            self._links.start(rdzv.node.node_id, rdzv.settings.run_id, self._peer_departed)
 
     def _open_master_store(self) -> int:
         """The port this node publishes as group rank 0 of a round (``pick_master_port``, on
@@ -554,6 +578,28 @@ class Agent:
         assert self._store_host is not None
         port = self._store_host.open(self.rdzv.node.host, free_port)
         return free_port() if port is None else port
+
+    def _peer_departed(self, peer: Peer) -> None:
+        """A link of a round this node holds ended in order: the peer's agent process exited
+        (agent/links.py). Mark it departed, so that the next round forms without waiting for
+        its session. On a thread of the links' own: this waits on the store."""
+        try:
+            marked = self.rdzv.report_departed(peer.node_id, peer.round)
+        except RendezvousError as error:  # closed, failed or cut off: the session decides
+            log.debug("%s: could not report %s departed: %s", self._node, peer.node_id, error)
+            return
+        if not marked:
+            return
+        held = self._round
+        members = held.members if held is not None and held.number == peer.round else ()
+        name = next((m.slot for m in members if m.node_id == peer.node_id and m.slot), "")
+        self._event(
+            Kind.DEPARTED,
+            round=peer.round,
+            node=name or peer.node_id,
+            departed=peer.node_id,
+            cause="connection closed",
+        )
 
     def _waiting_as_spare(self, round_number: int) -> None:
         """A hot spare (``submit --spares``): its standbys are warm, it waits to replace a
@@ -712,6 +758,8 @@ class Agent:
         return ExitCode.FAILED
 
     def _run_round(self, rdzv_round: Round) -> _Ended:
+        if self._links is not None:
+            self._links.hold(rdzv_round)
         self._log_membership(rdzv_round)
         members = [member.slot or member.node_id for member in rdzv_round.members]
         self._event(

@@ -156,7 +156,7 @@ def _run_agent(
     if array_slot is not None:
         _arrive(array_slot, spec, args.run_id)
     # The standbys start importing now, while the preflight and the connection go on.
-    prepared = prepare(spec, args.run_id, os.environ)
+    prepared = prepare(spec, args.run_id, os.environ, links=True)
     slot_emit = _emitter(spec, args.run_id, array_slot, notifier)
     try:
         if args.preflight:
@@ -168,7 +168,9 @@ def _run_agent(
         expected = (
             array_slot.expected_nodes(slot_emit) if array_slot is not None else _slurm_node_count
         )
-        rdzv = _connect_until_stopped(args, this_node(args, slot), expected, signals)
+        link_port = prepared.links.port if prepared.links is not None else 0
+        node = this_node(args, slot, link_port)
+        rdzv = _connect_until_stopped(args, node, expected, signals)
         code = _supervise(
             spec,
             args,
@@ -253,14 +255,16 @@ def rendezvous_settings(args: AgentArguments) -> RendezvousSettings:
     )
 
 
-def this_node(args: AgentArguments, slot: str) -> NodeInfo:
+def this_node(args: AgentArguments, slot: str, link_port: int = 0) -> NodeInfo:
     """This incarnation's member: a fresh id each start (pid and random suffix), so a requeued
-    slot never answers for its previous incarnation."""
+    slot never answers for its previous incarnation; ``link_port``: where it takes the links
+    of the rounds it is the centre of (agent/links.py), 0 for none."""
     return NodeInfo(
         node_id=f"{slot or socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
         host=args.host or default_host(os.environ),
         nproc=args.nproc_per_node,
         slot=slot,
+        link_port=link_port,
     )
 
 
