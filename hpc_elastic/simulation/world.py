@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from hpc_elastic.agent import agent as production
+from hpc_elastic.agent import links
 from hpc_elastic.agent.agent import AfterRound, Outcome, RoundEnd, fence_after, poll_decision
 from hpc_elastic.contract import FENCED_EXIT_CODE
 from hpc_elastic.errors import (
@@ -102,6 +103,8 @@ BUGGIFY_SHARE = 0.25
 BUGGIFY_CHANCE = 0.3
 """How often such a moment gets its fault in a buggified schedule (once per node and round)."""
 PORT_BASE = 29500
+LINK_DELAY = 0.001
+"""Seconds for the end of a link (agent/links.py) to reach the agent at its other end."""
 SPARE_SHARE = 0.25
 """The share of schedules whose job has one hot spare (``submit --spares 1``): a slot beyond
 MAX, which waits beside a full round and joins the next one when a member is lost."""
@@ -275,6 +278,9 @@ class SimAgent:
         """The workers of the latest round this node started (one per local rank)."""
         self.last_started = 0
         """The latest round this incarnation started workers in."""
+        self.centre = ""
+        """That round's group rank 0, the centre of its links (agent/links.py): this node
+        holds links of ``last_started`` to it (or, at the centre, from every other member)."""
         self.lease = 0.0
         self.seen_generation = -1
         self.frozen_until = 0.0
@@ -432,6 +438,7 @@ class SimAgent:
                 when, fate = now + world.workers_rng.uniform(5.0, 25.0), 0
             self.workers.append(Worker(number, self.node.node_id, when, fate, local_rank=local))
         self.last_started = number
+        self.centre = started.members[0].node_id
         self.phase = "running"
         self.lease = now
         self.reported = False
@@ -593,8 +600,34 @@ class SimAgent:
 
     # --- endings ---------------------------------------------------------------------------------
 
+    def link_ended(self, node_id: str, number: int, end: links.LinkEnd) -> Callable[[], None]:
+        """This node's link of round ``number`` to ``node_id`` ends (``end``): the production
+        rule (``links.is_evidence``, then ``report_departed``) decides, as the agent's links
+        thread does, once this agent can read its socket (a frozen one, when it wakes)."""
+
+        def ended() -> None:
+            if self.gone or self.stuck or self.last_started != number:
+                return  # its links of that round are closed, or nobody reads them
+            if self.world.now < self.frozen_until:
+                self.world.at(self.frozen_until, ended)
+                return
+            self.world.log(
+                f"{self.node.node_id} sees its link of round {number} to {node_id} {end.value}"
+            )
+            if not links.is_evidence(end):
+                return
+            try:
+                self.handler.report_departed(node_id, number)
+            except RendezvousError as error:
+                # Cut off (the real report waits for the connection, then the rule decides on
+                # the state of that time), or the job is over: nothing to mark.
+                self.world.log(f"{self.node.node_id} cannot report {node_id}: {error}")
+
+        return ended
+
     def _finish(self, how: str, reason: str) -> None:
         self._stop_workers()
+        self.world.links_end(self, links.LinkEnd.CLOSED)
         self.world.log(f"{self.node.node_id} done: {how} {reason}")
         self.gone = True
         self.world.endings.append((how, reason))
@@ -608,11 +641,14 @@ class SimAgent:
             self.handler.leave()
         else:
             self.store.release()
+        self.world.links_end(self, links.LinkEnd.CLOSED)  # the process exits: its kernel closes
         self.world.requeue(self.slot)
 
     def crash(self) -> None:
-        """The node dies: workers die with it (PDEATHSIG); the session expires on its own."""
+        """The node's processes die: workers die with their agent (PDEATHSIG), the kernel
+        closes the agent's links at once (agent/links.py); the session expires on its own."""
         self._stop_workers()
+        self.world.links_end(self, links.LinkEnd.CLOSED)
         self.gone = True
         self.store.disconnect()
         self.world.requeue(self.slot)
@@ -722,6 +758,9 @@ class World:
         """Per round, the members each node that started it was told of."""
         self.last_fault = 0.0
         self.rounds = 0
+        self.left_before_expiry: list[str] = []
+        """Members of a round whose agent was gone (crashed or exited) and that the next round
+        left out while the store still listed them: the links' doing (agent/links.py)."""
         self.last_round = 0
         self.last_members: tuple[str, ...] = ()
         self.last_state: st.JobState | None = None
@@ -767,6 +806,22 @@ class World:
                 if peer is worker or peer.exited or peer.round != worker.round:
                     continue
                 self.at(self.now + self.echo_rng.uniform(0.05, 3.0), agent.echo(peer))
+
+    def links_end(self, gone: SimAgent, end: links.LinkEnd) -> None:
+        """``gone``'s links of the round it holds end (``end``): closed when its process exits,
+        reset by a middlebox in a partition (its process lives on). A star, as the agents link
+        up: the centre (group rank 0) holds a link from every other member of the round that
+        started it and has not moved on to a later one."""
+        number = gone.last_started
+        mine = gone.node.node_id
+        if number == 0:
+            return
+        for peer in self.agents:
+            if peer is gone or peer.gone or peer.last_started != number:
+                continue
+            if gone.centre not in (mine, peer.node.node_id):  # a star: one end is the centre
+                continue
+            self.at(self.now + LINK_DELAY, peer.link_ended(mine, number, end))
 
     def training(self) -> list[Worker]:
         return [worker for agent in self.agents for worker in agent.workers if worker.training]
@@ -892,6 +947,8 @@ class World:
         agent.store.disconnect()
         if kind == "freeze":
             agent.frozen_until = self.now + duration
+        else:  # a middlebox on the way may reset the links of a node that lives on
+            self.links_end(agent, links.LinkEnd.RESET)
 
         def back() -> None:
             # The client's connection thread handles the reconnection (LOST, CONNECTED, the
@@ -1072,6 +1129,11 @@ class World:
                 f"{survivors} of round {self.last_round} first, in order"
             )
         self.rounds += 1
+        for node in sorted(set(self.last_members) - set(members)):
+            agent = self.by_id.get(node)
+            if agent is not None and agent.gone and node in self.server.member_ids:
+                self.left_before_expiry.append(node)
+                self.log(f"{node} left out before its session expired")
         self.last_round, self.last_members = new.round, members
         self.log(f"round {new.round} formed: {list(members)}")
 
@@ -1222,7 +1284,7 @@ class World:
             return
         state = decoded(view[0])
         excluded = set(state.excluded)
-        present = alive - excluded
+        present = alive - excluded - set(state.departed)
         members = {member.node_id for member in state.members}
         back = set(state.ready)
         waited_for = (members & present) - back
