@@ -57,7 +57,10 @@ HANG_STEP = 25
 @pytest.fixture
 def busy() -> Iterator[None]:
     """Two CPU-bound processes, not niced, on the machine for the whole test."""
-    hogs = [subprocess.Popen(["python3", "-c", "while True: pass"]) for _ in range(2)]
+    # Each hog checks now and then that the test's process is still its parent, so that a run
+    # killed outright (SIGKILL, no teardown) leaves no hog spinning behind it.
+    spin = f"import os\nwhile os.getppid() == {os.getpid()}:\n    for _ in range(1_000_000): pass\n"
+    hogs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
     try:
         yield
     finally:
