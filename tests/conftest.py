@@ -34,7 +34,8 @@ settings.load_profile("suite")
 
 SHARD_ENV = "HPC_ELASTIC_TEST_SHARD"
 """``K/N``: run only the K-th of N equal shares of the selected tests (scripts/test-all runs the
-shared cluster's tests as two shares on two clusters at once, since they mostly wait)."""
+shared cluster's tests as two shares on two clusters at once, since they mostly wait, and the
+unit tests as two shares, one per core)."""
 
 
 def _shard(text: str) -> tuple[int, int]:
