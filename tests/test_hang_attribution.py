@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from lifeline import while_parent_lives
 
 from hpc_elastic import events
 from hpc_elastic.agent.agent import Agent
@@ -59,7 +60,7 @@ def busy() -> Iterator[None]:
     """Two CPU-bound processes, not niced, on the machine for the whole test."""
     # Each hog checks now and then that the test's process is still its parent, so that a run
     # killed outright (SIGKILL, no teardown) leaves no hog spinning behind it.
-    spin = f"import os\nwhile os.getppid() == {os.getpid()}:\n    for _ in range(1_000_000): pass\n"
+    spin = while_parent_lives("for _ in range(1_000_000): pass")
     hogs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
     try:
         yield

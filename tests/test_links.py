@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from lifeline import while_parent_lives
 
 from hpc_elastic.agent.links import LinkEnd, Links, Peer, is_evidence
 from hpc_elastic.rendezvous.api import NodeInfo, Round
@@ -41,10 +42,10 @@ print(json.dumps(links.port), flush=True)
 if role == "member":
     centre = NodeInfo("centre", "127.0.0.1", 1, "", centre_port)
     links.hold(Round(1, (centre, NodeInfo(me, "127.0.0.1", 1)), "127.0.0.1", 1, 0, 0))
-time.sleep(600)
 """
 """Another agent's links, in a process of its own: ``member`` links up to the centre at the
-given port for round 1; ``centre`` waits for members."""
+given port for round 1; ``centre`` waits for members. Then it waits to be killed, or for the
+test's process to be gone (``peer_process``)."""
 
 
 def wait_for(condition: Callable[[], bool], what: str) -> None:
@@ -87,8 +88,10 @@ def round_of(*members: NodeInfo, number: int = 1) -> Round:
 
 def peer_process(name: str, role: str, centre_port: int = 0) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    idle = while_parent_lives("time.sleep(0.1)")
     return subprocess.Popen(
-        [sys.executable, "-c", PEER, name, role, str(centre_port)],
+        # Until the test kills it, or a test run killed outright leaves it without its parent.
+        [sys.executable, "-c", PEER + idle, name, role, str(centre_port)],
         env=env,
         stdout=subprocess.PIPE,
         text=True,
