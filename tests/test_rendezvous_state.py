@@ -639,6 +639,87 @@ def test_departed_nodes_that_the_store_no_longer_lists_are_forgotten_at_the_next
     assert st.decode(st.encode(second)) == second
 
 
+def test_a_departed_node_is_not_expected_so_the_survivors_do_not_wait_the_last_call_for_it() -> (
+    None
+):
+    """Under Slurm: c's node was killed and its links ended with FIN, but Slurm still shows
+    its task running (it notices a crashed node only when it marks it down). Slurm's count of
+    3 must not make a and b wait the last call for a node whose agent is gone."""
+    alive = frozenset("abc")
+    departed = back("ab", st.depart(running("a", "b", "c"), alive, "a", "c", 1))
+    assert st.uncounted(departed, alive) == frozenset("c")
+    assert st.still_coming(departed, alive, 3) == 2
+    assert st.next_action(departed, alive, "a", 1, ONE_TO_FOUR, expected=3) is st.Action.COMPLETE
+    not_reported = back("ab", running("a", "b", "c"))
+    assert st.still_coming(not_reported, frozenset("ab"), 3) == 3, "only a mark discounts"
+
+
+def test_a_node_slurm_is_starting_is_still_waited_for_beside_a_departed_one() -> None:
+    """Slurm counts c's slot (its agent departed) and d's, which is starting: a and b wait
+    the last call for d, not for c."""
+    alive = frozenset("abc")
+    departed = back("ab", st.depart(running("a", "b", "c"), alive, "a", "c", 1))
+    action = st.next_action(departed, alive, "a", 1, ONE_TO_FOUR, expected=4)
+    assert action is st.Action.LAST_CALL
+    assert st.next_action(departed, frozenset("abcd"), "a", 1, ONE_TO_FOUR, expected=4) is (
+        st.Action.COMPLETE
+    ), "d is here: every node that can come"
+
+
+def test_a_departed_node_is_counted_again_once_its_session_expires() -> None:
+    """The mark says something only while the store lists the node: after its session
+    expired (the mark stays until the next one), Slurm's count is taken as it is, so a slot
+    that Slurm requeues and starts anew is waited for again."""
+    alive = frozenset("abc")
+    departed = back("ab", st.depart(running("a", "b", "c"), alive, "a", "c", 1))
+    expired = frozenset("ab")
+    assert departed.departed == ("c",)
+    assert st.uncounted(departed, expired) == frozenset()
+    assert st.still_coming(departed, expired, 3) == 3
+    assert st.next_action(departed, expired, "a", 1, ONE_TO_FOUR, expected=3) is (
+        st.Action.LAST_CALL
+    )
+    assert st.still_coming(departed, alive, None) is None, "no count, nothing to take off"
+
+
+def test_a_requeued_slot_joins_beside_the_departed_agent_it_replaces() -> None:
+    """c's task was requeued and a new agent, c2 (a new node id: one per agent process),
+    starts in the same slot while c's session still lives: c2 is a newcomer like any other.
+    It ends the round a and b formed without c, and the next round takes it in."""
+    alive = frozenset({"a", "b", "c"})
+    departed = back("ab", st.depart(running("a", "b", "c"), alive, "a", "c", 1))
+    survivors = st.publish_master(
+        st.complete_round(departed, [node("a"), node("b")], ONE_TO_FOUR), 2, 29501
+    )
+    with_c2 = alive | {"c2"}
+    assert st.still_coming(survivors, with_c2, 3) == 2, "c's slot is counted once, for c2"
+    assert not st.round_is_live(survivors, with_c2, ONE_TO_FOUR), "c2 arrives"
+    assert st.next_action(survivors, with_c2, "c2", 0, ONE_TO_FOUR, expected=3) is (
+        st.Action.STRAGGLERS
+    ), "c2 waits for a and b to come back"
+    both_back = back("ab", survivors)
+    assert st.next_action(both_back, with_c2, "c2", 0, ONE_TO_FOUR, expected=3) is (
+        st.Action.COMPLETE
+    )
+    nxt = st.complete_round(both_back, [node("a"), node("b"), node("c2")], ONE_TO_FOUR)
+    assert [member.node_id for member in nxt.members] == ["a", "b", "c2"]
+
+
+def test_a_departed_node_that_comes_back_is_expected_and_counted_again() -> None:
+    """A false report: c's agent lives, finds itself departed and comes back (READMIT); from
+    then on it is neither taken off Slurm's count nor left out of the candidates."""
+    alive = frozenset("abc")
+    departed = back("ab", st.depart(running("a", "b", "c"), alive, "a", "c", 1))
+    assert st.next_action(departed, alive, "c", 1, ONE_TO_FOUR, expected=3) is st.Action.READMIT
+    again = st.readmit(departed, "c")
+    assert st.uncounted(again, alive) == frozenset()
+    assert st.still_coming(again, alive, 3) == 3
+    assert st.next_action(again, alive, "c", 1, ONE_TO_FOUR, expected=3) is st.Action.MARK_READY
+    ready = back("c", again)
+    assert st.candidates(ready, alive) == frozenset("abc")
+    assert st.next_action(ready, alive, "c", 1, ONE_TO_FOUR, expected=3) is st.Action.COMPLETE
+
+
 def test_a_member_record_names_where_its_agent_takes_links() -> None:
     linked = replace(node("a"), link_port=40000)
     assert st.decode_node(st.encode_node(linked)) == linked

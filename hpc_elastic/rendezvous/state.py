@@ -286,10 +286,11 @@ def next_action(
     """Decide the next step of one waiting agent; ``last_round`` is the round it already ran.
 
     ``expected`` is how many nodes the job can expect soon (e.g. its Slurm allocation);
-    once that many are here there is no point in waiting for the last call. Once a member
-    has succeeded the job is finishing: no new round opens, the exit barrier decides, unless
-    a worker failure ended the round (then the members that succeeded rejoin and the job
-    reruns from its checkpoint). ``stragglers_overdue``: this agent has waited
+    once that many are here there is no point in waiting for the last call (nodes reported
+    departed are taken off it: ``still_coming``). Once a member has succeeded the job is
+    finishing: no new round opens, the exit barrier decides, unless a worker failure ended
+    the round (then the members that succeeded rejoin and the job reruns from its
+    checkpoint). ``stragglers_overdue``: this agent has waited
     ``straggler_timeout`` for the stragglers (see ``stragglers_overdue``); they are left out.
     """
     if me in state.excluded or me in state.departed:
@@ -320,6 +321,7 @@ def new_round_action(
     state: JobState, alive: frozenset[str], nodes: NodeRange, expected: int | None
 ) -> Action:
     """Whether the candidates complete the next round now, after the last call, or not yet."""
+    expected = still_coming(state, alive, expected)
     count = len(candidates(state, alive))
     enough = min(nodes.max, expected) if expected is not None else nodes.max
     if count >= max(enough, nodes.min):
@@ -333,6 +335,34 @@ def new_round_action(
         # count), the wait still pays, so it is kept.
         return Action.COMPLETE
     return Action.LAST_CALL
+
+
+def uncounted(state: JobState, alive: frozenset[str]) -> frozenset[str]:
+    """The nodes reported departed that the store still lists: their agents have exited, but
+    Slurm may still count their slots as running (``still_coming``)."""
+    return alive & frozenset(state.departed) if state.departed else frozenset()
+
+
+def still_coming(state: JobState, alive: frozenset[str], expected: int | None) -> int | None:
+    """``expected`` (how many nodes Slurm runs or starts for the job) without the nodes
+    reported departed whose sessions live on (``uncounted``).
+
+    Slurm counts a slot as running until it notices that its task ended: after a node crash,
+    until it marks the node down (tens of seconds, minutes on some clusters). The departed
+    node's agent is gone for good (a node id is one agent process's), so without this the
+    survivors took its slot for a node on its way and waited the whole last call for it.
+
+    Only while the store still lists the node: its session is the bound of what the mark
+    says. Once it expires the count is Slurm's again, so a slot that Slurm requeues and
+    starts anew (a new agent, a new node id, never departed) is waited for as before. Within
+    that bound the discount is one too many when Slurm has already dropped the slot, or when
+    a new agent starts in it before the old session ends: the round then forms without a
+    node that was starting, which supersedes it when it joins, like any node that comes
+    after the last call. A departed node that comes back (``READMIT``) is counted again."""
+    if expected is None:
+        return None
+    gone = uncounted(state, alive)
+    return max(0, expected - len(gone)) if gone else expected
 
 
 def no_newcomer(state: JobState, alive: frozenset[str]) -> bool:
