@@ -33,6 +33,7 @@ from hpc_elastic.rendezvous.api import (
     Round,
 )
 from hpc_elastic.rendezvous.backend import ABSENT, ConnectionState, Store
+from hpc_elastic.rendezvous.deadlines import Deadlines
 from hpc_elastic.spec import MASTER_PORTS_ENV, parse_port_range
 
 PROPOSER_STAGGER = 0.1
@@ -55,15 +56,6 @@ def _note_key(topic: str, node_id: str) -> str:
             "node id; choose a topic without it."
         )
     return f"{topic}{NOTE_SEPARATOR}{node_id}"
-
-
-def out_of_reach(suspended_since: float | None, now: float, limit: float) -> bool:
-    """Whether a connection down since ``suspended_since`` (None: up) has been down for
-    ``limit`` seconds at ``now``: every wait on the store then gives up."""
-    # Compared with the deadline itself (not ``now - suspended_since``), as round_step's wait
-    # computes it: waking up exactly at that deadline must find it passed, whatever the float
-    # rounding, or a simulated agent would wait again for the very same instant, for ever.
-    return suspended_since is not None and now >= suspended_since + limit
 
 
 def unreachable_sentence(where: str, settings: RendezvousSettings) -> str:
@@ -132,6 +124,13 @@ class StoreRendezvous(Rendezvous):
 
     ``clock`` and ``pick_port`` are injected by the simulator (hpc_elastic/simulation);
     production uses the monotonic clock and a free local port.
+
+    Why one class of over forty methods: it is the whole ``Rendezvous`` interface the agent
+    calls (eighteen methods, most a line or two over the store), plus the steps the
+    simulator drives one at a time (``begin_round``/``round_step``,
+    ``begin_barrier``/``barrier_step``); the rest are those steps' small parts, one action
+    each. What can live apart does: every decision is a pure rule of ``state``, and every
+    deadline is kept by ``deadlines.Deadlines``.
     """
 
     def __init__(
@@ -167,19 +166,10 @@ class StoreRendezvous(Rendezvous):
         self._waiting_on: st.Action | None = None
         self._wake = threading.Condition()
         self._rejoin = threading.Event()
-        self._min_deadline = 0.0
-        self._last_call_deadline: float | None = None
-        self._propose_at: float | None = None
-        self._straggling: tuple[int, float] | None = None
-        """(round, since when) this agent waits for that round's stragglers."""
-        self._overdue = False
-        self._finishing: tuple[int, float] | None = None
-        self._port_wait: tuple[int, float] | None = None
-        """(round, since when) this agent waits for that finishing round to close."""
-        self._barrier_since = 0.0
-        self._suspended_at: float | None = None
-        self._cut_off = 0.0
-        """Seconds the connection was down, summed over the outages that have ended."""
+        self._deadlines = Deadlines(settings, clock)
+        """Every wait's deadline and the outage clock; it has its own lock (see there)."""
+        self._uncounted: frozenset[str] = frozenset()
+        """The departed nodes last taken off ``expected_nodes()`` (``st.uncounted``)."""
         self._spare_round: int | None = None
         """The latest round this node was told to wait beside as a hot spare."""
         self._stale = False
@@ -215,21 +205,18 @@ class StoreRendezvous(Rendezvous):
         self._arrivals_only = False
         self._peer_lost = False
         self._join()
-        self._min_deadline = self._clock() + self.settings.min_wait
-        self._last_call_deadline = self._propose_at = None
-        self._straggling = None
-        self._finishing = None
-        self._port_wait = None
+        self._deadlines.begin_round()
         log.debug("%s: waiting for a round after round %d", self.node.node_id, self._round)
 
     def round_step(self) -> Step:
         """Read the state and membership once, decide (``state.next_action``) and act."""
-        if self._suspended_at is not None:
+        give_up_at = self._deadlines.give_up_at()
+        if give_up_at is not None:
             # Cut off: our view may be stale (a round may have formed without us), so
             # nothing is decided on it; the reconnection wakes us, or we give up.
             self.check_reach()
             log.debug("%s: connection down, waiting for it", self.node.node_id)
-            return Step(st.Action.WAIT, wake_at=self._suspended_at + self.settings.give_up_after)
+            return Step(st.Action.WAIT, wake_at=give_up_at)
         if self._rejoin.is_set():
             self._join()
         data, token = self._store.get_state()
@@ -248,7 +235,8 @@ class StoreRendezvous(Rendezvous):
         now = self._clock()
         if self._expected_nodes is not None:
             self._expected = self._expected_nodes()
-        self._overdue = self._stragglers_overdue(state, alive, now)
+            self._note_uncounted(state, alive)
+        self._deadlines.judge_stragglers(state.round, bool(st.stragglers(state, alive)), now)
         action = self._action(state, alive)
         log.debug(
             "%s: round %d, alive %d, decided %s",
@@ -260,6 +248,20 @@ class StoreRendezvous(Rendezvous):
         if action is st.Action.WAIT:
             self._note_spare(state, alive)
         return self._act(action, state, token, alive, now)
+
+    def _note_uncounted(self, state: st.JobState, alive: frozenset[str]) -> None:
+        """Say when the departed nodes taken off ``expected_nodes()`` change (``still_coming``)."""
+        gone = st.uncounted(state, alive)
+        if gone == self._uncounted:
+            return
+        self._uncounted = gone
+        log.debug(
+            "%s: nodes expected: %s, %s without the departed %s",
+            self.node.node_id,
+            self._expected,
+            st.still_coming(state, alive, self._expected),
+            sorted(gone),
+        )
 
     def _note_spare(self, state: st.JobState, alive: frozenset[str]) -> None:
         """Say once per round that this node waits beside it as a hot spare."""
@@ -282,29 +284,29 @@ class StoreRendezvous(Rendezvous):
             self._store.set_state(st.encode(self._written(action, state)), token)
             return Step(action, again=True)
         if action is st.Action.BELOW_MIN:
-            self._last_call_deadline = self._propose_at = None
-            if now >= self._min_deadline:
+            min_wait_ends = self._deadlines.below_min(now)
+            if min_wait_ends is None:
                 # The nodes the decision counted: a live member left out as a stuck straggler
                 # is none of them ("only 2 of the 2 nodes" said the simulation's seed 393).
                 self._fail_below_min(state, token, len(st.candidates(state, alive)))
                 return Step(action, again=True)
-            return Step(action, wake_at=self._min_deadline)
+            return Step(action, wake_at=min_wait_ends)
         if action is st.Action.LAST_CALL:
-            self._last_call_deadline = self._last_call_deadline or now + self.settings.last_call
-            if now < self._last_call_deadline:
-                return Step(action, wake_at=self._last_call_deadline)
+            last_call_ends = self._deadlines.last_call(now)
+            if last_call_ends is not None:
+                return Step(action, wake_at=last_call_ends)
         if action in (st.Action.COMPLETE, st.Action.LAST_CALL):
-            self._propose_at = self._propose_at or now + self._stagger(alive)
-            if now >= self._propose_at:
+            propose_at = self._deadlines.proposal(now, self._stagger(alive))
+            if propose_at is None:
                 return self._complete(action, state, token, alive, now)
-            return Step(action, wake_at=self._propose_at)
-        self._propose_at = None
+            return Step(action, wake_at=propose_at)
+        self._deadlines.drop_proposal()
         if action is st.Action.FINISHING:
             return self._finishing_step(action, state, now)
         if action is st.Action.AWAIT_PORT:
             return self._await_port_step(action, state, token, now)
-        if action is st.Action.STRAGGLERS and self._straggling is not None:
-            return Step(action, wake_at=self._straggling[1] + st.straggler_timeout(self.settings))
+        if action is st.Action.STRAGGLERS:
+            return Step(action, wake_at=self._deadlines.straggler_wait())
         return Step(action)
 
     def _written(self, action: st.Action, state: st.JobState) -> st.JobState:
@@ -320,10 +322,9 @@ class StoreRendezvous(Rendezvous):
         self, action: st.Action, state: st.JobState, token: int, now: float
     ) -> Step:
         """Wait for rank 0's port up to ``straggler_timeout``, then end the round."""
-        if self._port_wait is None or self._port_wait[0] != state.round:
-            self._port_wait = (state.round, now)
-        if not st.stragglers_overdue(self._port_wait[1], now, self.settings):
-            return Step(action, wake_at=self._port_wait[1] + st.straggler_timeout(self.settings))
+        port_wait_ends = self._deadlines.port_wait(state.round, now)
+        if port_wait_ends is not None:
+            return Step(action, wake_at=port_wait_ends)
         log.warning(
             "%s: rank 0 of round %d published no master port within %g s; ending the round",
             self.node.node_id,
@@ -336,12 +337,10 @@ class StoreRendezvous(Rendezvous):
     def _finishing_step(self, action: st.Action, state: st.JobState, now: float) -> Step:
         """Wait for a finishing round, but not for ever: past the exit barrier's timeout,
         fail the job naming a member that never finished."""
-        if self._finishing is None or self._finishing[0] != state.round:
-            self._finishing = (state.round, now)
-        timeout = self.settings.exit_barrier_timeout
-        deadline = self._finishing[1] + timeout
-        if now < deadline:
+        deadline = self._deadlines.finishing(state.round, now)
+        if deadline is not None:
             return Step(action, wake_at=deadline)
+        timeout = self.settings.exit_barrier_timeout
         slow = sorted(st.unfinished(state))[0]
         summary = (
             f"node '{slow}' did not finish round {state.round} within {timeout:g} s of its "
@@ -349,14 +348,6 @@ class StoreRendezvous(Rendezvous):
         )
         self._update(partial(st.fail, summary=summary))
         return Step(action, again=True)
-
-    def _stragglers_overdue(self, state: st.JobState, alive: frozenset[str], now: float) -> bool:
-        """Start the straggler clock when this agent first sees stragglers of a round."""
-        if not st.stragglers(state, alive):
-            return False
-        if self._straggling is None or self._straggling[0] != state.round:
-            self._straggling = (state.round, now)
-        return st.stragglers_overdue(self._straggling[1], now, self.settings)
 
     def _spare_news(self, state: st.JobState, alive: frozenset[str]) -> bool:
         """Whether this node is a hot spare beside a round it has not announced yet."""
@@ -399,7 +390,7 @@ class StoreRendezvous(Rendezvous):
         if st.all_succeeded(state):
             self.close()
             return True
-        self._barrier_since = self._clock()
+        self._deadlines.begin_barrier()
         log.debug("%s: in the exit barrier of round %d", self.node.node_id, self._round)
         return False
 
@@ -416,7 +407,7 @@ class StoreRendezvous(Rendezvous):
         data, token = self._store.get_state()
         state = st.decode(data) if data is not None else None
         timeout = self.settings.exit_barrier_timeout
-        deadline = self._barrier_since + timeout
+        deadline = self._deadlines.barrier_ends()
         decision = st.barrier_action(state, alive, self._round, self._clock(), deadline)
         log.debug("%s: exit barrier decided %s", self.node.node_id, decision.value)
         if decision is st.Barrier.DONE:
@@ -502,15 +493,15 @@ class StoreRendezvous(Rendezvous):
         return self._store.notes(key).get(key)
 
     def check_reach(self) -> None:
-        if out_of_reach(self._suspended_at, self._clock(), self.settings.give_up_after):
+        if self._deadlines.out_of_reach():
             log.debug("%s: out of reach for %g s", self.node.node_id, self.settings.give_up_after)
             raise RendezvousUnreachableError(unreachable_sentence(self._store.where, self.settings))
 
     def suspended_since(self) -> float | None:
-        return self._suspended_at
+        return self._deadlines.suspended_since()
 
     def time_cut_off(self) -> float:
-        return self._cut_off
+        return self._deadlines.time_cut_off()
 
     def only_arrivals(self) -> bool:
         return self._arrivals_only
@@ -522,13 +513,10 @@ class StoreRendezvous(Rendezvous):
         """Note when the connection went down; it is up again only once CONNECTED (after LOST
         a new session follows, and this node's membership must be remade)."""
         if state is ConnectionState.CONNECTED:
-            if self._suspended_at is not None:
-                self._cut_off += self._clock() - self._suspended_at
-            self._suspended_at = None
+            self._deadlines.connection_up()
         else:
             self._stale = True
-        if state is not ConnectionState.CONNECTED and self._suspended_at is None:
-            self._suspended_at = self._clock()
+            self._deadlines.connection_down()
         log.debug("%s: connection %s", self.node.node_id, state.value)
         with self._wake:
             self._generation += 1
@@ -593,7 +581,8 @@ class StoreRendezvous(Rendezvous):
             # seed 27655). Decide again once the view caught up, or a moment later.
             log.debug("%s: a candidate left meanwhile; deciding again", self.node.node_id)
             return Step(action, wake_at=now + MEMBERS_RETRY)
-        exclude = st.stragglers(state, alive) if self._overdue else frozenset()
+        overdue = self._deadlines.stragglers_overdue
+        exclude = st.stragglers(state, alive) if overdue else frozenset()
         if exclude:
             log.warning(
                 "%s: leaving out nodes %s, which did not come back from round %d within %g s",
@@ -606,7 +595,12 @@ class StoreRendezvous(Rendezvous):
         new = st.complete_round(state, candidates, self.settings.nodes, exclude=exclude)
         _, _, won = self._store.set_state(st.encode(new), token)
         if won:
-            log.debug("%s: completed round %d", self.node.node_id, new.round)
+            log.debug(
+                "%s: completed round %d %s",
+                self.node.node_id,
+                new.round,
+                "after the last call" if action is st.Action.LAST_CALL else "at once",
+            )
         return Step(action, again=True)
 
     def _stagger(self, alive: frozenset[str]) -> float:
@@ -646,7 +640,7 @@ class StoreRendezvous(Rendezvous):
             self._round,
             self.settings.nodes,
             expected=self._expected,
-            stragglers_overdue=self._overdue,
+            stragglers_overdue=self._deadlines.stragglers_overdue,
         )
 
     def _sleep(
