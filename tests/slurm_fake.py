@@ -3,15 +3,20 @@
 
 ``mocked_slurm()`` replaces ``hpc_elastic.slurm.commands._spawn`` and nothing else: a test says
 what each command prints (``fake.answer("scontrol", "show", "config", stdout=...)``) and reads
-back what was run (``fake.calls``). Everything above that call (argv building, parsers, the
-one-sentence ``SlurmError``s, the callers' decision rules) is the real code. The fake itself has
-no rules: an argv it was not told about fails the test, so a new Slurm call cannot slip in
-unnoticed.
+back what was run (``fake.calls``, and the scripts sbatch read, ``fake.submitted``). Everything
+above that call (argv building, parsers, the one-sentence ``SlurmError``s, the callers' decision
+rules) is the real code. The fake itself has no rules: an argv it was not told about fails the
+test, so a new Slurm call cannot slip in unnoticed.
+
+It is the tests' one Slurm seam: the CLI, the Python API, ``ops`` and the agent all reach Slurm
+through that call, so no test replaces a function of a command, of the API or of ``ops`` to keep
+Slurm away. ``mocked_submit()`` is the same fake, told what ``submit`` asks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import subprocess
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -45,6 +50,8 @@ class FakeSlurm:
 
     def __init__(self) -> None:
         self.calls: list[list[str]] = []
+        self.inputs: list[str | None] = []
+        """What each call read on its standard input, by its place in ``calls``."""
         self._responders: dict[tuple[str, ...], Responder] = {}
         self._hanging: set[tuple[str, ...]] = set()
         self._installed = set(INSTALLED)
@@ -74,6 +81,15 @@ class FakeSlurm:
         """The calls of one program, in order."""
         return [argv for argv in self.calls if argv[0] == program]
 
+    @property
+    def submitted(self) -> list[str]:
+        """The scripts sbatch read on its standard input, in order (a refused one included)."""
+        return [
+            text or ""
+            for argv, text in zip(self.calls, self.inputs, strict=True)
+            if argv[0] == "sbatch"
+        ]
+
     def __call__(
         self,
         argv: Sequence[str],
@@ -83,6 +99,7 @@ class FakeSlurm:
     ) -> subprocess.CompletedProcess[str]:
         command = list(argv)
         self.calls.append(command)
+        self.inputs.append(stdin)
         if command[0] not in self._installed:
             raise FileNotFoundError(2, "No such file or directory", command[0])
         if any(_starts_with(command, prefix) for prefix in self._hanging):
@@ -116,22 +133,31 @@ def mocked_slurm() -> Iterator[FakeSlurm]:
         yield fake
 
 
-class Sbatch:
-    """Only the two calls ``submit`` makes, one level up from ``_spawn``: ``sbatch`` keeps each
-    script in ``scripts`` and answers Slurm job 77; ``partitions`` answers 'low'."""
+def job_ids(first: int) -> Responder:
+    """What ``sbatch --parsable`` prints for each job it takes: ``first``, then ``first + 1``..."""
+    numbers = itertools.count(first)
+    return lambda argv: Reply(stdout=f"{next(numbers)}\n")
 
-    def __init__(self) -> None:
-        self.scripts: list[str] = []
 
-    def sbatch(self, script_text: str, extra_args: Sequence[str] = ()) -> str:
-        self.scripts.append(script_text)
-        return "77"
+def squeue_text(*statuses: commands.JobStatus) -> str:
+    """What ``squeue -h -o SQUEUE_FORMAT`` prints for these lines (``parse_squeue`` reads it)."""
+    return "".join(
+        f"{line.job_id}|{line.array_task or 'N/A'}|{line.state}|{line.reason}|{line.nodes}\n"
+        for line in statuses
+    )
 
-    def partitions(self) -> list[str]:
-        return ["low"]
 
-    def cancel(self, job_id: str) -> None:
-        raise AssertionError(f"submit cancelled job {job_id}, which it had no reason to")
+@contextlib.contextmanager
+def mocked_submit(
+    partitions: Sequence[str] = ("low", "high"), first_job: int = 42
+) -> Iterator[FakeSlurm]:
+    """``mocked_slurm()`` told what ``submit`` asks: ``sinfo -h -o %R`` lists ``partitions``
+    and ``sbatch --parsable`` answers job ``first_job``, then the next id. Anything else (a
+    ``scancel``, a ``squeue``) fails the test unless the test says what it prints."""
+    with mocked_slurm() as fake:
+        fake.answer("sinfo", "-h", "-o", "%R", stdout="".join(f"{name}\n" for name in partitions))
+        fake.respond("sbatch", responder=job_ids(first_job))
+        yield fake
 
 
 def array_slot(job_dir: Path, node: str = "n3", limits: SlotLimits | None = None) -> ElasticSlot:

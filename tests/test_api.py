@@ -1,62 +1,40 @@
 """The Python API as a user meets it: ``hpc_elastic.submit``, ``jobs()`` and a ``Job`` handle,
-on a fake Slurm (the sbatch, sinfo, squeue and scancel calls are swapped; everything else is
-the real code the CLI runs)."""
+on a fake Slurm (``slurm_fake``: only the Slurm layer's subprocess call is swapped; everything
+else is the real code the CLI runs)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from slurm_fake import FakeSlurm, Reply, mocked_submit
 
 import hpc_elastic
 from hpc_elastic import events
 from hpc_elastic.api import Job, RankOutput
 from hpc_elastic.errors import UsageError, WaitTimeoutError
-from hpc_elastic.slurm import commands
-from hpc_elastic.slurm.commands import JobStatus, SlurmJobId
-
-
-class FakeSlurm:
-    """What sbatch, sinfo, squeue and scancel would answer; records what was sent."""
-
-    def __init__(self) -> None:
-        self.scripts: list[str] = []
-        self.queue: list[JobStatus] = []
-        self.cancelled: list[str] = []
-
-    def sbatch(self, script_text: str, extra_args: Sequence[str] = ()) -> str:
-        self.scripts.append(script_text)
-        return str(40 + len(self.scripts))
-
-    def partitions(self) -> list[str]:
-        return ["low", "high"]
-
-    def squeue(self, job_ids: Sequence[str] = ()) -> list[JobStatus]:
-        return [status for status in self.queue if status.job_id in job_ids]
-
-    def cancel(self, job_id: str) -> None:
-        self.cancelled.append(job_id)
-        self.queue = [status for status in self.queue if status.job_id != job_id]
 
 
 @pytest.fixture
-def slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeSlurm:
-    fake = FakeSlurm()
-    for name in ("sbatch", "partitions", "squeue", "cancel"):
-        monkeypatch.setattr(commands, name, getattr(fake, name))
+def slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeSlurm]:
+    """Partitions low and high; sbatch takes job 41, then 42...; squeue lists nothing until a
+    test says otherwise."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("HPC_ELASTIC_ZK", raising=False)
     monkeypatch.setenv("HPC_ELASTIC_INDEX", str(tmp_path / "index"))  # this test's jobs only
     (tmp_path / "train.py").write_text("print('training')\n")
-    return fake
+    with mocked_submit(first_job=41) as fake:
+        fake.answer("squeue")
+        yield fake
 
 
-def pending(job: Job) -> JobStatus:
+def pending(job: Job) -> str:
+    """squeue's line for ``job``'s four slots, pending for resources."""
     assert job.job_id is not None
-    return JobStatus(SlurmJobId(job.job_id), "0-3", "PENDING", "Resources", "")
+    return f"{job.job_id}|0-3|PENDING|Resources|\n"
 
 
 def test_submit_takes_the_option_tables_options_as_python_values(slurm: FakeSlurm) -> None:
@@ -66,7 +44,7 @@ def test_submit_takes_the_option_tables_options_as_python_values(slurm: FakeSlur
     )  # fmt: skip
     assert job.job_id == "41"
     assert job.job_dir == Path("hpc-elastic-runs").absolute() / job.run_id
-    script = slurm.scripts[0]
+    script = slurm.submitted[0]
     assert (job.job_dir / "sbatch.sh").read_text() == script
     for line in ("#SBATCH --array=0-3", "#SBATCH --partition=low", "#SBATCH --time=90"):
         assert line in script
@@ -81,8 +59,8 @@ def test_the_callers_values_beat_the_config_file_which_beats_the_defaults(
 ) -> None:
     (tmp_path / "hpc-elastic.toml").write_text('partition = "high"\nnodes = "2:8"\n')
     job = hpc_elastic.submit("train.py", partition="low")
-    assert "#SBATCH --partition=low" in slurm.scripts[0]
-    assert "#SBATCH --array=0-7" in slurm.scripts[0]
+    assert "#SBATCH --partition=low" in slurm.submitted[0]
+    assert "#SBATCH --array=0-7" in slurm.submitted[0]
     assert job.record.nodes == "2:8"
 
 
@@ -101,7 +79,7 @@ def test_a_bad_option_is_a_usage_error_that_quotes_it_and_submits_nothing(
     with pytest.raises(UsageError) as error:
         hpc_elastic.submit("train.py", **options)
     assert message in str(error.value)
-    assert slurm.scripts == []
+    assert slurm.submitted == []
 
 
 def test_jobs_lists_what_submit_made_and_find_knows_it_by_any_name(slurm: FakeSlurm) -> None:
@@ -114,11 +92,11 @@ def test_jobs_lists_what_submit_made_and_find_knows_it_by_any_name(slurm: FakeSl
 
 def test_status_and_wait_follow_the_jobs_events_to_its_end(slurm: FakeSlurm) -> None:
     job = hpc_elastic.submit("train.py", nodes="1:4")
-    slurm.queue.append(pending(job))
+    slurm.answer("squeue", stdout=pending(job))
     assert job.state() == "pending"
     with pytest.raises(WaitTimeoutError, match=f"Job '{job.run_id}' is still pending after 0 s"):
         job.wait(timeout=0)
-    slurm.queue.clear()
+    slurm.answer("squeue")
     round_event = events.Event(
         events.Kind.ROUND, job.run_id, "0", round=1, details={"world_size": 4}
     )
@@ -152,9 +130,15 @@ def test_cancel_scancels_the_job_and_says_what_it_did(
     closed: list[str] = []
     monkeypatch.setattr(cancel, "_close", lambda record: closed.append(record.run_id))
     job = hpc_elastic.submit("train.py", nodes="1:4")
-    slurm.queue.append(pending(job))
+    slurm.answer("squeue", stdout=pending(job))
+
+    def scancel(argv: list[str]) -> Reply:
+        slurm.answer("squeue")  # the job is gone from the queue
+        return Reply()
+
+    slurm.respond("scancel", responder=scancel)
     done = job.cancel()
-    assert slurm.cancelled == [job.job_id]
+    assert slurm.ran("scancel") == [["scancel", job.job_id]]
     assert done[0] == f"cancelled Slurm job {job.job_id} (every slot)"
     assert closed == [job.run_id]
     assert job.state() == "stopped"
@@ -187,8 +171,8 @@ def test_hpc_elastic_submit_stays_the_api_function_after_the_cli_imported_the_su
 def test_after_chains_a_job_behind_another_whatever_its_end(slurm: FakeSlurm) -> None:
     first = hpc_elastic.submit("train.py", nodes=1)
     second = hpc_elastic.submit("train.py", nodes="1:2", after=first.job_id)
-    assert "#SBATCH --dependency=afterany:41" not in slurm.scripts[0]
-    assert "#SBATCH --dependency=afterany:41" in slurm.scripts[1]
+    assert "#SBATCH --dependency=afterany:41" not in slurm.submitted[0]
+    assert "#SBATCH --dependency=afterany:41" in slurm.submitted[1]
     assert second.job_id == "42"
     with pytest.raises(UsageError, match="--after 'train-1' is not a Slurm job id"):
         hpc_elastic.submit("train.py", after="train-1")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 from cluster import REPO
-from test_cli import FakeSlurm
+from slurm_fake import mocked_slurm, mocked_submit
 
 from hpc_elastic import api, checkpoint_key
 from hpc_elastic.contract import SECRET_FILE_ENV, USER_SECRET_FILE_ENV
@@ -177,9 +177,11 @@ def test_a_user_secret_that_is_not_the_users_alone_stops_submit_and_writes_nothi
     plan = api.plan_job(
         "train.py", options={"zk": "127.0.0.1:2181", "log_dir": str(tmp_path / "runs")}, config={}
     )
-    fake = FakeSlurm()
-    with pytest.raises(UsageError, match=f"^ZooKeeper secret file '{user}' ") as refused:
-        api.send(plan, fake)
+    with (
+        mocked_slurm() as fake,  # told nothing: any Slurm call fails the test
+        pytest.raises(UsageError, match=f"^ZooKeeper secret file '{user}' ") as refused,
+    ):
+        api.send(plan)
     assert "\n" not in str(refused.value)
     assert fake.submitted == []
     assert not plan.job_dir.exists()
@@ -193,7 +195,8 @@ def test_submit_writes_the_users_key_beside_the_jobs_secret(
     plan = api.plan_job(
         "train.py", options={"zk": "127.0.0.1:2181", "log_dir": str(tmp_path / "runs")}, config={}
     )
-    api.send(plan, FakeSlurm())
+    with mocked_submit():
+        api.send(plan)
     key = plan.job_dir / "checkpoint-key"
     assert key.stat().st_mode & 0o777 == 0o600
     assert read_secret_file(key) == checkpoint_key.derive(read_secret_file(user))

@@ -8,46 +8,23 @@ import re
 import stat
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from slurm_fake import FakeSlurm, Reply, mocked_submit
 from typer.testing import CliRunner
 
-from hpc_elastic import __version__, api, cli
-from hpc_elastic.commands import submit as submit_command
-from hpc_elastic.errors import SlurmError
+from hpc_elastic import __version__, cli
 
 runner = CliRunner()
 
 
-class FakeSlurm:
-    """Records what submit sends; answers like sbatch --parsable and sinfo would."""
-
-    def __init__(self, partitions: Sequence[str] = ("low", "high"), fail: str | None = None):
-        self.known = list(partitions)
-        self.fail = fail
-        self.submitted: list[str] = []
-        self.cancelled: list[str] = []
-
-    def sbatch(self, script_text: str, extra_args: Sequence[str] = ()) -> str:
-        if self.fail:
-            raise SlurmError(self.fail)
-        self.submitted.append(script_text)
-        return str(42 + len(self.submitted) - 1)
-
-    def partitions(self) -> list[str]:
-        return self.known
-
-    def cancel(self, job_id: str) -> None:
-        self.cancelled.append(job_id)
-
-
 @pytest.fixture
-def slurm(monkeypatch: pytest.MonkeyPatch) -> FakeSlurm:
-    fake = FakeSlurm()
-    monkeypatch.setattr(submit_command, "slurm", fake)
-    return fake
+def slurm() -> Iterator[FakeSlurm]:
+    """Slurm as submit meets it: partitions low and high, sbatch takes job 42, then 43."""
+    with mocked_submit() as fake:
+        yield fake
 
 
 def invoke(*args: str) -> tuple[int, str, str]:
@@ -271,12 +248,16 @@ def test_unknown_partition_submits_nothing(workdir: Path, slurm: FakeSlurm) -> N
     assert not (workdir / "hpc-elastic-runs").exists()
 
 
-def test_sbatch_failure_leaves_no_job_directory(
-    workdir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(submit_command, "slurm", FakeSlurm(fail="sbatch said no; ask your admin."))
+def test_sbatch_failure_leaves_no_job_directory(workdir: Path, slurm: FakeSlurm) -> None:
+    said = "sbatch: error: Batch job submission failed: Invalid account specified\n"
+    slurm.answer("sbatch", stderr=said, returncode=1)
     code, _, err = invoke("submit", "train.py")
-    assert (code, err) == (1, "error: sbatch said no; ask your admin.\n")
+    assert (code, err) == (
+        1,
+        "error: sbatch refused the job: Batch job submission failed: Invalid account "
+        "specified; fix the request and submit again.\n",
+    )
+    assert len(slurm.submitted) == 1
     assert list((workdir / "hpc-elastic-runs").iterdir()) == []
 
 
@@ -289,11 +270,11 @@ def test_missing_sbatch_is_a_clear_runtime_error(
     assert err.startswith("error: sbatch was not found on PATH")
 
 
-def test_unexpected_errors_are_one_line(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(*_: object) -> None:
+def test_unexpected_errors_are_one_line(workdir: Path, slurm: FakeSlurm) -> None:
+    def broken(argv: list[str]) -> Reply:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(api, "plan_settings", broken)
+    slurm.respond("sbatch", responder=broken)
     code, _, err = invoke("submit", "train.py")
     assert code == 1
     assert err.startswith("error: Internal error (RuntimeError: boom); rerun with")

@@ -1,6 +1,6 @@
 """Guaranteed MIN, scavenged growth (``--grow-partition``, ``--grow-qos``): the slots above MIN
 are a second array job of the same run. The rules, with Slurm faked at its one subprocess call
-or one level up (``submit``'s calls)."""
+(``slurm_fake``)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from slurm_fake import mocked_slurm
-from test_cli import FakeSlurm, invoke
+from slurm_fake import Reply, mocked_slurm, mocked_submit
+from test_cli import invoke
 
 from hpc_elastic import events
-from hpc_elastic.commands import submit as submit_command
-from hpc_elastic.errors import SlurmError, UsageError
+from hpc_elastic.errors import UsageError
 from hpc_elastic.events import Event, Kind
 from hpc_elastic.jobdir import JobRecord
 from hpc_elastic.ops import cancel, status
@@ -101,25 +100,9 @@ def test_growth_without_slots_above_min_or_anywhere_else_is_one_sentence(
         JobSpec(**values)  # type: ignore[arg-type]
 
 
-class TwoJobs(FakeSlurm):
-    """submit's Slurm: job 42 first, then 43, or a refusal of the second sbatch."""
-
-    def __init__(self, refuse_second: str | None = None) -> None:
-        super().__init__()
-        self.refuse_second = refuse_second
-
-    def sbatch(self, script_text: str, extra_args: Sequence[str] = ()) -> str:
-        if self.refuse_second and self.submitted:
-            raise SlurmError(self.refuse_second)
-        return super().sbatch(script_text, extra_args)
-
-
-def test_submit_sends_both_arrays_and_records_both_jobs(
-    workdir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    slurm = TwoJobs()
-    monkeypatch.setattr(submit_command, "slurm", slurm)
-    code, out, err = invoke("submit", "--nodes", "2:4", "--grow-qos", "scavenger", "train.py")
+def test_submit_sends_both_arrays_and_records_both_jobs(workdir: Path) -> None:
+    with mocked_submit() as slurm:
+        code, out, err = invoke("submit", "--nodes", "2:4", "--grow-qos", "scavenger", "train.py")
     assert (code, err) == (0, "")
     [job_dir] = (workdir / "hpc-elastic-runs").iterdir()
     assert "Growth slots: slots 2-3 with QoS scavenger, as Slurm job 43." in out.splitlines()
@@ -139,21 +122,24 @@ def test_submit_sends_both_arrays_and_records_both_jobs(
     ]
 
 
-def test_a_refused_growth_array_takes_the_first_one_back(
-    workdir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    slurm = TwoJobs(refuse_second="sbatch refused the job: Invalid qos specification; fix it.")
-    monkeypatch.setattr(submit_command, "slurm", slurm)
-    code, _, err = invoke("submit", "--nodes", "2:4", "--grow-qos", "nope", "train.py")
+def test_a_refused_growth_array_takes_the_first_one_back(workdir: Path) -> None:
+    refused = "sbatch: error: Batch job submission failed: Invalid qos specification\n"
+    replies = iter([Reply(stdout="42\n"), Reply(stderr=refused, returncode=1)])
+    with mocked_submit() as slurm:
+        slurm.respond("sbatch", responder=lambda argv: next(replies))
+        slurm.answer("scancel")
+        code, _, err = invoke("submit", "--nodes", "2:4", "--grow-qos", "nope", "train.py")
     assert code == 1
     assert "Invalid qos specification" in err
-    assert slurm.cancelled == ["42"]
+    assert slurm.ran("scancel") == [["scancel", "42"]]
+    assert len(slurm.submitted) == 2
     assert not list((workdir / "hpc-elastic-runs").iterdir())
 
 
-def test_render_prints_both_arrays(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(submit_command, "slurm", TwoJobs())
-    code, out, _ = invoke("render", "--nodes", "2:4", "--grow-partition", "scav", "train.py")
+def test_render_prints_both_arrays(workdir: Path) -> None:
+    with mocked_slurm() as slurm:  # told nothing: render calls nothing on Slurm
+        code, out, _ = invoke("render", "--nodes", "2:4", "--grow-partition", "scav", "train.py")
+    assert slurm.calls == []
     assert code == 0
     core, separator, grow = out.partition("# ---- the growth slots' array")
     assert separator

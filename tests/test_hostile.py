@@ -23,6 +23,7 @@ from cluster import REPO, Cluster
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from kazoo.client import KazooClient
+from slurm_fake import Reply, mocked_slurm
 from typer.testing import CliRunner
 
 from hpc_elastic import cli
@@ -535,20 +536,25 @@ OPS_COMMANDS = (
 
 
 @pytest.fixture
-def offline(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, object]]:
-    """Slurm, ZooKeeper and kill replaced by recorders: fuzzing must never signal anything."""
+def offline(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, object]]]:
+    """A fake Slurm that lists no job (``slurm_fake``), ZooKeeper and kill replaced by
+    recorders: fuzzing must never signal anything. A scancel is recorded with all it was
+    given after the program's name."""
     from hpc_elastic.ops import cancel, status  # noqa: PLC0415
-    from hpc_elastic.slurm import commands  # noqa: PLC0415
 
     calls: list[tuple[str, object]] = []
-    monkeypatch.setattr(
-        commands, "cancel", lambda job_id, *_, **__: calls.append(("scancel", job_id))
-    )
-    monkeypatch.setattr(commands, "squeue", lambda *_, **__: [])
+
+    def scancel(argv: list[str]) -> Reply:
+        calls.append(("scancel", " ".join(argv[1:])))
+        return Reply()
+
     monkeypatch.setattr(cancel, "_close", lambda record: calls.append(("close", record.run_id)))
     monkeypatch.setattr(status, "_rendezvous", lambda record: None)
     monkeypatch.setattr(os, "kill", lambda *args: calls.append(("kill", args)))
-    return calls
+    with mocked_slurm() as fake:
+        fake.answer("squeue")
+        fake.respond("scancel", responder=scancel)
+        yield calls
 
 
 def run_ops(log_dir: Path, *args: str) -> tuple[int, str, str]:

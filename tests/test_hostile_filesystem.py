@@ -20,12 +20,11 @@ from pathlib import Path
 
 import pytest
 from cluster import REPO
-from test_cli import FakeSlurm
+from slurm_fake import FakeSlurm, mocked_submit
 from typer.testing import CliRunner
 from unix_users import UnixUser, mallory, shared
 
 from hpc_elastic import cli
-from hpc_elastic.commands import submit as submit_command
 from hpc_elastic.errors import CheckpointError, TemplateError, UsageError
 from hpc_elastic.jobdir import make_private_dir, write_private
 from hpc_elastic.rendezvous.secret import read_secret_file
@@ -106,14 +105,13 @@ def test_a_secret_file_that_is_a_link_or_another_users_file_is_never_read(
 
 
 @pytest.fixture
-def submitting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeSlurm:
-    """``hpc-elastic submit`` from a project of the test's own, with sbatch stood in for."""
+def submitting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeSlurm]:
+    """``hpc-elastic submit`` from a project of the test's own, with Slurm faked."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("HPC_ELASTIC_ZK", raising=False)
     (tmp_path / "train.py").write_text("pass\n")
-    fake = FakeSlurm()
-    monkeypatch.setattr(submit_command, "slurm", fake)
-    return fake
+    with mocked_submit() as fake:
+        yield fake
 
 
 @pytest.mark.parametrize("where", ["a group project directory", "a teammate's runs directory"])

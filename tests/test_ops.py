@@ -8,11 +8,12 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from slurm_fake import FakeSlurm, Reply, mocked_slurm, squeue_text
 from typer.testing import CliRunner
 
 from hpc_elastic import cli, events
@@ -166,23 +167,30 @@ def test_following_the_events_file_reads_whole_lines_only(tmp_path: Path) -> Non
 
 @dataclass
 class Calls:
-    """What cancel asked of Slurm, ZooKeeper and the kernel, instead of doing it."""
+    """What cancel asked of Slurm (the fake Slurm's record), ZooKeeper and the kernel, instead
+    of doing it."""
 
-    scancel: list[str] = field(default_factory=list)
+    slurm: FakeSlurm
     close: list[str] = field(default_factory=list)
     kill: list[tuple[int, int]] = field(default_factory=list)
 
+    @property
+    def scancel(self) -> list[str]:
+        """The job ids scancel was run on, in order."""
+        return [argv[-1] for argv in self.slurm.ran("scancel")]
+
 
 @pytest.fixture
-def calls(monkeypatch: pytest.MonkeyPatch) -> Calls:
+def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[Calls]:
+    """A Slurm that lists no job and takes every scancel; ZooKeeper's close recorded."""
     from hpc_elastic.ops import cancel  # noqa: PLC0415
-    from hpc_elastic.slurm import commands  # noqa: PLC0415
 
-    seen = Calls()
-    monkeypatch.setattr(commands, "cancel", lambda job_id, *_, **__: seen.scancel.append(job_id))
-    monkeypatch.setattr(commands, "squeue", lambda *_, **__: [])
-    monkeypatch.setattr(cancel, "_close", lambda record: seen.close.append(record.run_id))
-    return seen
+    with mocked_slurm() as fake:
+        fake.answer("squeue")
+        fake.answer("scancel")
+        seen = Calls(fake)
+        monkeypatch.setattr(cancel, "_close", lambda record: seen.close.append(record.run_id))
+        yield seen
 
 
 def ops(*args: str) -> tuple[int, str, str]:
@@ -418,19 +426,10 @@ def test_a_slot_that_lost_zookeeper_for_good_leaves_its_sentence_as_the_last_fai
 def test_list_and_status_say_the_same_state_from_the_same_rule(
     tmp_path: Path,
     calls: Calls,
-    monkeypatch: pytest.MonkeyPatch,
     queue: list[JobStatus],
     state: str,
 ) -> None:
-    from hpc_elastic.slurm import commands  # noqa: PLC0415
-
-    asked: list[list[str]] = []
-
-    def squeue(ids: Sequence[str]) -> list[JobStatus]:
-        asked.append(list(ids))
-        return queue
-
-    monkeypatch.setattr(commands, "squeue", squeue)
+    calls.slurm.answer("squeue", stdout=squeue_text(*queue))
     make_job(tmp_path)
     code, out, err = ops("list", "--log-dir", str(tmp_path))
     assert code == 0, err
@@ -438,7 +437,8 @@ def test_list_and_status_say_the_same_state_from_the_same_rule(
     code, out, err = ops("status", "--json", "--log-dir", str(tmp_path), "train-1")
     assert code == 0, err
     assert json.loads(out)["state"] == state
-    assert asked == [["4242"], ["4242"]]  # list asks Slurm once for all its jobs
+    asked = ["squeue", "-h", "-o", "%F|%K|%T|%r|%N", "-j", "4242"]
+    assert calls.slurm.ran("squeue") == [asked, asked]  # list asks Slurm once for all its jobs
 
 
 def test_a_job_is_found_by_run_id_or_slurm_id_whatever_log_dir_it_used(
@@ -469,12 +469,16 @@ def test_an_index_entry_that_is_gone_or_not_the_users_is_skipped(
 def test_list_shows_every_indexed_job_whatever_its_log_dir_with_the_state_status_gives(
     tmp_path: Path, calls: Calls, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hpc_elastic.slurm import commands  # noqa: PLC0415
-
     monkeypatch.setenv("HPC_ELASTIC_INDEX", str(tmp_path / "index"))
     monkeypatch.chdir(tmp_path)  # the default log directory, ./hpc-elastic-runs, is empty
     running = JobStatus(SlurmJobId("4242"), "0", "RUNNING", "None", "n1")
-    monkeypatch.setattr(commands, "squeue", lambda ids: [running] if "4242" in ids else [])
+
+    def squeue(argv: list[str]) -> Reply:
+        """Slurm lists job 4242, running, whenever it is asked about it."""
+        asked = argv[argv.index("-j") + 1].split(",")
+        return Reply(stdout=squeue_text(running) if "4242" in asked else "")
+
+    calls.slurm.respond("squeue", responder=squeue)
     for log_dir, run_id, job_id in (("a", "train-1", "4242"), ("b", "train-2", "4243")):
         jobs.load(make_job(tmp_path / log_dir, run_id=run_id, job_id=job_id)).write()
     code, out, err = ops("list")

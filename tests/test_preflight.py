@@ -150,7 +150,7 @@ class Runner:
 
 @pytest.mark.parametrize("exclude", [True, False])
 def test_a_straggling_node_is_left_like_a_bad_one_only_when_asked(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exclude: bool
+    tmp_path: Path, exclude: bool
 ) -> None:
     slot = array_slot(tmp_path)
     slot.arrive()
@@ -161,12 +161,12 @@ def test_a_straggling_node_is_left_like_a_bad_one_only_when_asked(
     assert slot.placed_badly() is exclude
     if not exclude:
         return
-    record = commands.parse_scontrol_record(
+    running = (
         "JobId=9 ArrayJobId=9 ArrayTaskId=2 JobState=RUNNING Reason=None RunTime=00:01:10 "
         "TimeLimit=UNLIMITED PreemptTime=None NodeList=n3\n"
     )
-    monkeypatch.setattr(commands, "scontrol_show_job", lambda job_id, env=None, timeout=0: record)
     with mocked_slurm() as fake:
+        fake.answer("scontrol", "-o", "show", "job", stdout=running)
         fake.answer("scontrol", "requeue")
         fake.answer("scontrol", "update")
         said: list[str] = []

@@ -20,11 +20,10 @@ from cluster import REPO, Cluster, wait_until
 from faults import submit
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoAuthError, NotEmptyError
-from test_cli import FakeSlurm
+from slurm_fake import mocked_submit
 from typer.testing import CliRunner
 
 from hpc_elastic import cli, events
-from hpc_elastic.commands import submit as submit_command
 from hpc_elastic.rendezvous.api import NodeInfo, RendezvousSettings
 from hpc_elastic.rendezvous.zookeeper import ZooKeeperAddress, connect
 from hpc_elastic.spec import NodeRange
@@ -116,9 +115,9 @@ def test_job_and_checkpoint_files_keep_the_umask(
     umask: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(submit_command, "slurm", FakeSlurm())
     (tmp_path / "train.py").write_text("pass\n")
-    result = CliRunner().invoke(cli.app, ["submit", "--nodes=1:2", "train.py"])
+    with mocked_submit():
+        result = CliRunner().invoke(cli.app, ["submit", "--nodes=1:2", "train.py"])
     assert result.exit_code == 0, result.stderr
     [job_dir] = (tmp_path / "hpc-elastic-runs").iterdir()
     checkpoints = Checkpointer.at(tmp_path / "checkpoints")
@@ -139,11 +138,11 @@ def test_the_job_directory_and_files_carrying_env_values_are_private_whatever_th
     previous = os.umask(loose)
     try:
         monkeypatch.chdir(tmp_path)
-        monkeypatch.setattr(submit_command, "slurm", FakeSlurm())
         (tmp_path / "train.py").write_text("pass\n")
-        result = CliRunner().invoke(
-            cli.app, ["submit", "--nodes=1:2", "--env", "WANDB_API_KEY=tok-123", "train.py"]
-        )
+        with mocked_submit():
+            result = CliRunner().invoke(
+                cli.app, ["submit", "--nodes=1:2", "--env", "WANDB_API_KEY=tok-123", "train.py"]
+            )
     finally:
         os.umask(previous)
     assert result.exit_code == 0, result.stderr

@@ -17,12 +17,11 @@ from pathlib import Path
 
 import pytest
 from cluster import REPO
-from test_cli import FakeSlurm
+from slurm_fake import mocked_submit
 from typer.testing import CliRunner
 from unix_users import UnixUser, mallory, shared
 
 from hpc_elastic import cli
-from hpc_elastic.commands import submit as submit_command
 from hpc_elastic.contract import NOTIFY_URL_ENV
 from hpc_elastic.sensitive import command_line_findings, token_reason
 
@@ -307,13 +306,10 @@ def test_a_wrong_flag_beside_a_token_is_still_one_error_line(workdir: Path) -> N
     assert err.count("\n") == 1
 
 
-def test_submit_sends_the_env_files_variables_in_the_script(
-    workdir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_submit_sends_the_env_files_variables_in_the_script(workdir: Path) -> None:
     """The warnings change nothing else: an env-file job is submitted as before."""
-    fake = FakeSlurm()
-    monkeypatch.setattr(submit_command, "slurm", fake)
     private_file(workdir / "secrets.env", "A=1\n")
-    result = runner.invoke(cli.app, ["submit", "--env-file", "secrets.env", "train.py"])
+    with mocked_submit() as fake:
+        result = runner.invoke(cli.app, ["submit", "--env-file", "secrets.env", "train.py"])
     assert result.exit_code == 0, result.stderr
     assert "export A=1\n" in fake.submitted[0]

@@ -1,7 +1,7 @@
 """Code snapshots: what the copy holds, where the rendered script points, and the size cap.
 
 The copy rules run on real temporary git work trees and directories (git itself, no fake);
-submit runs on a fake Slurm (only sbatch and sinfo are swapped).
+submit runs on a fake Slurm (``slurm_fake``: only the subprocess call is swapped).
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from slurm_fake import Sbatch
+from slurm_fake import mocked_slurm, mocked_submit
 
 from hpc_elastic import snapshot
 from hpc_elastic.errors import SnapshotError, UsageError
 from hpc_elastic.jobdir import CodeSnapshot, JobRecord
+from hpc_elastic.slurm import commands
 from hpc_elastic.spec import JobSpec, NodeRange
 from hpc_elastic.submission import plan, submit
 
@@ -245,7 +246,8 @@ def test_a_users_own_chdir_wins(project: Path) -> None:
 def test_submit_copies_the_project_and_job_json_records_commit_and_dirty(project: Path) -> None:
     (project / "models" / "net.py").write_text("VERSION = 2\n")
     job = planned(project, cwd=project)
-    submitted = submit(job, Sbatch())  # type: ignore[arg-type]
+    with mocked_submit():
+        submitted = submit(job, commands)  # type: ignore[arg-type]
     copy = submitted.plan.paths.code
     (project / "models" / "net.py").write_text("VERSION = 3\n")  # edited while the job waits
     assert (copy / "models" / "net.py").read_text() == "VERSION = 2\n"
@@ -268,12 +270,11 @@ def test_submit_says_which_commit_it_snapshotted_whether_dirty_and_how_big(
     from typer.testing import CliRunner  # noqa: PLC0415
 
     from hpc_elastic import cli  # noqa: PLC0415
-    from hpc_elastic.commands import submit as submit_command  # noqa: PLC0415
 
-    monkeypatch.setattr(submit_command, "slurm", Sbatch())
     monkeypatch.chdir(project)
     (project / "weights.py").write_text("W = [0] * 1000\n" * 20_000)  # untracked: dirty, 0.3 MB
-    result = CliRunner().invoke(cli.app, ["submit", "--nodes", "1", "train.py"])
+    with mocked_submit():
+        result = CliRunner().invoke(cli.app, ["submit", "--nodes", "1", "train.py"])
     assert (result.exit_code, result.stderr) == (0, "")
     commit = git(project, "rev-parse", "HEAD")[:12]
     said = [line for line in result.stdout.splitlines() if line.startswith("Code:")]
@@ -286,11 +287,10 @@ def test_submit_without_a_snapshot_says_the_script_runs_as_it_is_on_disk(
     from typer.testing import CliRunner  # noqa: PLC0415
 
     from hpc_elastic import cli  # noqa: PLC0415
-    from hpc_elastic.commands import submit as submit_command  # noqa: PLC0415
 
-    monkeypatch.setattr(submit_command, "slurm", Sbatch())
     monkeypatch.chdir(project)
-    result = CliRunner().invoke(cli.app, ["submit", "--no-snapshot", "train.py"])
+    with mocked_submit():
+        result = CliRunner().invoke(cli.app, ["submit", "--no-snapshot", "train.py"])
     assert result.exit_code == 0
     said = [line for line in result.stdout.splitlines() if line.startswith("Code:")]
     assert said == [
@@ -309,10 +309,12 @@ def test_a_snapshot_that_cannot_be_copied_leaves_no_job_directory_and_sbatches_n
             raise PermissionError(errno.EACCES, "Permission denied")
 
     monkeypatch.setattr(shutil, "copy2", unreadable)
-    slurm = Sbatch()
-    with pytest.raises(SnapshotError, match=r"net\.py' cannot be copied into the job's code"):
-        submit(job, slurm)  # type: ignore[arg-type]
-    assert slurm.scripts == []
+    with (
+        mocked_slurm() as slurm,  # told nothing: any Slurm call fails the test
+        pytest.raises(SnapshotError, match=r"net\.py' cannot be copied into the job's code"),
+    ):
+        submit(job, commands)  # type: ignore[arg-type]
+    assert slurm.submitted == []
     assert not (project / "runs" / "train-20261201-030000-beef").exists()
 
 
@@ -348,18 +350,15 @@ def test_the_api_takes_snapshot_false_and_the_job_then_runs_the_script_in_place(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import hpc_elastic  # noqa: PLC0415
-    from hpc_elastic.slurm import commands  # noqa: PLC0415
 
-    slurm = Sbatch()
-    monkeypatch.setattr(commands, "sbatch", slurm.sbatch)
-    monkeypatch.setattr(commands, "partitions", slurm.partitions)
     monkeypatch.setenv("HPC_ELASTIC_INDEX", str(tmp_path / "index"))
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.py").write_text("")
-    job = hpc_elastic.submit("train.py", nodes=1, snapshot=False)
+    with mocked_submit() as slurm:
+        job = hpc_elastic.submit("train.py", nodes=1, snapshot=False)
     assert job.record.snapshot is None
     assert not (job.job_dir / "code").exists()
-    assert f"-u {tmp_path / 'train.py'} &\n" in slurm.scripts[0]
+    assert f"-u {tmp_path / 'train.py'} &\n" in slurm.submitted[0]
 
 
 def test_outside_git_the_walk_never_enters_the_log_directory(
@@ -539,15 +538,14 @@ def test_submit_says_what_it_left_out_as_secrets(
     from typer.testing import CliRunner  # noqa: PLC0415
 
     from hpc_elastic import cli  # noqa: PLC0415
-    from hpc_elastic.commands import submit as submit_command  # noqa: PLC0415
 
     folder = tmp_path / "scripts"
     folder.mkdir()
     (folder / "train.py").write_text("")
     plant_secrets(folder)
-    monkeypatch.setattr(submit_command, "slurm", Sbatch())
     monkeypatch.chdir(folder)
-    result = CliRunner().invoke(cli.app, ["submit", "train.py"])
+    with mocked_submit():
+        result = CliRunner().invoke(cli.app, ["submit", "train.py"])
     assert result.exit_code == 0, result.stderr
     assert (
         "Left out of the snapshot as secrets: .aws/, .config/gcloud/, .gnupg/, "

@@ -16,12 +16,11 @@ from typing import Any
 
 import pytest
 import submitit
-from slurm_fake import Sbatch
+from slurm_fake import FakeSlurm, mocked_submit
 from submitit.core import plugins, utils
 
 import hpc_elastic
 from hpc_elastic import submitit_plugin
-from hpc_elastic.slurm import commands
 
 ENTRY_POINTS = Path(__file__).parents[1] / "pyproject.toml"
 
@@ -50,18 +49,18 @@ def registered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None
 
 
 @pytest.fixture
-def slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Sbatch:
-    fake = Sbatch()
-    monkeypatch.setattr(commands, "sbatch", fake.sbatch)
-    monkeypatch.setattr(commands, "partitions", fake.partitions)
-    monkeypatch.setattr(commands, "squeue", lambda job_ids=(): [])
+def slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeSlurm]:
+    """Slurm with partition 'low' that takes job 77 and lists none: the job's ranks are the
+    test's own processes."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("HPC_ELASTIC_ZK", raising=False)
-    return fake
+    with mocked_submit(partitions=("low",), first_job=77) as fake:
+        fake.answer("squeue")
+        yield fake
 
 
 def test_auto_executor_takes_generic_and_prefixed_parameters_and_renders_our_script(
-    registered: None, slurm: Sbatch, tmp_path: Path
+    registered: None, slurm: FakeSlurm, tmp_path: Path
 ) -> None:
     executor = submitit.AutoExecutor(tmp_path / "runs", cluster="hpcelastic")
     executor.update_parameters(
@@ -70,7 +69,7 @@ def test_auto_executor_takes_generic_and_prefixed_parameters_and_renders_our_scr
     )  # fmt: skip
     job = executor.submit(pow, 2, 10)
     assert job.job_id == "77"
-    script = slurm.scripts[0]
+    script = slurm.submitted[0]
     for line in ("#SBATCH --array=0-3", "#SBATCH --time=60", "#SBATCH --gpus-per-node=8"):
         assert line in script
     assert "#SBATCH --partition=low" in script
@@ -82,11 +81,11 @@ def test_auto_executor_takes_generic_and_prefixed_parameters_and_renders_our_scr
     assert utils.DelayedSubmission.load(pickled).result() == 1024
 
 
-def test_the_executor_takes_an_elastic_range_directly(slurm: Sbatch, tmp_path: Path) -> None:
+def test_the_executor_takes_an_elastic_range_directly(slurm: FakeSlurm, tmp_path: Path) -> None:
     executor = hpc_elastic.Executor(tmp_path / "runs")
     executor.update_parameters(nodes="1:4", nproc_per_node=2)
     executor.submit(pow, 2, 3)
-    assert "#SBATCH --array=0-3" in slurm.scripts[0]
+    assert "#SBATCH --array=0-3" in slurm.submitted[0]
     with pytest.raises(ValueError, match="hpcelastic has no parameter 'nodez'"):
         executor.update_parameters(nodez=3)
 
@@ -152,7 +151,7 @@ class Counter(submitit.helpers.Checkpointable):
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_every_rank_runs_the_function_and_rank_0s_result_is_the_jobs(
-    registered: None, slurm: Sbatch, tmp_path: Path, rank: int
+    registered: None, slurm: FakeSlurm, tmp_path: Path, rank: int
 ) -> None:
     (tmp_path / "usercode.py").write_text(USER_CODE)
     sys.path.insert(0, str(tmp_path))
@@ -172,7 +171,7 @@ def test_every_rank_runs_the_function_and_rank_0s_result_is_the_jobs(
 
 
 def test_a_failing_function_is_the_jobs_error(
-    registered: None, slurm: Sbatch, tmp_path: Path
+    registered: None, slurm: FakeSlurm, tmp_path: Path
 ) -> None:
     (tmp_path / "usercode2.py").write_text(USER_CODE)
     sys.path.insert(0, str(tmp_path))
@@ -189,7 +188,7 @@ def test_a_failing_function_is_the_jobs_error(
 
 
 def test_a_checkpointable_stopped_for_preemption_resumes_from_its_checkpoint(
-    registered: None, slurm: Sbatch, tmp_path: Path
+    registered: None, slurm: FakeSlurm, tmp_path: Path
 ) -> None:
     (tmp_path / "usercode3.py").write_text(USER_CODE)
     progress = tmp_path / "progress"
@@ -235,7 +234,7 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 60) -> bool:
 
 
 def test_the_example_switches_a_submitit_script_by_one_line(
-    registered: None, slurm: Sbatch, tmp_path: Path
+    registered: None, slurm: FakeSlurm, tmp_path: Path
 ) -> None:
     example = Path(__file__).parents[1] / "examples" / "submitit_switch.py"
     lines = example.read_text().splitlines()
@@ -250,6 +249,6 @@ def test_the_example_switches_a_submitit_script_by_one_line(
         sys.path.remove(str(example.parent))
     job = submitit_switch.submit(str(tmp_path / "runs"))
     assert job.job_id == "77"
-    assert "#SBATCH --array=0-3" in slurm.scripts[0]
-    assert "#SBATCH --partition=low" in slurm.scripts[0]
+    assert "#SBATCH --array=0-3" in slurm.submitted[0]
+    assert "#SBATCH --partition=low" in slurm.submitted[0]
     assert utils.DelayedSubmission.load(job.paths.submitted_pickle).args == (3e-4,)
