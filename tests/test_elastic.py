@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from cluster import wait_until
-from slurm_fake import Reply, mocked_slurm
+from slurm_fake import FakeSlurm, Reply, mocked_slurm
 from slurm_fake import array_slot as slot
 from typer.testing import CliRunner
 
@@ -183,28 +183,38 @@ def test_a_slow_squeue_never_blocks_the_rendezvous_thread_that_asks() -> None:
 
 
 @pytest.fixture
-def calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Every Slurm call, as text; squeue answers AFTER_PREEMPTION, scontrol a preempted job."""
-    made: list[str] = []
-    monkeypatch.setattr(commands, "squeue", lambda ids, env=None: statuses(AFTER_PREEMPTION))
-    monkeypatch.setattr(
-        commands, "cancel", lambda job_id, signal=None, env=None: made.append(f"scancel {job_id}")
-    )
-    monkeypatch.setattr(
-        commands, "requeue", lambda job_id, env=None: made.append(f"requeue {job_id}")
-    )
-    monkeypatch.setattr(
-        commands,
-        "update_job",
-        lambda job_id, env=None, **fields: made.append(f"update {job_id} {fields}"),
-    )
-    record = commands.parse_scontrol_record(
-        RUNNING_JOB.format(state="RUNNING", limit="UNLIMITED", preempt="2026-11-29T10:01:10")
-    )
-    monkeypatch.setattr(
-        commands, "scontrol_show_job", lambda job_id, env=None, timeout=60.0: record
-    )
-    return made
+def slurm() -> Iterator[FakeSlurm]:
+    """squeue answers AFTER_PREEMPTION, ``scontrol show job`` a preempted job; scancel,
+    ``scontrol requeue`` and ``scontrol update`` succeed (``acts`` lists them)."""
+    with mocked_slurm() as fake:
+        fake.answer("squeue", stdout=AFTER_PREEMPTION)
+        fake.answer(
+            "scontrol",
+            "-o",
+            "show",
+            "job",
+            stdout=RUNNING_JOB.format(
+                state="RUNNING", limit="UNLIMITED", preempt="2026-11-29T10:01:10"
+            ),
+        )
+        fake.answer("scancel")
+        fake.answer("scontrol", "requeue")
+        fake.answer("scontrol", "update")
+        yield fake
+
+
+def acts(fake: FakeSlurm) -> list[list[str]]:
+    """The Slurm calls that change something, in order: every scancel and every scontrol but
+    ``scontrol -o show`` (a question)."""
+    return [
+        argv
+        for argv in fake.calls
+        if argv[0] == "scancel" or (argv[0] == "scontrol" and argv[1] != "-o")
+    ]
+
+
+REQUEUE = ["scontrol", "requeue", "9_2"]
+EXCLUDE = ["scontrol", "update", "JobId=9_2", "ExcNodeList=n3"]
 
 
 def test_only_array_tasks_are_elastic_slots(tmp_path: Path) -> None:
@@ -214,11 +224,11 @@ def test_only_array_tasks_are_elastic_slots(tmp_path: Path) -> None:
     assert ElasticSlot.from_env(task, tmp_path, SlotLimits()) is not None
 
 
-def test_a_preempted_slot_is_requeued_and_says_why(tmp_path: Path, calls: list[str]) -> None:
+def test_a_preempted_slot_is_requeued_and_says_why(tmp_path: Path, slurm: FakeSlurm) -> None:
     said: list[tuple[str, dict[str, object]]] = []
     code = slot(tmp_path).settle(75, 30.0, lambda kind, **details: said.append((kind, details)))
     assert code == 75
-    assert calls == ["requeue 9_2"]
+    assert acts(slurm) == [REQUEUE]
     evidence = {
         "JobState": "RUNNING",
         "PreemptTime": "2026-11-29T10:01:10",
@@ -238,82 +248,67 @@ def test_a_preempted_slot_is_requeued_and_says_why(tmp_path: Path, calls: list[s
 @pytest.mark.parametrize(("restarts", "requeued"), [("1", True), ("0", False)])
 def test_a_requeue_that_kills_its_own_scontrol_counts_when_slurm_did_it(
     tmp_path: Path,
-    calls: list[str],
-    monkeypatch: pytest.MonkeyPatch,
+    slurm: FakeSlurm,
     restarts: str,
     requeued: bool,
 ) -> None:
     """The requeue signals every process of the step, the scontrol that asked for it too."""
-
-    def killed(job_id: str, env: object = None) -> None:
-        calls.append(f"requeue {job_id}")
-        raise SlurmError(f"`scontrol requeue {job_id}` failed: no error message.")
-
-    record = commands.parse_scontrol_record(
+    slurm.answer("scontrol", "requeue", returncode=1)  # killed: it says nothing
+    record = (
         RUNNING_JOB.format(state="RUNNING", limit="UNLIMITED", preempt="2026-11-29T10:01:10")
         .strip()
         .replace("NodeList=n3", f"Restarts={restarts} NodeList=n3")
     )
-    monkeypatch.setattr(commands, "requeue", killed)
-    monkeypatch.setattr(
-        commands, "scontrol_show_job", lambda job_id, env=None, timeout=60.0: record
-    )
+    slurm.answer("scontrol", "-o", "show", "job", stdout=record)
     said: list[str] = []
     code = slot(tmp_path).settle(75, 30.0, lambda kind, **details: said.append(kind))
-    assert calls == ["requeue 9_2"]
+    assert acts(slurm) == [REQUEUE]
     assert (code, said) == ((75, ["requeue"]) if requeued else (1, ["leave"]))
 
 
-def test_a_slot_over_its_preemption_limit_is_not_requeued(tmp_path: Path, calls: list[str]) -> None:
+def test_a_slot_over_its_preemption_limit_is_not_requeued(tmp_path: Path, slurm: FakeSlurm) -> None:
     said: list[str] = []
     code = slot(tmp_path, limits=SlotLimits(max_preemptions=0)).settle(
         75, 30.0, lambda kind, **details: said.append(f"{kind} {details}")
     )
     assert code == 1
-    assert calls == []
+    assert acts(slurm) == []
     assert "preempted 1 times (--max-preemptions 0)" in said[0]
 
 
-def test_a_node_that_fails_the_slot_twice_is_excluded(tmp_path: Path, calls: list[str]) -> None:
+def test_a_node_that_fails_the_slot_twice_is_excluded(tmp_path: Path, slurm: FakeSlurm) -> None:
     first = slot(tmp_path)
     first.arrive()
     assert not first.count_failure()
     assert first.count_failure()
     said: list[str] = []
     assert first.settle(75, 30.0, lambda kind, **details: said.append(kind)) == 75
-    assert calls == ["requeue 9_2", "update 9_2 {'ExcNodeList': 'n3'}"]
+    assert acts(slurm) == [REQUEUE, EXCLUDE]
     assert said == ["exclude", "requeue"]
 
 
 @pytest.mark.parametrize(("shown", "tries"), [("n3", 1), ("(null)", 3)])
 def test_an_exclusion_that_dies_after_the_requeue_is_tried_again_and_never_loses_the_slot(
-    tmp_path: Path, calls: list[str], monkeypatch: pytest.MonkeyPatch, shown: str, tries: int
+    tmp_path: Path, slurm: FakeSlurm, monkeypatch: pytest.MonkeyPatch, shown: str, tries: int
 ) -> None:
     """The soak's requeued task came back, yet its agent said "not requeued" and exited 1:
     the ``scontrol update`` that sets ``ExcNodeList`` died as the requeue's own may. A try
     whose effect Slurm shows is done; else the slot is requeued all the same, with a warning."""
-
-    def killed(job_id: str, env: object = None, **fields: str) -> None:
-        calls.append(f"update {job_id} {fields}")
-        raise SlurmError(f"`scontrol update JobId={job_id}` failed: no error message.")
-
-    record = commands.parse_scontrol_record(
+    slurm.answer("scontrol", "update", returncode=1)  # killed: it says nothing
+    record = (
         RUNNING_JOB.format(state="PENDING", limit="UNLIMITED", preempt="2026-11-29T10:01:10")
         .strip()
         .replace("NodeList=n3", f"ExcNodeList={shown} NodeList=n3")
     )
-    monkeypatch.setattr(commands, "update_job", killed)
+    slurm.answer("scontrol", "-o", "show", "job", stdout=record)
     monkeypatch.setattr(elastic, "SCONTROL_PAUSE", 0.0)
-    monkeypatch.setattr(
-        commands, "scontrol_show_job", lambda job_id, env=None, timeout=60.0: record
-    )
     first = slot(tmp_path)
     first.arrive()
     first.count_failure()
     first.count_failure()
     said: list[tuple[str, dict[str, object]]] = []
     assert first.settle(75, 30.0, lambda kind, **details: said.append((kind, details))) == 75
-    assert calls == ["requeue 9_2"] + ["update 9_2 {'ExcNodeList': 'n3'}"] * tries
+    assert acts(slurm) == [REQUEUE] + [EXCLUDE] * tries
     kinds = [kind for kind, _ in said]
     if tries == 1:
         assert kinds == ["exclude", "requeue"]
@@ -344,7 +339,7 @@ def test_a_slot_killed_after_gracetime_while_leaving_is_no_node_failure(why: Dep
 
 @pytest.mark.parametrize("later", ["RUNNING", "PENDING"], ids=["preempt-time-gone", "requeued"])
 def test_the_cause_is_what_slurm_said_when_the_signal_arrived(
-    tmp_path: Path, calls: list[str], monkeypatch: pytest.MonkeyPatch, later: str
+    tmp_path: Path, slurm: FakeSlurm, later: str
 ) -> None:
     """After the drain Slurm may have moved on (no PreemptTime, or requeued already): the
     cause it gave when the signal arrived is the one that counts."""
@@ -352,11 +347,7 @@ def test_the_cause_is_what_slurm_said_when_the_signal_arrived(
         RUNNING_JOB.format(state="RUNNING", limit="UNLIMITED", preempt="2026-11-29T10:01:10"),
         RUNNING_JOB.format(state=later, limit="UNLIMITED", preempt="None"),
     ]
-    monkeypatch.setattr(
-        commands,
-        "scontrol_show_job",
-        lambda job_id, env=None, timeout=60.0: commands.parse_scontrol_record(answers.pop(0)),
-    )
+    slurm.respond("scontrol", "-o", "show", "job", responder=lambda argv: Reply(answers.pop(0)))
     preempted = slot(tmp_path)
     preempted.arrive()
     watch = preempted.watch_departure(30.0)
@@ -370,25 +361,21 @@ def test_the_cause_is_what_slurm_said_when_the_signal_arrived(
         == 75
     )
     assert said == [("requeue", "preemption", "at the signal")]
-    assert calls == ["requeue 9_2"]
+    assert acts(slurm) == [REQUEUE]
 
 
 def test_a_slurm_too_busy_to_answer_at_the_signal_is_asked_again(
-    tmp_path: Path, calls: list[str], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, slurm: FakeSlurm, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """slurmctld, busy with the very preemption, may drop a request: retry, then settle asks."""
-    preempted = commands.parse_scontrol_record(
+    busy_slurm = Reply(
+        stderr="slurm_load_jobs error: Socket timed out on send/recv operation\n", returncode=1
+    )
+    preempted = Reply(
         RUNNING_JOB.format(state="RUNNING", limit="UNLIMITED", preempt="2026-11-29T10:01:10")
     )
-    answers: list[dict[str, str] | None] = [None, None, None, None, preempted]
-
-    def scontrol(job_id: str, env: object = None, timeout: float = 60.0) -> dict[str, str]:
-        answer = answers.pop(0)
-        if answer is None:
-            raise SlurmError("`scontrol -o show job 9_2` failed: Socket timed out.")
-        return answer
-
-    monkeypatch.setattr(commands, "scontrol_show_job", scontrol)
+    answers = [busy_slurm, busy_slurm, busy_slurm, busy_slurm, preempted]
+    slurm.respond("scontrol", "-o", "show", "job", responder=lambda argv: answers.pop(0))
     monkeypatch.setattr(elastic, "SCONTROL_PAUSE", 0.0)
     busy = slot(tmp_path)
     watch = busy.watch_departure(30.0)
@@ -403,7 +390,7 @@ def test_a_slurm_too_busy_to_answer_at_the_signal_is_asked_again(
 
 
 def test_without_a_signal_slurm_is_asked_when_the_slot_settles(
-    tmp_path: Path, calls: list[str]
+    tmp_path: Path, slurm: FakeSlurm
 ) -> None:
     """Workers that stopped by themselves (exit 75), or the bad-node watch, send no signal."""
     quiet = slot(tmp_path)
@@ -421,7 +408,7 @@ def test_a_slot_that_died_while_running_is_a_node_failure() -> None:
 
 
 def test_a_preemption_noted_at_the_signal_survives_slurms_sigkill(
-    tmp_path: Path, calls: list[str]
+    tmp_path: Path, slurm: FakeSlurm
 ) -> None:
     """The watch notes the cause in the ledger as soon as Slurm answers, before any drain."""
     first = slot(tmp_path, "n4")
@@ -435,27 +422,27 @@ def test_a_preemption_noted_at_the_signal_survives_slurms_sigkill(
     assert elastic.load_ledger(first.ledger_path).preemptions == 1
 
 
-def test_when_the_job_is_over_pending_slots_are_cancelled(tmp_path: Path, calls: list[str]) -> None:
+def test_when_the_job_is_over_pending_slots_are_cancelled(tmp_path: Path, slurm: FakeSlurm) -> None:
     said: list[tuple[str, dict[str, object]]] = []
     assert slot(tmp_path).settle(0, 30.0, lambda kind, **d: said.append((kind, d))) == 0
-    assert calls == ["scancel 9_[1,3]"]
+    assert acts(slurm) == [["scancel", "9_[1,3]"]]
     assert said == [("cancel_pending", {"tasks": [1, 3], "running": []})]
 
 
-def test_a_stopped_slot_cancels_nothing(tmp_path: Path, calls: list[str]) -> None:
+def test_a_stopped_slot_cancels_nothing(tmp_path: Path, slurm: FakeSlurm) -> None:
     assert slot(tmp_path).settle(143, 30.0, lambda kind, **d: None) == 143
-    assert calls == []
+    assert acts(slurm) == []
 
 
 def test_a_slot_that_lost_zookeeper_for_good_is_neither_requeued_nor_ends_the_job(
-    tmp_path: Path, calls: list[str]
+    tmp_path: Path, slurm: FakeSlurm
 ) -> None:
     """Exit 69 (``--zk-outage-limit``): a requeue would only join the same dead ensemble, and
     a partition of this node alone looks the same, so the job is left to the others."""
     said: list[str] = []
     code = slot(tmp_path).settle(ExitCode.UNREACHABLE, 30.0, lambda kind, **d: said.append(kind))
     assert code == ExitCode.UNREACHABLE
-    assert calls == [], "no scontrol requeue, no scancel of the pending tasks"
+    assert acts(slurm) == [], "no scontrol requeue, no scancel of the pending tasks"
     assert said == []
 
 
@@ -700,28 +687,23 @@ def test_cancel_of_an_unknown_job_is_one_sentence(tmp_path: Path) -> None:
     assert "Job 'nope' is unknown" in result.output
 
 
-def test_pending_slots_already_gone_are_no_error(
-    tmp_path: Path, calls: list[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    def gone(job_id: str, signal: str | None = None, env: object = None) -> None:
-        raise SlurmError("`scancel 9_[1,3]` failed: Job has already finished.")
-
-    monkeypatch.setattr(commands, "cancel", gone)
+def test_pending_slots_already_gone_are_no_error(tmp_path: Path, slurm: FakeSlurm) -> None:
+    slurm.answer(
+        "scancel",
+        stderr="scancel: error: Kill job error on job id 9_[1,3]: Job has already finished\n",
+        returncode=1,
+    )
     assert slot(tmp_path).settle(0, 30.0, lambda kind, **d: None) == 0
+    assert acts(slurm) == [["scancel", "9_[1,3]"]]
 
 
-def test_a_cancelled_slot_is_not_requeued(
-    tmp_path: Path, calls: list[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_cancelled_slot_is_not_requeued(tmp_path: Path, slurm: FakeSlurm) -> None:
     """scancel sends SIGTERM, which the workers also answer by saving and exiting 75."""
     cancelled = RUNNING_JOB.format(state="CANCELLED", limit="UNLIMITED", preempt="None")
-    record = commands.parse_scontrol_record(cancelled)
-    monkeypatch.setattr(
-        commands, "scontrol_show_job", lambda job_id, env=None, timeout=60.0: record
-    )
+    slurm.answer("scontrol", "-o", "show", "job", stdout=cancelled)
     said: list[tuple[str, object]] = []
     assert slot(tmp_path).settle(75, 30.0, lambda kind, **d: said.append((kind, d))) == 75
-    assert calls == []
+    assert acts(slurm) == []
     [(kind, details)] = said
     assert kind == "cancelled"
     assert details["slurm"]["JobState"] == "CANCELLED"  # type: ignore[index]
