@@ -366,6 +366,69 @@ def test_a_slot_whose_agent_is_killed_leaves_and_the_rest_train_on(
     assert cluster.wait_queue_empty(60), cluster.squeue()
 
 
+def round_events(job_dir: Path) -> dict[int, events.Event]:
+    """The first ``round`` event of each round, by round number."""
+    seen: dict[int, events.Event] = {}
+    for event in events.read(job_dir / "events.jsonl"):
+        if event.kind == "round" and event.round is not None:
+            seen.setdefault(event.round, event)
+    return seen
+
+
+def test_a_crashed_node_whose_links_closed_is_not_waited_for_while_slurm_still_counts_its_slot(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """A node crashes with its kernel up (``node-kill``: its slurmd, steps, agent and
+    workers SIGKILLed), so its agent's links end with FIN and it is reported departed, while
+    Slurm still shows its task running: it notices a silent node only at ``SlurmdTimeout``,
+    raised here above the test's length. The survivors' next round must form at once, not
+    after a last call for the slot Slurm counts: the last call (600 s) is longer than every
+    wait here, the rendezvous' log says the round was completed at once, and the session
+    (60 s) keeps the killed agent listed while the survivors stop and come back."""
+    log = tmp_path / "steps.log"
+    with cluster.slurm_conf_lines("SlurmdTimeout=3600"):
+        job, job_dir = submit_training(
+            cluster,
+            tmp_path,
+            "2:3",
+            10_000,
+            "--last-call=600",
+            "--session-timeout=60",
+            "--env",
+            "HPC_ELASTIC_LOG=debug",
+        )
+        assert training_at(job_dir, log, 6, 120), story(cluster, job_dir, log)
+        full = max(
+            number for number, e in round_events(job_dir).items() if e.details["world_size"] == 6
+        )
+        node = slot_node(cluster, job, 2)
+        try:
+            cluster.node_kill(node)
+            assert wait_until(lambda: max(round_events(job_dir)) > full, 120), story(
+                cluster, job_dir, log
+            )
+            still_running = (f"{job}_2", "RUNNING") in cluster.squeue()
+        finally:
+            cancelled = hpc_elastic(
+                cluster, tmp_path, "cancel", job, "--log-dir", str(job_dir.parent)
+            )
+            cluster.node_start(node)
+        assert cancelled.returncode == 0, cancelled.stderr
+        assert cluster.wait_queue_empty(120), cluster.squeue()
+    assert still_running, "Slurm noticed the crash: the test says nothing of its count"
+    survivors = round_events(job_dir)[full + 1]
+    assert survivors.details["world_size"] == 4, story(cluster, job_dir, log)
+    assert "2" not in survivors.details["members"], survivors.details
+    departed = [e for e in events.read(job_dir / "events.jsonl") if e.kind == "departed"]
+    assert {(e.round, e.details["node"], e.details["cause"]) for e in departed} == {
+        (full, "2", "connection closed")
+    }, departed
+    said = "".join(path.read_text() for path in sorted(job_dir.glob("slurm-*.out")))
+    assert f"completed round {full + 1} at once" in said, story(cluster, job_dir, log)
+    assert f"completed round {full + 1} after the last call" not in said
+    assert "without the departed" in said
+
+
 def test_a_slot_at_its_time_limit_is_requeued_as_such_and_rejoins(
     cluster: Cluster, tmp_path: Path
 ) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -345,10 +346,14 @@ class Stepped:
         self.clock = ManualClock()
         self.server = MemoryServer(clock=self.clock)
 
-    def handler(self, name: str) -> StoreRendezvous:
+    def handler(
+        self, name: str, expected_nodes: Callable[[], int | None] | None = None
+    ) -> StoreRendezvous:
         store = self.server.connect("job", self.config.session_timeout)
         node = NodeInfo(node_id=name, host=f"host-{name}", nproc=1)
-        return StoreRendezvous(self.config, node, store, clock=self.clock, pick_port=lambda: 1)
+        return StoreRendezvous(
+            self.config, node, store, expected_nodes, clock=self.clock, pick_port=lambda: 1
+        )
 
     def rounds(self, handlers: list[StoreRendezvous], limit: float = 600.0) -> list[Round]:
         """Step every handler until each returned a round, moving the clock to the earliest
@@ -754,6 +759,28 @@ def test_a_member_reported_departed_is_left_out_at_once_while_its_session_lives(
     # the straggler deadline nor the last call.
     assert world.clock.now - before < config.last_call
     assert "c" in world.server.member_ids
+
+
+def test_a_departed_member_slurm_still_counts_is_not_waited_for_in_the_last_call(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Under Slurm: c's node was killed, its link closed, and Slurm still shows its slot
+    running (3 expected). a and b form the next round at once, not after the last call,
+    and say that they took c off Slurm's count."""
+    config = RendezvousSettings(run_id="job", nodes=NodeRange(2, 3), last_call=30.0)
+    world = Stepped(config)
+    a, b, c = (world.handler(name, expected_nodes=lambda: 3) for name in "abc")
+    world.rounds([a, b, c])
+    assert a.report_departed("c", 1)
+    caplog.set_level(logging.DEBUG, logger="hpc_elastic.rendezvous.handler")
+    before = world.clock.now
+    second = world.rounds([a, b])
+    assert [m.node_id for m in second[0].members] == ["a", "b"]
+    assert world.clock.now - before < config.last_call, "the simulated clock"
+    assert "c" in world.server.member_ids
+    said = caplog.messages
+    assert "a: nodes expected: 3, 2 without the departed ['c']" in said
+    assert any(line.endswith("completed round 2 at once") for line in said), said
 
 
 def test_a_link_of_a_round_that_moved_on_marks_nobody_departed() -> None:

@@ -168,6 +168,8 @@ class StoreRendezvous(Rendezvous):
         self._rejoin = threading.Event()
         self._deadlines = Deadlines(settings, clock)
         """Every wait's deadline and the outage clock; it has its own lock (see there)."""
+        self._uncounted: frozenset[str] = frozenset()
+        """The departed nodes last taken off ``expected_nodes()`` (``st.uncounted``)."""
         self._spare_round: int | None = None
         """The latest round this node was told to wait beside as a hot spare."""
         self._stale = False
@@ -233,6 +235,7 @@ class StoreRendezvous(Rendezvous):
         now = self._clock()
         if self._expected_nodes is not None:
             self._expected = self._expected_nodes()
+            self._note_uncounted(state, alive)
         self._deadlines.judge_stragglers(state.round, bool(st.stragglers(state, alive)), now)
         action = self._action(state, alive)
         log.debug(
@@ -245,6 +248,20 @@ class StoreRendezvous(Rendezvous):
         if action is st.Action.WAIT:
             self._note_spare(state, alive)
         return self._act(action, state, token, alive, now)
+
+    def _note_uncounted(self, state: st.JobState, alive: frozenset[str]) -> None:
+        """Say when the departed nodes taken off ``expected_nodes()`` change (``still_coming``)."""
+        gone = st.uncounted(state, alive)
+        if gone == self._uncounted:
+            return
+        self._uncounted = gone
+        log.debug(
+            "%s: nodes expected: %s, %s without the departed %s",
+            self.node.node_id,
+            self._expected,
+            st.still_coming(state, alive, self._expected),
+            sorted(gone),
+        )
 
     def _note_spare(self, state: st.JobState, alive: frozenset[str]) -> None:
         """Say once per round that this node waits beside it as a hot spare."""
