@@ -95,7 +95,7 @@ class Job:
         """A ``hpc_elastic.ops.status.JobView``: state, round, world size, slots, failures."""
         from hpc_elastic.ops import status  # noqa: PLC0415
 
-        return status.gather(self.record, _squeue)
+        return status.gather(self.record)
 
     def state(self) -> str:
         """pending, running, held, succeeded, failed, stopped or unknown (``status().state``)."""
@@ -117,9 +117,9 @@ class Job:
 
     def cancel(self) -> list[str]:
         """End every slot and close the rendezvous; returns what was done, one phrase each."""
-        from hpc_elastic.ops.cancel import _close, _scancel, cancel  # noqa: PLC0415
+        from hpc_elastic.ops.cancel import cancel_job  # noqa: PLC0415
 
-        return cancel(self.record, _scancel, _close)
+        return cancel_job(self.record)
 
     def wait(self, timeout: float | None = None, poll: float = WAIT_POLL_SECONDS) -> Any:
         """Block until the job ends; returns its final ``JobView``.
@@ -288,9 +288,3 @@ def _as_flag_value(option: Option, value: object) -> object:
 def _python_call(spec: JobSpec) -> tuple[str, ...]:
     """What the sbatch script records as the command that made it, for an API submit."""
     return ("hpc_elastic.submit", str(spec.script), *spec.script_args)
-
-
-def _squeue(job_ids: Sequence[str]) -> Any:
-    from hpc_elastic.slurm import commands  # noqa: PLC0415 (tests swap the module's functions)
-
-    return commands.squeue(job_ids)

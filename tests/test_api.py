@@ -128,7 +128,7 @@ def test_cancel_scancels_the_job_and_says_what_it_did(
     from hpc_elastic.ops import cancel  # noqa: PLC0415
 
     closed: list[str] = []
-    monkeypatch.setattr(cancel, "_close", lambda record: closed.append(record.run_id))
+    monkeypatch.setattr(cancel, "close_rendezvous", lambda record: closed.append(record.run_id))
     job = hpc_elastic.submit("train.py", nodes="1:4")
     slurm.answer("squeue", stdout=pending(job))
 

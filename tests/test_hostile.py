@@ -548,7 +548,9 @@ def offline(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, object]
         calls.append(("scancel", " ".join(argv[1:])))
         return Reply()
 
-    monkeypatch.setattr(cancel, "_close", lambda record: calls.append(("close", record.run_id)))
+    monkeypatch.setattr(
+        cancel, "close_rendezvous", lambda record: calls.append(("close", record.run_id))
+    )
     monkeypatch.setattr(status, "_rendezvous", lambda record: None)
     monkeypatch.setattr(os, "kill", lambda *args: calls.append(("kill", args)))
     with mocked_slurm() as fake:

@@ -189,7 +189,9 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[Calls]:
         fake.answer("squeue")
         fake.answer("scancel")
         seen = Calls(fake)
-        monkeypatch.setattr(cancel, "_close", lambda record: seen.close.append(record.run_id))
+        monkeypatch.setattr(
+            cancel, "close_rendezvous", lambda record: seen.close.append(record.run_id)
+        )
         yield seen
 
 

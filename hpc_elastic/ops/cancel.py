@@ -15,6 +15,7 @@ from collections.abc import Callable
 from hpc_elastic import events
 from hpc_elastic.errors import SlurmError, UsageError
 from hpc_elastic.ops import jobs
+from hpc_elastic.slurm import commands
 
 
 def cancel(
@@ -49,15 +50,16 @@ def cancel(
 
 
 def cancel_job(record: jobs.JobRecord) -> list[str]:
-    """``cancel`` with the real Slurm and ZooKeeper. ``_scancel`` and ``_close`` are looked up
-    here when it runs, not bound where it is imported, so a test that replaces them in this
-    module replaces them for every caller (the CLI's ``cancel`` and the Python API alike)."""
-    return cancel(record, _scancel, _close)
+    """``cancel`` with the real Slurm and ZooKeeper (``scancel_job``, ``close_rendezvous``):
+    what ``Job.cancel`` of the Python API, and so the CLI's ``cancel``, does. Both are looked
+    up when it runs, so a test with no ZooKeeper replaces ``close_rendezvous`` here for every
+    caller; Slurm is faked at the Slurm layer's own subprocess call."""
+    return cancel(record, scancel_job, close_rendezvous)
 
 
-def _scancel(job_id: str) -> None:
-    from hpc_elastic.slurm import commands  # noqa: PLC0415 (tests swap the module's functions)
-
+def scancel_job(job_id: str) -> None:
+    """``scancel`` the job; a refusal is no error once Slurm no longer lists the job (it ended
+    meanwhile)."""
     try:
         commands.cancel(job_id)
     except SlurmError:
@@ -65,7 +67,7 @@ def _scancel(job_id: str) -> None:
             raise
 
 
-def _close(record: jobs.JobRecord) -> None:
+def close_rendezvous(record: jobs.JobRecord) -> None:
     """Close the job's ZooKeeper rendezvous (kazoo imported only here)."""
     from hpc_elastic.rendezvous import zookeeper  # noqa: PLC0415
     from hpc_elastic.rendezvous.secret import read_secret_file  # noqa: PLC0415

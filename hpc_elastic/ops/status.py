@@ -15,10 +15,12 @@ from hpc_elastic.jobdir import CodeSnapshot
 from hpc_elastic.ops import goodput as lost_time
 from hpc_elastic.ops import timeline
 from hpc_elastic.ops.jobs import JobRecord, runner_alive
+from hpc_elastic.slurm import commands
 from hpc_elastic.slurm.commands import JobStatus
 from hpc_elastic.slurm.elastic import every_task_held
 
 SlurmQuery = Callable[[Sequence[str]], list[JobStatus]]
+"""What ``squeue`` answers for some job ids: ``commands.squeue`` unless a caller gives its own."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,7 @@ class JobView:
         return data
 
 
-def gather(record: JobRecord, squeue: SlurmQuery) -> JobView:
+def gather(record: JobRecord, squeue: SlurmQuery = commands.squeue) -> JobView:
     """Combine the events with Slurm's queue and the live rendezvous; never raises for them."""
     history = record.events()
     summary = timeline.summarize(history)
@@ -263,7 +265,7 @@ def of_job(record: JobRecord, queue: Sequence[JobStatus]) -> list[JobStatus]:
 
 
 def job_states(
-    jobs: Sequence[tuple[JobRecord, timeline.Summary]], squeue: SlurmQuery
+    jobs: Sequence[tuple[JobRecord, timeline.Summary]], squeue: SlurmQuery = commands.squeue
 ) -> tuple[list[str], list[str]]:
     """Each job's ``job_state``, asking Slurm once for all of them, and the warnings."""
     records = [record for record, _ in jobs]
