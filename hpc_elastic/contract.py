@@ -148,8 +148,13 @@ DEFAULT_MAX_PREEMPTIONS = 100
 DEFAULT_MAX_TIME_LIMITS = 10
 DEFAULT_EXCLUDE_AFTER = 2
 DEFAULT_BAD_NODE_TTL = 24 * 3600.0
-"""``agent/badnodes.DEFAULT_TTL``, here too so the agent's options need not import the health
-code; tests/test_options.py checks that the two agree."""
+"""How long a node that failed its preflight stays excluded: a day, long enough to outlive a
+weekend's requeues, short enough that a repaired node comes back without anyone remembering
+to clear it (``--bad-node-ttl``, ``agent/badnodes.py``)."""
+DEFAULT_METRICS_BIND = "127.0.0.1"
+"""Where the agent serves its metrics unless ``--metrics-bind`` widens it: to this node only.
+Job and slot names and the training step are nobody else's business, and a scraper on the
+node (node_exporter's neighbour, an SSH tunnel) reaches loopback."""
 DEFAULT_USER_SECRET_FILE = Path("~/.hpc-elastic/user-secret")
 """The user's own secret (``USER_SECRET_FILE_ENV``), created 0600 by ``submit`` or ``run``
 (which derive the user's checkpoint key from it) or by the first preflight that remembers a

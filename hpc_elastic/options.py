@@ -1079,7 +1079,7 @@ AGENT_OPTIONS: tuple[Option, ...] = (
         "metrics_bind",
         str,
         "Address to serve metrics on; 0.0.0.0 for every interface.",
-        "127.0.0.1",
+        contract.DEFAULT_METRICS_BIND,
         metavar="ADDR",
     ),
     Option(

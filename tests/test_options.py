@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from hpc_elastic import cli, config, contract
-from hpc_elastic.agent import badnodes, command
+from hpc_elastic.agent import command
 from hpc_elastic.agent.api import AgentSpec
 from hpc_elastic.agent.workers import WorkerPaths, worker_env
 from hpc_elastic.commands.run import RUN_OPTIONS
@@ -114,10 +114,6 @@ def test_local_mode_and_the_template_start_the_same_agent() -> None:
 def test_the_agents_typed_arguments_are_the_agents_rows() -> None:
     fields = [field.name for field in dataclasses.fields(command.AgentArguments)]
     assert fields == [row.name for row in AGENT_OPTIONS]
-
-
-def test_the_agents_defaults_that_live_elsewhere_agree_with_the_contract() -> None:
-    assert badnodes.DEFAULT_TTL == contract.DEFAULT_BAD_NODE_TTL
 
 
 NOT_FLAGS = {"python", "worker", "options"}

@@ -20,15 +20,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
-from hpc_elastic.contract import USER_SECRET_FILE_ENV
+from hpc_elastic.contract import DEFAULT_BAD_NODE_TTL, USER_SECRET_FILE_ENV
 from hpc_elastic.errors import RendezvousError, UsageError, one_line
 from hpc_elastic.rendezvous.badnode import BadNode, check_host
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TTL = 24 * 3600.0
-"""A day: long enough to outlive a weekend's requeues, short enough that a repaired node
-comes back without anyone remembering to clear it."""
+DEFAULT_TTL = DEFAULT_BAD_NODE_TTL
+"""How long a remembered bad node stays excluded (``contract.DEFAULT_BAD_NODE_TTL``)."""
 
 
 def remembered(host: str, reason: str, now: float, ttl: float, job: str = "") -> BadNode:

@@ -18,15 +18,14 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, start_http_server
 from prometheus_client import write_to_textfile as _write_textfile
 
-from hpc_elastic import events
+from hpc_elastic import contract, events
 from hpc_elastic.agent.api import AgentPhase
 from hpc_elastic.errors import UsageError
 from hpc_elastic.events import Event, Kind, RoundDetails
 
-DEFAULT_BIND = "127.0.0.1"
-"""Metrics are served to this node only unless ``--metrics-bind`` widens it: job and slot names
-and the training step are nobody else's business, and a scraper on the node (node_exporter's
-neighbour, an SSH tunnel) reaches loopback."""
+DEFAULT_BIND = contract.DEFAULT_METRICS_BIND
+"""Metrics are served to this node only unless ``--metrics-bind`` widens it (the contract says
+why)."""
 INTERVAL = 1.0
 """Seconds between two refreshes (step rate, checkpoint age, the textfile)."""
 _PHASES = frozenset(phase.value for phase in AgentPhase)
