@@ -8,12 +8,15 @@ to the same rules and say the same sentence when they are wrong.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import Any
 
-from hpc_elastic import contract
+from hpc_elastic import contract, schema
+from hpc_elastic.contract import GRACE_ACTIONS
 from hpc_elastic.errors import UsageError
+from hpc_elastic.notify import check_url
 
 _NODES = re.compile(r"^\s*(\d+)\s*(?::\s*(\d+)\s*)?$")
 _TIME = re.compile(
@@ -110,42 +113,10 @@ class PreemptSignal:
         return f"{self.name}@{self.seconds}"
 
 
-def parse_positive(option: str, value: int, *, zero_ok: bool = False) -> int:
-    """Counts like --nproc-per-node: Typer checks it is an int, this checks it makes sense."""
-    if value < 0 or (value == 0 and not zero_ok):
-        bound = "0 or more" if zero_ok else "1 or more"
-        raise UsageError(f"{option} '{value}' is out of range; give {bound}.")
-    return value
-
-
-def count_parser(option: str, *, zero_ok: bool = False) -> Callable[[str], int]:
-    """A Typer ``parser=`` for counts, so '--nproc-per-node x' quotes 'x' like every other error."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise UsageError(f"{option} '{text}' is not a whole number; give e.g. '4'.") from None
-        return parse_positive(option, value, zero_ok=zero_ok)
-
-    return parse
-
-
-def seconds_parser(option: str) -> Callable[[str], float]:
-    """A Typer ``parser=`` for durations in seconds (fractions allowed)."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise UsageError(
-                f"{option} '{text}' is not a number of seconds; give e.g. '30'."
-            ) from None
-        if not value >= 0:
-            raise UsageError(f"{option} '{text}' is negative; give 0 or more seconds.")
-        return value
-
-    return parse
+parse_positive = schema.parse_positive
+"""Also here, beside the other parsers, where the commands import them."""
+count_parser = schema.count_parser
+seconds_parser = schema.seconds_parser
 
 
 def parse_time(text: str) -> str:
@@ -435,97 +406,504 @@ class ArrayPart:
         return f"{self.first}-{self.last}"
 
 
+# --- the options' own parsers: what only one option takes ----------------------------------
+
+
+def parse_notify_url(text: str) -> str:
+    """An http(s) webhook (``notify.check_url``) in one printable word: it is exported into the
+    job's environment, and a space or newline there would be a different URL."""
+    if not text.isprintable() or any(char.isspace() for char in text):
+        raise UsageError(
+            f"--notify {text!r:.200} contains spaces or control characters; give the webhook's "
+            "address, e.g. 'https://hooks.example.com/T000/B000'."
+        )
+    return check_url(text)
+
+
+def parse_grace_action(text: str) -> str:
+    """What an agent does when a save no longer fits the time Slurm leaves (slurm/grace.py)."""
+    if text not in GRACE_ACTIONS:
+        raise UsageError(
+            f"--grace-action {text!r:.100} is not one of {', '.join(GRACE_ACTIONS)}; give 'warn' "
+            "(say so in the events and status), 'lead' (also stop before the time limit's "
+            "signal, early enough for the save) or 'local' (also save a stop's checkpoint to "
+            "--local-checkpoint-dir first)."
+        )
+    return text
+
+
+def parse_when_busy(text: str) -> str:
+    if text not in contract.CHECKPOINT_WHEN_BUSY_CHOICES:
+        raise UsageError(
+            f"--checkpoint-when-busy {text!r:.100} is not one of "
+            f"{', '.join(contract.CHECKPOINT_WHEN_BUSY_CHOICES)}; give 'wait' or 'skip'."
+        )
+    return text
+
+
+def parse_local_dir(text: str) -> Path:
+    """A node-local directory, as the workers see it; never created or resolved here, since it
+    exists on the compute nodes, not where ``submit`` runs."""
+    if not text or not text.isprintable() or "://" in text:
+        raise UsageError(
+            f"--local-checkpoint-dir {text!r:.200} is not a local directory path; give a "
+            "node-local path such as '/local/scratch/ckpt'."
+        )
+    return Path(text)
+
+
+def read_local_dir(value: object, _base: Path) -> object:
+    """As the flag: the path is the compute nodes', so it is not made relative to the file."""
+    if not isinstance(value, str):
+        raise schema.WrongTypeError(
+            f"must be a path string, not {type(value).__name__} {value!r}; fix the config file."
+        )
+    return parse_local_dir(value)
+
+
+def read_environment(value: object, _base: Path) -> object:
+    if not isinstance(value, dict) or not all(
+        isinstance(item, str | int | float) and not isinstance(item, bool)
+        for item in value.values()
+    ):
+        raise schema.WrongTypeError(
+            f'must be a table of KEY = "value", not {type(value).__name__} {value!r}; fix the '
+            "config file."
+        )
+    return tuple(parse_env(f"{key}={item}") for key, item in value.items())
+
+
+def _check_env(pairs: tuple[tuple[str, str], ...]) -> None:
+    for key, value in pairs:
+        parse_env(f"{key}={value}")
+
+
+def _merge_env(defaults: object, flags: object) -> object:
+    """``--env`` adds to the file's ``env`` table key by key, the flag's value winning."""
+    pairs = {**dict(defaults or ()), **dict(flags or ())}  # type: ignore[call-overload]
+    return tuple(pairs.items())
+
+
+def _check_log_dir(log_dir: Path) -> None:
+    """sbatch's ``--output`` takes the log directory: no spaces, no ``%A``-breaking ``\\``."""
+    if any(char.isspace() or not char.isprintable() for char in str(log_dir)):
+        raise UsageError(
+            f"--log-dir {str(log_dir)!r} contains spaces or control characters, which "
+            "sbatch cannot take in --output; choose a directory path without them."
+        )
+    if "\\" in str(log_dir):
+        raise UsageError(
+            f"--log-dir {str(log_dir)!r} contains a backslash, which turns off the "
+            "%A/%a patterns of sbatch's --output; choose a directory path without one."
+        )
+
+
+def _signal_flags(signal: PreemptSignal) -> schema.AgentFlags:
+    return (("--preempt-signal", signal.name), ("--grace", str(signal.seconds)))
+
+
+def _iface_environment(iface: str | None) -> tuple[tuple[str, str], ...]:
+    """gloo and NCCL open their connections on the named interface only; torch's TCPStore
+    (MASTER_ADDR:MASTER_PORT) has no such setting and still listens on every interface, which
+    docs/security.md states."""
+    if iface is None:
+        return ()
+    return (("GLOO_SOCKET_IFNAME", iface), ("NCCL_SOCKET_IFNAME", iface))
+
+
+def _word(help: str, *, metavar: str = "NAME", **columns: Any) -> Any:
+    """A single word that lands on an ``#SBATCH`` line as ``--<name>=<word>``; unset by default."""
+
+    def columns_for(name: str) -> Mapping[str, Any]:
+        flag = schema.flag_of(name)
+        return {
+            "help": help,
+            "metavar": metavar,
+            "read": schema.read_text(lambda text: parse_sbatch_value(flag, text)),
+            "check": lambda value: parse_sbatch_value(flag, value),
+            "sbatch": schema.sbatch_line(f"{flag}={{}}"),
+            **columns,
+        }
+
+    return schema.declare(columns_for, None)
+
+
+def _grace_action_flags(value: str) -> schema.AgentFlags:
+    return () if value == GRACE_ACTIONS[0] else (("--grace-action", value),)
+
+
 @dataclass(frozen=True)
 class JobSpec:
-    """Everything ``submit`` needs to know about a job, validated; the renderer trusts it."""
+    """Everything ``submit`` needs to know about a job, validated; the renderer trusts it.
+
+    Each field but the script and its arguments is an option of ``submit``, ``render`` and
+    the Python API, declared on the field (``hpc_elastic.schema``): name, type and default are
+    the field's. The fields' order is the order of ``--help``, of the script's ``#SBATCH``
+    lines, of its exported variables and of the agent flags (the reference scripts pin it).
+    """
 
     script: Path
     script_args: tuple[str, ...] = ()
-    nodes: NodeRange = NodeRange(1, 1)
-    spares: int = 0
+    nodes: NodeRange = schema.text(
+        "Fixed N nodes (one allocation) or elastic MIN:MAX (an array of MAX one-node tasks; "
+        "training goes on while at least MIN run).",
+        NodeRange.parse,
+        NodeRange.parse(contract.DEFAULT_NODES),
+        numbers=True,
+        metavar="N|MIN:MAX",
+    )
+    spares: int = schema.count(
+        "Hot spares: K more array slots whose agents start, prewarm their workers and wait; "
+        "one replaces a lost node at once, with no wait in the queue.",
+        0,
+        metavar="K",
+        zero_ok=True,
+    )
     """Hot spares: array slots beyond MAX whose agents wait, warm, to replace a lost member."""
-    nproc_per_node: int = 1
-    job_name: str = "job"
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    grow_partition: str | None = None
+    nproc_per_node: int = schema.count(
+        "Worker processes per node, usually one per GPU.",
+        contract.DEFAULT_NPROC_PER_NODE,
+        metavar="P",
+    )
+    job_name: str = schema.text(
+        "Slurm job name.",
+        parse_job_name,
+        "job",
+        metavar="NAME",
+        show_default="the script's name",
+        decided_late=True,
+    )
+    partition: str | None = _word("Slurm partition (see `sinfo -s`).")
+    account: str | None = _word("Slurm account to charge.")
+    qos: str | None = _word("Slurm quality of service.")
+    grow_partition: str | None = _word(
+        "Run the slots above MIN in this partition, as a second array job of the same run: "
+        "the first MIN stay where --partition says.",
+        sbatch=None,
+        show_default="--partition",
+    )
     """Where the slots above MIN run (a second array job), if not in ``partition``."""
-    grow_qos: str | None = None
-    """The QoS of the slots above MIN (typically a preemptible scavenger), if not ``qos``."""
-    grow_time_min: str | None = None
+    grow_time_min: str | None = schema.text(
+        "Submit the slots above MIN with sbatch --time-min TIME, so backfill can fit them into "
+        "holes shorter than --time; each leaves through the time-limit path when its time ends.",
+        parse_time_min,
+        None,
+        numbers=True,
+        metavar="TIME",
+        show_default="none",
+    )
     """``sbatch --time-min`` for the slots above MIN: backfill may start them in holes shorter
     than ``--time``, and each leaves through the time-limit path when its time is up."""
-    time: str | None = None
-    gpus_per_node: int | None = None
-    cpus_per_task: int | None = None
-    mem: str | None = None
-    constraint: str | None = None
-    exclude: str | None = None
-    requeue: bool = True
-    signal: PreemptSignal = PreemptSignal("USR2", 90)
-    setup: tuple[str, ...] = ()
-    env: tuple[tuple[str, str], ...] = ()
-    log_dir: Path = Path("hpc-elastic-runs")
-    template: Path | None = None
-    max_restarts: int = 3
-    zk: str = "127.0.0.1:2181"
-    sbatch_args: tuple[str, ...] = ()
-    hang_timeout: float | None = None
-    last_call: float | None = None
-    session_timeout: float | None = None
-    min_wait: float | None = None
-    zk_outage_limit: float | None = None
-    max_preemptions: int | None = None
-    max_time_limits: int | None = None
-    exclude_after: int | None = None
-    expected_gpus: int | None = None
-    bad_node_ttl: float | None = None
-    exclude_stragglers: bool = False
-    grace_action: str = "warn"
+    grow_qos: str | None = _word(
+        "Run the slots above MIN under this QoS (e.g. a preemptible scavenger), as a second "
+        "array job of the same run: when they are preempted the job trains on at MIN.",
+        sbatch=None,
+        show_default="--qos",
+    )
+    """The QoS of the slots above MIN (typically a preemptible scavenger), if not ``qos``."""
+    time: str | None = schema.text(
+        "Time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS, e.g. 1-00.",
+        parse_time,
+        None,
+        numbers=True,
+        metavar="TIME",
+        sbatch=schema.sbatch_line("--time={}"),
+    )
+    mem: str | None = schema.text(
+        "Memory per node, e.g. 64G; 0 = all.",
+        parse_mem,
+        None,
+        numbers=True,
+        metavar="SIZE",
+        sbatch=schema.sbatch_line("--mem={}"),
+    )
+    constraint: str | None = _word("Node features, e.g. 'a100'.", metavar="FEATURES")
+    exclude: str | None = _word("Nodes to avoid, e.g. 'n[1-3]'.", metavar="NODES")
+    gpus_per_node: int | None = schema.count(
+        "GPUs per node.", None, sbatch=schema.sbatch_line("--gpus-per-node={}")
+    )
+    cpus_per_task: int | None = schema.count(
+        "CPUs for each node's agent and its workers.",
+        None,
+        sbatch=schema.sbatch_line("--cpus-per-task={}"),
+    )
+    requeue: bool = schema.switch(
+        "Let Slurm requeue the job (or array task) after preemption or node failure.",
+        True,
+        sbatch=lambda value: ("--requeue" if value else "--no-requeue",),
+    )
+    after: str | None = schema.text(
+        "Start only after this Slurm job has ended, however it ended (a pipeline's next stage).",
+        parse_after,
+        None,
+        numbers=True,
+        metavar="JOB",
+        show_default="at once",
+        sbatch=schema.sbatch_line("--dependency=afterany:{}"),
+    )
+    max_restarts: int = schema.count(
+        "Worker-failure restarts for the whole job (node changes are free).",
+        contract.DEFAULT_MAX_RESTARTS,
+        metavar="R",
+        zero_ok=True,
+        agent=True,
+    )
+    signal: PreemptSignal = schema.text(
+        "Warning signal for the agents and how many seconds before the end (time limit or "
+        "preemption) it comes; they checkpoint and stop within that grace.",
+        PreemptSignal.parse,
+        PreemptSignal.parse(contract.DEFAULT_PREEMPT_SIGNAL),
+        metavar="SIG[@SECONDS]",
+        sbatch=lambda value: (f"--signal={value}",),
+        agent=_signal_flags,
+    )
+    hang_timeout: float | None = schema.seconds("Restart workers silent this long.", "off")
+    last_call: float | None = schema.seconds(
+        "Once MIN nodes are in, wait this long for more.", schema.AGENT_DECIDES
+    )
+    session_timeout: float | None = schema.seconds(
+        "ZooKeeper session: how soon a dead node is noticed.", schema.AGENT_DECIDES
+    )
+    min_wait: float | None = schema.seconds(
+        "How long the job may stay below MIN nodes.", schema.AGENT_DECIDES
+    )
+    zk_outage_limit: float | None = schema.seconds(
+        "How long an agent cut off from every ZooKeeper server waits for one before it "
+        "leaves the job (exit 69, not requeued).",
+        schema.AGENT_DECIDES,
+    )
+    max_preemptions: int | None = schema.count(
+        "Requeues of one slot after preemption before it gives up.",
+        None,
+        zero_ok=True,
+        show_default=schema.AGENT_DECIDES,
+        agent=True,
+    )
+    max_time_limits: int | None = schema.count(
+        "Requeues of one slot after its time limit before it gives up.",
+        None,
+        zero_ok=True,
+        show_default=schema.AGENT_DECIDES,
+        agent=True,
+    )
+    exclude_after: int | None = schema.count(
+        "Failures of a slot on one node before that slot avoids the node.",
+        None,
+        show_default=schema.AGENT_DECIDES,
+        agent=True,
+    )
+    expected_gpus: int | None = schema.count(
+        "GPUs each node must have to pass the preflight.",
+        None,
+        zero_ok=True,
+        show_default="any",
+        agent=True,
+    )
+    bad_node_ttl: float | None = schema.seconds(
+        "Seconds a node that failed its preflight stays excluded.", schema.AGENT_DECIDES
+    )
+    grace_action: str = schema.text(
+        "When a checkpoint save plus a step no longer fit the --signal lead or the "
+        "partition's (or QoS's) GraceTime: 'warn' in the events and status, 'lead': also "
+        "stop each slot early enough before its time limit, or 'local': also save a stop's "
+        "checkpoint to --local-checkpoint-dir only, and to the shared directory at the next "
+        "start.",
+        parse_grace_action,
+        GRACE_ACTIONS[0],
+        metavar="warn|lead|local",
+        agent=_grace_action_flags,
+    )
     """``--grace-action``: what agents do when a save no longer fits (slurm/grace.py)."""
-    prewarm: bool = True
-    in_place: bool = False
-    checkpoint_async: bool = False
-    checkpoint_when_busy: str = contract.DEFAULT_CHECKPOINT_WHEN_BUSY
-    keep: int = contract.DEFAULT_CHECKPOINT_KEEP
-    keep_every: int = contract.DEFAULT_CHECKPOINT_KEEP_EVERY
-    local_checkpoint_dir: Path | None = None
-    persist_every: int = contract.DEFAULT_PERSIST_EVERY
-    iface: str | None = None
-    master_port_range: str | None = None
-    notify: str | None = None
-    after: str | None = None
-    container_image: str | None = None
-    apptainer: str | None = None
-    container_mounts: tuple[str, ...] = ()
-    container_python: str = contract.DEFAULT_CONTAINER_PYTHON
-    snapshot: bool = True
-    snapshot_max_mb: int = contract.DEFAULT_SNAPSHOT_MAX_MB
-    snapshot_max_files: int = contract.DEFAULT_SNAPSHOT_MAX_FILES
-    snapshot_root: Path | None = None
+    exclude_stragglers: bool = schema.switch(
+        "Move a slot to another node when a rank there straggles.",
+        False,
+        agent=lambda value: (("--exclude-stragglers",),) if value else (),
+    )
+    prewarm: bool = schema.switch(
+        "Keep standby workers with torch imported, so a restart skips the import "
+        "(about 250 MB of host memory per worker).",
+        True,
+        agent=lambda value: (("--prewarm", "torch"),) if value else (),
+    )
+    in_place: bool = schema.switch(
+        "Keep surviving workers through a restart and hand them the new round; for loops "
+        "that use hpc_elastic.train.InPlace.",
+        False,
+        agent=lambda value: (("--in-place",),) if value else (),
+    )
+    # The checkpoint settings: the training helpers read them from the environment, so each
+    # exports a variable (``contract``) instead of passing an agent flag.
+    checkpoint_async: bool = schema.switch(
+        "Save checkpoints in the background: training goes on while the copy is written.",
+        False,
+        environment=schema.exported_unless_default(
+            contract.CHECKPOINT_ASYNC_ENV, False, lambda on: "1" if on else "0"
+        ),
+    )
+    checkpoint_when_busy: str = schema.text(
+        "What an async save does while the previous one is still being written: wait or skip.",
+        parse_when_busy,
+        contract.DEFAULT_CHECKPOINT_WHEN_BUSY,
+        metavar="wait|skip",
+        environment=schema.exported_unless_default(
+            contract.CHECKPOINT_WHEN_BUSY_ENV, contract.DEFAULT_CHECKPOINT_WHEN_BUSY
+        ),
+    )
+    keep: int = schema.count(
+        "Newest committed checkpoints to keep.",
+        contract.DEFAULT_CHECKPOINT_KEEP,
+        environment=schema.exported_unless_default(
+            contract.CHECKPOINT_KEEP_ENV, contract.DEFAULT_CHECKPOINT_KEEP
+        ),
+    )
+    keep_every: int = schema.count(
+        "Also keep every checkpoint whose step is a multiple of N (0: none).",
+        contract.DEFAULT_CHECKPOINT_KEEP_EVERY,
+        zero_ok=True,
+        environment=schema.exported_unless_default(
+            contract.CHECKPOINT_KEEP_EVERY_ENV, contract.DEFAULT_CHECKPOINT_KEEP_EVERY
+        ),
+    )
+    local_checkpoint_dir: Path | None = schema.option(
+        "A node-local directory for fast checkpoints; every --persist-every-th one is copied "
+        "to the job's checkpoint directory.",
+        None,
+        parse=parse_local_dir,
+        read=read_local_dir,
+        metavar="DIR",
+        show_default="none",
+        environment=schema.exported(contract.LOCAL_CHECKPOINT_DIR_ENV),
+    )
+    persist_every: int = schema.count(
+        "With --local-checkpoint-dir: copy every Nth checkpoint to the shared directory.",
+        contract.DEFAULT_PERSIST_EVERY,
+        environment=schema.exported_unless_default(
+            contract.PERSIST_EVERY_ENV, contract.DEFAULT_PERSIST_EVERY
+        ),
+    )
+    setup: tuple[str, ...] = schema.lines(
+        "A shell line run before the agents start, e.g. 'module load cuda'. Repeatable.",
+        parse_setup_line,
+        metavar="LINE",
+    )
+    env: tuple[tuple[str, str], ...] = schema.option(
+        "Set a variable for the job. Repeatable.",
+        (),
+        item=parse_env,
+        read=read_environment,
+        check=_check_env,
+        metavar="KEY=VALUE",
+        combine=_merge_env,
+    )
+    log_dir: Path = schema.path(
+        "Where each run gets its own directory (script, secret, Slurm logs).",
+        contract.DEFAULT_RUNS_DIR,
+        check=_check_log_dir,
+        metavar="DIR",
+    )
+    snapshot: bool = schema.switch(
+        "Copy the script's project (git-tracked and untracked-but-not-ignored files, else the "
+        "script's directory) into the job directory; every slot and requeue runs that copy.",
+        True,
+    )
+    snapshot_max_mb: int = schema.count(
+        "The largest code snapshot to copy, in MB; a bigger project is refused.",
+        contract.DEFAULT_SNAPSHOT_MAX_MB,
+        metavar="MB",
+    )
+    snapshot_max_files: int = schema.count(
+        "The most files a code snapshot copies; a project with more is refused.",
+        contract.DEFAULT_SNAPSHOT_MAX_FILES,
+    )
+    snapshot_root: Path | None = schema.path(
+        "The directory to snapshot instead of the script's project: it must hold the script "
+        "(git's rules apply if it is a work tree's top). Never a home directory.",
+        metavar="DIR",
+        show_default="the script's project",
+    )
+    template: Path | None = schema.path(
+        "Your own Jinja2 sbatch template; it may {% extends 'elastic.sh.j2' %}.",
+        metavar="PATH",
+    )
+    zk: str = schema.text(
+        f"ZooKeeper for the rendezvous; ${contract.ZK_ENV}, the config file and your own "
+        "ensemble (zk start) beat this default.",
+        parse_zk,
+        contract.DEFAULT_ZK,
+        metavar="HOST:PORT[,...]",
+    )
+    sbatch_args: tuple[str, ...] = schema.lines(
+        "Any other sbatch option, e.g. '--reservation=big'. Repeatable.",
+        parse_sbatch_arg,
+        metavar="OPTION",
+        flag="--sbatch-arg",
+        sbatch=tuple,
+    )
+    iface: str | None = schema.text(
+        "The job's network interface (e.g. ib0): gloo and NCCL use only that one.",
+        parse_iface,
+        None,
+        metavar="NAME",
+        show_default="any",
+        environment=_iface_environment,
+    )
+    master_port_range: str | None = schema.text(
+        "Ports for the workers' MASTER_PORT, e.g. 29500:29599, for a site firewall.",
+        parse_port_range,
+        None,
+        metavar="LOW:HIGH",
+        show_default="any free port",
+        environment=schema.exported(contract.MASTER_PORTS_ENV),
+    )
+    notify: str | None = schema.text(
+        "Web hook the agents post JSON to when the job fails or finishes. Often a secret "
+        f"itself: prefer ${contract.NOTIFY_URL_ENV} or --notify-file to this flag.",
+        parse_notify_url,
+        None,
+        metavar="URL",
+        show_default="none",
+        environment=schema.exported(contract.NOTIFY_URL_ENV),
+        envvar=contract.NOTIFY_URL_ENV,
+    )
+    # Containers: no ``sbatch`` or ``agent`` column; the renderer puts the image on the srun
+    # line (pyxis) or in front of the worker command (Apptainer); see ``render.py``.
+    container_image: str | None = schema.text(
+        "Run each node's srun step in this image with pyxis (srun --container-image): the "
+        "agent runs there too, so the image needs hpc-elastic and the Slurm commands.",
+        parse_container_image,
+        None,
+        metavar="IMAGE",
+        show_default="none",
+    )
+    apptainer: str | None = schema.text(
+        "Run the workers in this Apptainer image (apptainer exec --nv); the agent stays "
+        "outside, in --python.",
+        parse_apptainer_image,
+        None,
+        metavar="IMAGE",
+        show_default="none",
+    )
+    container_mounts: tuple[str, ...] = schema.lines(
+        "Also mount these in the container (the job and script directories always are). "
+        "Repeatable.",
+        parse_container_mount,
+        item=parse_container_mount,
+        metavar="SRC[:DST[:FLAGS]][,...]",
+    )
+    container_python: str = schema.text(
+        "The Python inside the image: it runs the workers (with --container-image, the agent too).",
+        parse_container_python,
+        contract.DEFAULT_CONTAINER_PYTHON,
+        metavar="PATH",
+    )
 
     def __post_init__(self) -> None:
-        parse_positive("--nproc-per-node", self.nproc_per_node)
-        parse_positive("--spares", self.spares, zero_ok=True)
-        parse_positive("--max-restarts", self.max_restarts, zero_ok=True)
-        parse_positive("--snapshot-max-files", self.snapshot_max_files)
-        parse_job_name(self.job_name)
-        parse_zk(self.zk)
-        for option, count in (
-            ("--gpus-per-node", self.gpus_per_node),
-            ("--cpus-per-task", self.cpus_per_task),
-        ):
-            if count is not None:
-                parse_positive(option, count)
-        if self.time is not None:
-            parse_time(self.time)
-        if self.grow_time_min is not None:
-            parse_time_min(self.grow_time_min)
-        if self.mem is not None:
-            parse_mem(self.mem)
-        self._check_log_dir()
-        self._check_passthrough()
+        """Each value as its flag would take it (the options' ``check``), then the rules that
+        join several."""
+        for option in OPTIONS:
+            value = getattr(self, option.name)
+            if option.check is not None and value is not None:
+                option.check(value)
         self._check_agent_knobs()
         self._check_containers()
         self._check_growth()
@@ -551,43 +929,9 @@ class JobSpec:
                 "partition or QoS the slots above MIN should use instead, or drop it."
             )
 
-    def _check_log_dir(self) -> None:
-        """sbatch's ``--output`` takes the log directory: no spaces, no ``%A``-breaking ``\\``."""
-        if any(char.isspace() or not char.isprintable() for char in str(self.log_dir)):
-            raise UsageError(
-                f"--log-dir {str(self.log_dir)!r} contains spaces or control characters, which "
-                "sbatch cannot take in --output; choose a directory path without them."
-            )
-        if "\\" in str(self.log_dir):
-            raise UsageError(
-                f"--log-dir {str(self.log_dir)!r} contains a backslash, which turns off the "
-                "%A/%a patterns of sbatch's --output; choose a directory path without one."
-            )
-
-    def _check_passthrough(self) -> None:
-        """What goes verbatim into the script: ``#SBATCH`` values, setup lines, exports."""
-        for option, value in self.sbatch_values():
-            parse_sbatch_value(option, value)
-        for arg in self.sbatch_args:
-            parse_sbatch_arg(arg)
-        for line in self.setup:
-            parse_setup_line(line)
-        for key, value in self.env:
-            parse_env(f"{key}={value}")
-
     def _check_agent_knobs(self) -> None:
-        """The values that become ``hpc-elastic agent`` flags."""
-        if self.iface is not None:
-            parse_iface(self.iface)
-        if self.master_port_range is not None:
-            parse_port_range(self.master_port_range)
-        if self.after is not None:
-            parse_after(self.after)
-        for option, count in self.agent_counts():
-            parse_positive(option, count, zero_ok=option != "--exclude-after")
-        for option, seconds in self.agent_timeouts():
-            if seconds < 0:
-                raise UsageError(f"{option} '{seconds}' is negative; give 0 or more seconds.")
+        """The rules of the values that become ``hpc-elastic agent`` flags that one value's
+        check cannot make."""
         if self.zk_outage_limit == 0:
             raise UsageError(
                 "--zk-outage-limit '0' would end the agents at the first lost connection; give "
@@ -613,13 +957,6 @@ class JobSpec:
                 f"--container-image '{self.container_image}' and --apptainer "
                 f"'{self.apptainer}' are two container runtimes for one job; give only one."
             )
-        if self.container_image is not None:
-            parse_container_image(self.container_image)
-        if self.apptainer is not None:
-            parse_apptainer_image(self.apptainer)
-        for mount in self.container_mounts:
-            parse_container_mount(mount)
-        parse_container_python(self.container_python)
         if self.container is None and (
             self.container_mounts or self.container_python != contract.DEFAULT_CONTAINER_PYTHON
         ):
@@ -707,42 +1044,10 @@ class JobSpec:
         """Field name -> value, as the option table's ``sbatch`` and ``agent`` columns read them."""
         return {field.name: getattr(self, field.name) for field in fields(self)}
 
-    def sbatch_values(self) -> tuple[tuple[str, str], ...]:
-        """The optional ``#SBATCH`` settings the user gave, as (option, value)."""
-        values = (
-            ("--partition", self.partition),
-            ("--account", self.account),
-            ("--qos", self.qos),
-            ("--grow-partition", self.grow_partition),
-            ("--grow-qos", self.grow_qos),
-            ("--time", self.time),
-            ("--mem", self.mem),
-            ("--constraint", self.constraint),
-            ("--exclude", self.exclude),
-            ("--gpus-per-node", None if self.gpus_per_node is None else str(self.gpus_per_node)),
-            ("--cpus-per-task", None if self.cpus_per_task is None else str(self.cpus_per_task)),
-        )
-        return tuple((option, value) for option, value in values if value is not None)
 
-    def agent_counts(self) -> tuple[tuple[str, int], ...]:
-        """The optional per-slot requeue budgets the user set, as (flag, count)."""
-        values = (
-            ("--max-preemptions", self.max_preemptions),
-            ("--max-time-limits", self.max_time_limits),
-            ("--exclude-after", self.exclude_after),
-        )
-        return tuple((option, value) for option, value in values if value is not None)
-
-    def agent_timeouts(self) -> tuple[tuple[str, float], ...]:
-        """The optional agent knobs the user set, as (flag, seconds)."""
-        values = (
-            ("--hang-timeout", self.hang_timeout),
-            ("--last-call", self.last_call),
-            ("--session-timeout", self.session_timeout),
-            ("--min-wait", self.min_wait),
-            ("--zk-outage-limit", self.zk_outage_limit),
-        )
-        return tuple((option, value) for option, value in values if value is not None)
+OPTIONS = schema.options_of(JobSpec)
+"""``JobSpec``'s options, in field order (``options.SUBMIT_OPTIONS`` places the command line's
+own among them)."""
 
 
 def parse_script(text: str) -> Path:

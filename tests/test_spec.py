@@ -193,6 +193,12 @@ def test_setup_line_is_one_line() -> None:
         ("account", "a b", "--account 'a b'"),
         ("log_dir", Path("/my runs"), "--log-dir '/my runs' contains spaces"),
         ("min_wait", -1.0, "--min-wait '-1.0' is negative"),
+        # Every option's value is held to its flag's rule, those the checks once skipped too:
+        ("keep", 0, "--keep '0' is out of range"),
+        ("expected_gpus", -1, "--expected-gpus '-1' is out of range"),
+        ("bad_node_ttl", -1.0, "--bad-node-ttl '-1.0' is negative"),
+        ("grace_action", "later", "--grace-action 'later' is not one of warn, lead, local"),
+        ("notify", "ftp://hooks.example.com", "--notify 'ftp://hooks.example.com' is not an"),
     ],
 )
 def test_job_spec_validates_itself(field: str, value: object, quoted: str) -> None:

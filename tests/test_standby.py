@@ -32,7 +32,8 @@ from hpc_elastic.agent.standby import (
 )
 from hpc_elastic.agent.workers import launch
 from hpc_elastic.events import Kind
-from hpc_elastic.options import AGENT_OPTIONS
+from hpc_elastic.options import AGENT_OPTIONS, AgentArguments
+from hpc_elastic.spec import NodeRange
 
 
 def script(tmp_path: Path, text: str, name: str = "train.py") -> Path:
@@ -357,10 +358,11 @@ def test_the_standbys_import_during_the_health_checks_and_go_with_a_node_that_fa
     monkeypatch.setattr(agent_command, "_default_checks", lambda *_: checks)
     defaults = {row.name: row.default for row in AGENT_OPTIONS}
     args = replace(
-        agent_command.AgentArguments.from_values(defaults),
+        AgentArguments.from_values(defaults),
         run_id="job1",
         job_dir=tmp_path / "job",
         zk=f"local:{tmp_path / 'never-served'}",
+        nodes=NodeRange(1, 1),
         prewarm=("gate",),
         slot="0",
         host="127.0.0.1",

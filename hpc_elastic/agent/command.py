@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -29,14 +29,13 @@ from hpc_elastic.errors import AgentError, RendezvousUnreachableError
 from hpc_elastic.events import Kind
 from hpc_elastic.jobdir import BEAT_S, ensure_job_dir, untrusted_job_dir, write_beat
 from hpc_elastic.logs import configure_from_env
-from hpc_elastic.options import AGENT_OPTIONS, with_options
+from hpc_elastic.options import AGENT_OPTIONS, AgentArguments, with_options
 from hpc_elastic.rendezvous import local_store
 from hpc_elastic.rendezvous.api import NodeInfo, RendezvousSettings
 from hpc_elastic.rendezvous.handler import StoreRendezvous, unreachable_sentence
 from hpc_elastic.rendezvous.secret import read_secret_file
 from hpc_elastic.slurm.commands import NodeDrain
 from hpc_elastic.slurm.elastic import ElasticSlot, SlotLimits
-from hpc_elastic.spec import NodeRange
 
 if TYPE_CHECKING:
     from hpc_elastic.agent.health import BadNodeStore, Check, Preflight
@@ -48,56 +47,6 @@ _log = logging.getLogger(__name__)
 
 CONTEXT = {"allow_interspersed_args": False}
 """Everything after ``--`` (or after the first positional argument) is the worker command."""
-
-
-@dataclass(frozen=True)
-class AgentArguments:
-    """The agent's options by name, as the table (``options.AGENT_OPTIONS``) gives them.
-
-    The table is where an option is written (flag, default, help); this class only names the
-    values' types for the type checker, as ``JobSpec`` does for ``submit``'s rows.
-    tests/test_options.py checks that the fields and the rows are the same names.
-    """
-
-    run_id: str
-    job_dir: Path
-    zk: str
-    nodes: NodeRange
-    nproc_per_node: int
-    zk_auth_file: Path | None
-    zk_open_acl: bool
-    max_restarts: int
-    preempt_signal: str
-    grace: float
-    hang_timeout: float | None
-    last_call: float
-    session_timeout: float
-    min_wait: float
-    zk_outage_limit: float
-    max_preemptions: int
-    max_time_limits: int
-    exclude_after: int
-    slot: str | None
-    host: str | None
-    prewarm: tuple[str, ...]
-    tee: bool
-    metrics_port: int | None
-    metrics_textfile: Path | None
-    metrics_bind: str
-    preflight: bool
-    expected_gpus: int | None
-    user_secret_file: Path
-    bad_node_ttl: float
-    exclude_stragglers: bool
-    grace_action: str
-    in_place: bool
-
-    @classmethod
-    def from_values(cls, values: Mapping[str, object]) -> AgentArguments:
-        """Typer's values (``with_options``), repeatable ones made tuples by their rows."""
-        # Typer converted each value by its row's type or parser, which mypy cannot follow
-        # through the table; the names are checked by a test, the types by Typer at run time.
-        return cls(**{row.name: row.finish(values[row.name]) for row in AGENT_OPTIONS})  # type: ignore[arg-type]
 
 
 @with_options(AGENT_OPTIONS)
