@@ -25,7 +25,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO
 
-from hpc_elastic import checkpoint_key, events
+from hpc_elastic import checkpoint_key, contract, events
 from hpc_elastic._version import __version__
 from hpc_elastic.contract import RUN_ID_ENV
 from hpc_elastic.errors import UsageError
@@ -81,10 +81,10 @@ class LocalRun:
     script: Path
     nodes: NodeRange
     script_args: tuple[str, ...] = ()
-    nproc_per_node: int = 1
-    log_dir: Path = Path("hpc-elastic-runs")
+    nproc_per_node: int = contract.DEFAULT_NPROC_PER_NODE
+    log_dir: Path = contract.DEFAULT_RUNS_DIR
     job_name: str = "job"
-    max_restarts: int = 3
+    max_restarts: int = contract.DEFAULT_MAX_RESTARTS
     churn: Churn | None = None
     seed: int = 0
     tee: bool = False

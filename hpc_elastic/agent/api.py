@@ -8,6 +8,7 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpc_elastic import contract
 from hpc_elastic.contract import PREEMPTED_EXIT_CODE, UNREACHABLE_EXIT_CODE
 from hpc_elastic.errors import UsageError
 from hpc_elastic.jobdir import JobDir
@@ -56,9 +57,9 @@ class AgentSpec:
 
     job_dir: Path
     command: tuple[str, ...]
-    nproc_per_node: int = 1
+    nproc_per_node: int = contract.DEFAULT_NPROC_PER_NODE
     preempt_signal: signal.Signals = signal.SIGUSR2
-    grace: float = 30.0
+    grace: float = contract.DEFAULT_GRACE
     """Seconds workers get to save and exit after SIGTERM or the preemption signal."""
     stop_grace: float = 2.0
     """Seconds workers get when the group re-forms: short, so no survivor hangs in a collective

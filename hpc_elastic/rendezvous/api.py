@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from hpc_elastic import contract
 from hpc_elastic.errors import RendezvousError
 from hpc_elastic.spec import NodeRange
 
@@ -26,13 +27,13 @@ class RendezvousSettings:
 
     run_id: str
     nodes: NodeRange
-    last_call: float = 2.0
+    last_call: float = contract.DEFAULT_LAST_CALL
     """Seconds a round waits for more nodes once MIN are present (torchrun waits 30)."""
-    session_timeout: float = 6.0
+    session_timeout: float = contract.DEFAULT_SESSION_TIMEOUT
     """ZooKeeper session: a crashed node is noticed within this many seconds."""
-    min_wait: float = 600.0
+    min_wait: float = contract.DEFAULT_MIN_WAIT
     """Seconds the job may stay below MIN nodes before it fails."""
-    max_restarts: int = 3
+    max_restarts: int = contract.DEFAULT_MAX_RESTARTS
     """Worker-failure restarts for the whole job; membership changes do not spend it."""
     stop_grace: float = 2.0
     """Seconds an agent gives its workers to stop when its round ends (``AgentSpec.stop_grace``);

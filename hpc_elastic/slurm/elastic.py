@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import cast
 
-from hpc_elastic import events
+from hpc_elastic import contract, events
 from hpc_elastic.contract import PREEMPTED_EXIT_CODE
 from hpc_elastic.decoding import (
     Check,
@@ -113,9 +113,9 @@ class Departure(enum.Enum):
 class SlotLimits:
     """How often one slot may be requeued for each cause before it gives up."""
 
-    max_preemptions: int = 100
-    max_time_limits: int = 10
-    exclude_after: int = 2
+    max_preemptions: int = contract.DEFAULT_MAX_PREEMPTIONS
+    max_time_limits: int = contract.DEFAULT_MAX_TIME_LIMITS
+    exclude_after: int = contract.DEFAULT_EXCLUDE_AFTER
     """Failures of this slot on one node after which the node is excluded for the slot."""
 
 
