@@ -9,9 +9,11 @@ Values the caller gives beat the config file (hpc-elastic.toml), which beats the
 exactly as flags do.
 
 ``Job`` is a handle on one job directory; its methods return the typed objects the ops
-commands print (``JobView``, ``Event``, ``RankOutput``), never text to parse. The CLI's
-``submit`` is a client of ``plan_job`` and ``send``; ``status``, ``cancel``, ``logs`` and
-``events`` call the same ``ops`` functions that ``Job`` calls.
+commands print (``JobView``, ``Event``, ``RankOutput``), never text to parse. This module is
+the CLI's way in too: ``submit`` and ``render`` plan with ``plan_settings`` and send with
+``send``; ``status``, ``list``, ``logs``, ``events`` and ``cancel`` find the job with
+``Job.find`` (or ``jobs``) and call its methods, which call ``hpc_elastic.ops``. So the
+commands and this API never drift apart, and neither copies the other's glue.
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from hpc_elastic import contract
 from hpc_elastic.errors import UsageError, WaitTimeoutError
@@ -31,10 +33,24 @@ from hpc_elastic.events import Event
 from hpc_elastic.jobdir import JobRecord
 from hpc_elastic.options import SUBMIT_OPTIONS, Option, resolve
 from hpc_elastic.spec import JobSpec, default_job_name, parse_script
-from hpc_elastic.submission import Plan, SlurmCommands, plan
-from hpc_elastic.submission import submit as submit_plan
 
-__all__ = ["FINAL_STATES", "Job", "RankOutput", "is_over", "jobs", "plan_job", "send", "submit"]
+if TYPE_CHECKING:
+    # Loaded by the functions that submit: status, list, logs, events and cancel, the CLI's
+    # ones included, never need the renderer and the snapshot code it brings.
+    from hpc_elastic.submission import Plan
+
+__all__ = [
+    "FINAL_STATES",
+    "Job",
+    "Listing",
+    "RankOutput",
+    "is_over",
+    "jobs",
+    "listing",
+    "plan_job",
+    "send",
+    "submit",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -115,6 +131,28 @@ class Job:
             for log in chosen
         ]
 
+    def write_logs(
+        self,
+        write: Callable[[str], object],
+        rank: int | None = None,
+        attempt: int | None = None,
+        *,
+        follow: bool = False,
+    ) -> int:
+        """Write the output ``logs`` would return as ``hpc-elastic logs`` prints it: each log
+        under an ``==> attempt N, rank R <==`` line, in attempt order, read as it is written so
+        that no log is held in memory whole; with ``follow``, then new lines and new attempts
+        as they come, until the job's events say it ended. Returns how many logs there were
+        when it began; a rank or attempt that never ran is a ``UsageError``, as for ``logs``."""
+        from hpc_elastic.ops import logs  # noqa: PLC0415
+
+        chosen = logs.select(self.record, logs.find(self.record), rank, attempt)
+        if follow:
+            logs.follow(self.record, rank, attempt, write, logs.job_is_over(self.record))
+        else:
+            logs.show(chosen, write)
+        return len(chosen)
+
     def cancel(self) -> list[str]:
         """End every slot and close the rendezvous; returns what was done, one phrase each."""
         from hpc_elastic.ops.cancel import cancel_job  # noqa: PLC0415
@@ -187,24 +225,24 @@ def plan_settings(
     settings: dict[str, object],
     command_line: Sequence[str] | None = None,
 ) -> Plan:
-    """A plan from resolved option values (``options.resolve``); the CLI's way in."""
+    """A plan from resolved option values (``options.resolve``): the CLI's ``submit`` and
+    ``render`` plan here."""
     interpreter = str(settings.pop("python") or sys.executable)
     settings["job_name"] = settings["job_name"] or default_job_name(script)
     _read_secret_files(settings)
     spec = JobSpec(script=script, script_args=tuple(script_args), **cast("Any", settings))
     line = tuple(command_line) if command_line is not None else _python_call(spec)
+    from hpc_elastic.submission import plan  # noqa: PLC0415 (see the imports)
+
     return plan(spec, line, interpreter, datetime.now())
 
 
-def send(
-    job: Plan, slurm: SlurmCommands | None = None, files: Mapping[str, bytes] | None = None
-) -> Job:
+def send(job: Plan, files: Mapping[str, bytes] | None = None) -> Job:
     """Write the job directory (and ``files`` in it, 0600) and sbatch the planned script."""
-    if slurm is None:
-        from hpc_elastic.slurm import commands  # noqa: PLC0415
+    from hpc_elastic.slurm import commands  # noqa: PLC0415
+    from hpc_elastic.submission import submit as submit_plan  # noqa: PLC0415
 
-        slurm = commands
-    submitted = submit_plan(job, slurm, files)
+    submitted = submit_plan(job, commands, files)
     _log.debug("submitted %s as Slurm job %s", job.context.run_id, submitted.job_id)
     return Job(JobRecord.load(job.job_dir))
 
@@ -218,6 +256,33 @@ def jobs(log_dir: Path | str | None = None) -> list[Job]:
     if log_dir is not None:
         return [Job(record) for record in found.scan(Path(log_dir))]
     return [Job(record) for record in found.everywhere(found.log_dir())]
+
+
+@dataclass(frozen=True)
+class Listing:
+    """One job as ``hpc-elastic list`` shows it."""
+
+    job: Job
+    state: str
+    """What ``job.state()`` says, from the one squeue ``listing`` asked for every job."""
+    summary: Any
+    """What the job's events say (``hpc_elastic.ops.timeline.Summary``): when it began, its
+    round and world size."""
+
+
+def listing(found: Sequence[Job]) -> tuple[list[Listing], list[str]]:
+    """Each job's state and what its events say, asking Slurm once for all of them (``state``
+    of each job would ask once per job), and the warnings: when Slurm does not answer, the
+    states are what the events say."""
+    from hpc_elastic.ops import status, timeline  # noqa: PLC0415
+
+    summaries = [(job.record, timeline.summarize(job.events())) for job in found]
+    states, warnings = status.job_states(summaries)
+    rows = [
+        Listing(job, state, summary)
+        for job, state, (_, summary) in zip(found, states, summaries, strict=True)
+    ]
+    return rows, warnings
 
 
 # --- helpers ---------------------------------------------------------------------------------

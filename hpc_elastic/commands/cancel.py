@@ -1,4 +1,4 @@
-"""``hpc-elastic cancel JOB``: the Typer signature; ``hpc_elastic.ops.cancel`` does it."""
+"""``hpc-elastic cancel JOB``: the Typer signature; ``Job.cancel`` of the Python API does it."""
 
 from __future__ import annotations
 
@@ -6,9 +6,8 @@ from typing import Annotated
 
 import typer
 
-from hpc_elastic.commands._job import JobArg, LogDir, log_dir_of
-from hpc_elastic.ops import jobs
-from hpc_elastic.ops.cancel import cancel_job
+from hpc_elastic import api
+from hpc_elastic.commands._job import JobArg, LogDir
 
 
 def cancel_command(
@@ -17,8 +16,8 @@ def cancel_command(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing.")] = False,
 ) -> None:
     """End every slot of a job (running and pending), close its rendezvous; checkpoints stay."""
-    record = jobs.resolve(job, log_dir_of(log_dir))
-    done = cancel_job(record)
+    found = api.Job.find(job, log_dir)
+    done = found.cancel()
     if not quiet:
         summary = "; ".join(done) if done else "nothing was running"
-        typer.echo(f"Job '{record.run_id}': {summary}.")
+        typer.echo(f"Job '{found.run_id}': {summary}.")

@@ -1,4 +1,5 @@
-"""``hpc-elastic events JOB``: the Typer signature; ``hpc_elastic.ops.timeline`` tells it."""
+"""``hpc-elastic events JOB``: the Typer signature; ``Job.events`` of the Python API reads the
+timeline, ``hpc_elastic.ops.timeline`` tells it."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ from typing import Annotated
 
 import typer
 
-from hpc_elastic import contract, samples
-from hpc_elastic.commands._job import JobArg, LogDir, log_dir_of
+from hpc_elastic import api, contract, samples
+from hpc_elastic.commands._job import JobArg, LogDir
 from hpc_elastic.errors import one_line
-from hpc_elastic.ops import jobs, timeline
 from hpc_elastic.ops import phases as restart_phases
+from hpc_elastic.ops import timeline
 
 
 def events_command(
@@ -41,11 +42,11 @@ def events_command(
     log_dir: LogDir = None,
 ) -> None:
     """Print the job's single timeline across requeues; --plot draws it."""
-    record = jobs.resolve(job, log_dir_of(log_dir))
+    found = api.Job.find(job, log_dir)
     if data:
-        check_samples(record.job_dir / contract.SAMPLES_DIR)
+        check_samples(found.job_dir / contract.SAMPLES_DIR)
         return
-    history = record.events()
+    history = found.events()
     if phases:
         for row in restart_phases.table(restart_phases.restarts(history)):
             typer.echo(row)
@@ -53,11 +54,11 @@ def events_command(
     if plot is not None:
         from hpc_elastic.ops.plot import plot as draw  # noqa: PLC0415 (matplotlib: lazily)
 
-        draw(history, plot, record.run_id)
+        draw(history, plot, found.run_id)
         typer.echo(f"Wrote {plot}.", err=True)
         return
     if not history:
-        typer.echo(f"Job '{record.run_id}' has no events yet.", err=True)
+        typer.echo(f"Job '{found.run_id}' has no events yet.", err=True)
     if as_json:
         for event in history:
             typer.echo(json.dumps(asdict(event), sort_keys=True))

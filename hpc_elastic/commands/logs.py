@@ -1,4 +1,5 @@
-"""``hpc-elastic logs JOB``: the Typer signature; ``hpc_elastic.ops.logs`` finds and prints."""
+"""``hpc-elastic logs JOB``: the Typer signature; ``Job.write_logs`` of the Python API finds and
+prints."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from typing import Annotated
 
 import typer
 
-from hpc_elastic.commands._job import JobArg, LogDir, log_dir_of
-from hpc_elastic.ops import jobs, logs
+from hpc_elastic import api
+from hpc_elastic.commands._job import JobArg, LogDir
 
 
 def logs_command(
@@ -23,16 +24,10 @@ def logs_command(
     log_dir: LogDir = None,
 ) -> None:
     """Print per-rank logs across restarts and requeues, one attempt after the other."""
-    record = jobs.resolve(job, log_dir_of(log_dir))
-    found = logs.find(record)
-    chosen = logs.select(record, found, rank, attempt)
-    if follow:
-        logs.follow(record, rank, attempt, _write_flushed, logs.job_is_over(record))
-        return
-    if not chosen:
-        typer.echo(f"Job '{record.run_id}' has no worker logs yet.", err=True)
-        return
-    logs.show(chosen, sys.stdout.write)
+    found = api.Job.find(job, log_dir)
+    write = _write_flushed if follow else sys.stdout.write
+    if not found.write_logs(write, rank, attempt, follow=follow) and not follow:
+        typer.echo(f"Job '{found.run_id}' has no worker logs yet.", err=True)
 
 
 def _write_flushed(text: str) -> None:

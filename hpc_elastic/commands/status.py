@@ -1,23 +1,17 @@
-"""``hpc-elastic status JOB``: the Typer signature; ``hpc_elastic.ops.status`` gathers and shows."""
+"""``hpc-elastic status JOB``: the Typer signature; ``Job.status`` of the Python API gathers,
+``hpc_elastic.ops.status`` shows."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from typing import Annotated
 
 import typer
 
-from hpc_elastic.commands._job import JobArg, LogDir, log_dir_of
+from hpc_elastic import api
+from hpc_elastic.commands._job import JobArg, LogDir
 from hpc_elastic.errors import one_line
-from hpc_elastic.ops import jobs, status
-from hpc_elastic.slurm.commands import JobStatus
-
-
-def squeue(job_ids: Sequence[str]) -> list[JobStatus]:
-    from hpc_elastic.slurm import commands  # noqa: PLC0415 (tests swap the module's functions)
-
-    return commands.squeue(job_ids)
+from hpc_elastic.ops import status
 
 
 def status_command(
@@ -26,7 +20,7 @@ def status_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Show what a job is doing: slots, round, world size, restarts, checkpoint, last failure."""
-    view = status.gather(jobs.resolve(job, log_dir_of(log_dir)), squeue)
+    view = api.Job.find(job, log_dir).status()
     if as_json:
         typer.echo(json.dumps(view.to_json(), indent=2))
         return

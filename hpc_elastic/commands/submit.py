@@ -19,14 +19,9 @@ from hpc_elastic.config import load_config
 from hpc_elastic.ensemble.choice import choose_zk, require_alive
 from hpc_elastic.jobdir import CodeSnapshot
 from hpc_elastic.options import SUBMIT_OPTIONS, resolve, with_options
-from hpc_elastic.slurm import commands
 from hpc_elastic.snapshot import MB
 from hpc_elastic.spec import parse_script
-from hpc_elastic.submission import Plan, SlurmCommands
-
-slurm: SlurmCommands = commands
-"""The Slurm layer submit talks to; tests swap in a fake."""
-
+from hpc_elastic.submission import Plan
 
 SUBMIT_HELP = """Render the sbatch script for SCRIPT and submit it with sbatch.
 
@@ -108,7 +103,7 @@ def warn_of_secrets(argv: Sequence[str], command: str) -> None:
 
 def _submit(job: Plan) -> None:
     """The Python API submits (``hpc_elastic.api.send``); this prints what it did."""
-    submitted = api.send(job, slurm)
+    submitted = api.send(job)
     nodes = job.spec.nodes
     shape = f"elastic {nodes} nodes" if nodes.is_elastic else f"{nodes} nodes"
     if job.spec.spares:

@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from hpc_elastic.commands._job import LogDir, log_dir_of
-from hpc_elastic.commands.status import squeue
 from hpc_elastic.contract import NOTIFY_URL_ENV
 from hpc_elastic.errors import UsageError, one_line
 from hpc_elastic.jobdir import JobRecord
 from hpc_elastic.ops import goodput as lost_time
 from hpc_elastic.ops import jobs, status, timeline
 from hpc_elastic.ops import watch as rules
+from hpc_elastic.slurm import commands
 from hpc_elastic.spec import seconds_parser
 
 if TYPE_CHECKING:
@@ -113,12 +113,13 @@ def run_once(
         if not record.local and record.job_id is not None
     ]
     summaries = [(record, timeline.summarize(record.events())) for record in records]
-    states, warnings = status.job_states(summaries, squeue)
+    states, warnings = status.job_states(summaries)
     for warning in warnings:
         typer.echo(f"warning: {one_line(warning)}", err=True)
     if warnings:
         return 0  # Slurm did not answer: nothing is known, nothing is said, nothing forgotten.
-    queue = squeue([job for record in records for job in record.job_ids]) if records else []
+    ids = [job for record in records for job in record.job_ids]
+    queue = commands.squeue(ids) if records else []
     now = time.time()
     seen = []
     for (record, _), state in zip(summaries, states, strict=True):
