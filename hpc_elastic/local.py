@@ -40,7 +40,7 @@ from hpc_elastic.jobdir import (
     write_private,
 )
 from hpc_elastic.ops.progress import Progress
-from hpc_elastic.options import agent_options
+from hpc_elastic.options import agent_flag, agent_options
 from hpc_elastic.rendezvous import state as st
 from hpc_elastic.rendezvous.local_store import SCHEME, LocalStoreServer
 from hpc_elastic.spec import NodeRange
@@ -315,15 +315,15 @@ class LocalJob:
                     "in_place": run.in_place,
                 }
             ),
-            ("--slot", slot),
-            ("--host", "127.0.0.1"),
-            ("--grace", f"{run.grace:g}"),
+            (agent_flag("slot"), slot),
+            (agent_flag("host"), "127.0.0.1"),
+            (agent_flag("grace"), f"{run.grace:g}"),
         ]
         if run.tee:
-            options.append(("--tee",))
+            options.append((agent_flag("tee"),))
         if run.metrics_port is not None:
             port = run.metrics_port + index if run.metrics_port else 0
-            options.append(("--metrics-port", str(port)))
+            options.append((agent_flag("metrics_port"), str(port)))
         return AgentInvocation(
             python=run.python,
             run_id=self.run_id,
