@@ -10,7 +10,7 @@ exactly as flags do.
 
 ``Job`` is a handle on one job directory; its methods return the typed objects the ops
 commands print (``JobView``, ``Event``, ``RankOutput``), never text to parse. This module is
-the CLI's way in too: ``submit`` and ``render`` plan with ``plan_settings`` and send with
+the CLI's way in too: ``submit`` and ``render`` plan with ``plan_given`` and send with
 ``send``; ``status``, ``list``, ``logs``, ``events`` and ``cancel`` find the job with
 ``Job.find`` (or ``jobs``) and call its methods, which call ``hpc_elastic.ops``. So the
 commands and this API never drift apart, and neither copies the other's glue.
@@ -37,6 +37,7 @@ from hpc_elastic.spec import JobSpec, default_job_name, parse_script
 if TYPE_CHECKING:
     # Loaded by the functions that submit: status, list, logs, events and cancel, the CLI's
     # ones included, never need the renderer and the snapshot code it brings.
+    from hpc_elastic.ensemble.choice import ZkChoice
     from hpc_elastic.submission import Plan
 
 __all__ = [
@@ -208,15 +209,43 @@ def plan_job(
     ``config`` defaults to the config file found from the current directory.
     """
     given = {name: _as_flag_value(_option(name), value) for name, value in (options or {}).items()}
+    job, _ = plan_given(
+        parse_script(str(script)),
+        script_args,
+        given,
+        given.__contains__,
+        config=config,
+        command_line=command_line,
+    )
+    return job
+
+
+def plan_given(
+    script: Path,
+    script_args: Sequence[str],
+    values: Mapping[str, object],
+    given: Callable[[str], bool],
+    *,
+    config: Mapping[str, object] | None = None,
+    command_line: Sequence[str] | None = None,
+) -> tuple[Plan, ZkChoice]:
+    """The plan of ``script`` from option values by name, ``given(name)`` saying which ones
+    the caller gave (they beat the config file, which beats the defaults; ``values`` may hold
+    the others too, as Typer hands them over); and the ZooKeeper it uses, with why
+    (``ZkChoice.line()``, logged here). ``plan_job`` and the CLI's ``submit`` and ``render``
+    plan here. ``config`` defaults to the config file found from the current directory.
+    """
     config_path = None
     if config is None:
         from hpc_elastic.config import load_config  # noqa: PLC0415
 
         found = load_config(Path.cwd())
         config, config_path = found.values, found.path
-    settings = resolve(SUBMIT_OPTIONS, given, given.__contains__, config)
-    settings["zk"] = _zookeeper(cast("str | None", given.get("zk")), config, config_path).address
-    return plan_settings(parse_script(str(script)), script_args, settings, command_line)
+    settings = resolve(SUBMIT_OPTIONS, values, given, config)
+    flag = cast("str | None", settings["zk"]) if given("zk") else None
+    zk = _zookeeper(flag, config, config_path)
+    settings["zk"] = zk.address
+    return plan_settings(script, script_args, settings, command_line), zk
 
 
 def plan_settings(
@@ -225,8 +254,7 @@ def plan_settings(
     settings: dict[str, object],
     command_line: Sequence[str] | None = None,
 ) -> Plan:
-    """A plan from resolved option values (``options.resolve``): the CLI's ``submit`` and
-    ``render`` plan here."""
+    """A plan from resolved option values (``options.resolve``), ``zk`` chosen already."""
     interpreter = str(settings.pop("python") or sys.executable)
     settings["job_name"] = settings["job_name"] or default_job_name(script)
     _read_secret_files(settings)
@@ -311,7 +339,7 @@ def _read_secret_files(settings: dict[str, object]) -> None:
         settings["notify"] = sensitive.read_notify_file(notify_file)
 
 
-def _zookeeper(flag: str | None, config: Mapping[str, object], path: Path | None) -> Any:
+def _zookeeper(flag: str | None, config: Mapping[str, object], path: Path | None) -> ZkChoice:
     """``ensemble.choice.choose_zk``: the ``zk`` given, else ``$HPC_ELASTIC_ZK`` or the config
     file's, else the user's own ensemble (``hpc-elastic zk start``), else the default; which
     one is logged, as the CLI prints it."""

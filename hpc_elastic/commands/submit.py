@@ -15,10 +15,9 @@ import typer
 from hpc_elastic import api, sensitive
 from hpc_elastic._click_compat import ParameterSource
 from hpc_elastic.commands import Invocation
-from hpc_elastic.config import load_config
-from hpc_elastic.ensemble.choice import choose_zk, require_alive
+from hpc_elastic.ensemble.choice import require_alive
 from hpc_elastic.jobdir import CodeSnapshot
-from hpc_elastic.options import SUBMIT_OPTIONS, resolve, with_options
+from hpc_elastic.options import SUBMIT_OPTIONS, with_options
 from hpc_elastic.snapshot import MB
 from hpc_elastic.spec import parse_script
 from hpc_elastic.submission import Plan
@@ -73,13 +72,10 @@ def submit_command(
     **values: Any,
 ) -> None:
     """The options are the table's (``hpc_elastic.options``); ``values`` holds them by name."""
-    config = load_config(Path.cwd())
-    settings = resolve(SUBMIT_OPTIONS, values, typed_in(ctx), config.values)
-    typed_zk = settings["zk"] if typed_in(ctx)("zk") else None
-    zk = choose_zk(cast("str | None", typed_zk), config.values, config.path)
-    settings["zk"] = zk.address
     argv = cast(Invocation, ctx.find_root().obj).argv
-    job = api.plan_settings(script, script_args or (), settings, ("hpc-elastic", *argv))
+    job, zk = api.plan_given(
+        script, script_args or (), values, typed_in(ctx), command_line=("hpc-elastic", *argv)
+    )
     warn_of_secrets(argv, f"hpc-elastic {ctx.info_name}")
     if dry_run or ctx.info_name == "render":
         typer.echo(job.shown(), nl=False, color=True)  # the exact scripts, escapes and all
