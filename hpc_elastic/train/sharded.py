@@ -37,14 +37,12 @@ from hpc_elastic.protocol import lease
 from hpc_elastic.train import _dist, _integrity, background, preemption, sharded_local
 from hpc_elastic.train.checkpoint import (
     Checkpointer,
-    _name,
-    _step_and_version,
     emit_loaded,
     on_rank0,
-    reading,
     skips_while_busy,
     snapshot,
 )
+from hpc_elastic.train.commit import checkpoint_name, reading, step_and_version
 
 log = logging.getLogger(__name__)
 _writers_group: dist.ProcessGroup | None = None
@@ -134,8 +132,9 @@ def _save_in_background(
 
     background.submit(finish, f"write sharded checkpoint step {step} to '{checkpointer.where}'")
     if not persist:
-        return sharded_local.shard_directory(checkpointer, _dist.rank()).directory / _name(step)
-    return checkpointer.directory / _name(step)
+        mine = sharded_local.shard_directory(checkpointer, _dist.rank())
+        return mine.directory / checkpoint_name(step)
+    return checkpointer.directory / checkpoint_name(step)
 
 
 def _writers() -> dist.ProcessGroup | None:
@@ -204,7 +203,7 @@ def load_sharded(
     with reading(Path(chosen)):
         dcp_load(state_dict, checkpoint_id=Path(chosen), planner=SafeLoadPlanner())
     if _dist.rank() == 0:
-        emit_loaded(_step_and_version(Path(chosen))[0], checkpointer.tier)
+        emit_loaded(step_and_version(Path(chosen))[0], checkpointer.tier)
     return Path(chosen)
 
 

@@ -30,16 +30,14 @@ from torch.distributed.tensor import DTensor
 from hpc_elastic import events
 from hpc_elastic.errors import CheckpointError
 from hpc_elastic.train import _dist, local_tier
-from hpc_elastic.train.checkpoint import (
+from hpc_elastic.train.checkpoint import Checkpointer, emit_loaded, everyone
+from hpc_elastic.train.commit import (
     FORMAT_VERSION,
     MANIFEST_FILE,
     STATE_FILE,
-    Checkpointer,
-    _name,
-    _step_and_version,
-    emit_loaded,
-    everyone,
+    checkpoint_name,
     reading,
+    step_and_version,
     verify,
 )
 
@@ -137,7 +135,7 @@ def holdings(checkpointer: Checkpointer) -> dict[int, dict[int, Path]]:
             continue
         shard = int(match.group(1))
         for path in shard_directory(checkpointer, shard).committed():
-            step = _step_and_version(path)[0]
+            step = step_and_version(path)[0]
             if step in found.get(shard, {}) or not _usable(path):
                 continue
             found.setdefault(shard, {})[step] = path
@@ -172,7 +170,7 @@ def load(
     )
     mine = found[0]
     held = _dist.gather_to_all({shard: sorted(steps) for shard, steps in mine.items()})
-    shared_step = _step_and_version(Path(shared))[0] if shared is not None else None
+    shared_step = step_and_version(Path(shared))[0] if shared is not None else None
     step, sources = local_tier.choose_shard_sources(held, shared_step)
     if step is None or not sources:
         return None
@@ -181,7 +179,7 @@ def load(
     if tier == "local":
         path = mine[rank][step]
     else:
-        path = shard_directory(checkpointer, rank).directory / _name(step)
+        path = shard_directory(checkpointer, rank).directory / checkpoint_name(step)
     problem: str | None = None
     try:
         if received is None:
