@@ -6,8 +6,9 @@ options of ``submit``, ``render`` and the Python API, ``PlanInputs``' the few th
 reads before it makes the spec, and ``AgentArguments``' those of ``hpc-elastic agent``. The
 field gives the name, type and default; the rest of its row says how a flag or a config value
 becomes the value and where the value goes besides the dataclass: ``sbatch`` gives its
-``#SBATCH`` options, ``agent`` the flags of ``hpc-elastic agent`` in the rendered script and in
-local mode's argv, ``environment`` the variables the script exports (a secret such as a hook URL
+``#SBATCH`` options, ``agent`` the options of ``hpc-elastic agent`` (by their field names in
+``AgentArguments``, whose rows spell the flags) in the rendered script and in local mode's argv,
+``environment`` the variables the script exports (a secret such as a hook URL
 goes there: a command line is visible to everyone on the node, an environment only to its
 owner). Everything else is derived from the rows:
 
@@ -172,9 +173,10 @@ class AgentArguments:
 
 
 AGENT_OPTIONS: tuple[Option, ...] = schema.options_of(AgentArguments)
-"""The options of ``hpc-elastic agent``, in ``--help`` order. Each flag ``submit``'s rows pass on
-(``agent_options``) and each flag of ``AgentInvocation`` has its field there, so the sender and
-the agent spell a flag the same way (tests/test_options.py checks both)."""
+"""The options of ``hpc-elastic agent``, in ``--help`` order. Each option ``submit``'s rows pass
+on (``agent_options``) and each flag of ``AgentInvocation`` has its field there, and both are
+spelt from it, so the sender and the agent spell a flag the same way (tests/test_options.py
+checks both)."""
 
 _AGENT_BY_NAME = {row.name: row for row in AGENT_OPTIONS}
 
@@ -380,10 +382,13 @@ def job_environment(
 def agent_options(
     values: Mapping[str, object], options: Iterable[Option] = SUBMIT_OPTIONS
 ) -> tuple[tuple[str, ...], ...]:
-    """The ``hpc-elastic agent`` flags the values ask for, in table order."""
+    """The ``hpc-elastic agent`` flags the values ask for, in table order. A row's ``agent``
+    column names the agent's options (``AgentArguments``' fields); their flags are spelt here,
+    from the agent's own table, so a renamed agent option cannot leave ``submit`` passing the
+    old spelling."""
     return tuple(
-        flag
+        (agent_flag(name), *words)
         for row in options
         if row.agent is not None and row.name in values
-        for flag in row.agent(values[row.name])
+        for name, *words in row.agent(values[row.name])
     )

@@ -34,7 +34,9 @@ from hpc_elastic.errors import UsageError
 ConfigReader = Callable[[object, Path], object]
 """A config-file value and the file's directory -> the option's value; raises UsageError."""
 AgentFlags = Sequence[tuple[str, ...]]
-"""``("--flag", "value")`` or ``("--flag",)`` for each agent flag an option becomes."""
+"""``("name", "value")`` or ``("name",)`` for each agent flag an option becomes, ``name`` the
+agent's option (a field of ``options.AgentArguments``): ``options.agent_options`` spells its
+flag from the agent's table, which the classes that declare these rows cannot import."""
 Columns = Callable[[str], Mapping[str, Any]]
 """A field's name -> the columns of its ``Option`` besides name, type and default."""
 
@@ -291,9 +293,9 @@ def sbatch_line(template: str) -> Callable[[Any], Sequence[str]]:
     return lambda value: () if value is None else (template.format(value),)
 
 
-def pass_on(flag: str, text: Callable[[Any], str]) -> Callable[[Any], AgentFlags]:
-    """The agent flag ``flag`` with the value as ``text`` writes it, for a value that is set."""
-    return lambda value: () if value is None else ((flag, text(value)),)
+def pass_on(name: str, text: Callable[[Any], str]) -> Callable[[Any], AgentFlags]:
+    """The agent's option ``name`` with the value as ``text`` writes it, for a value that is set."""
+    return lambda value: () if value is None else ((name, text(value)),)
 
 
 def exported(name: str) -> Callable[[Any], tuple[tuple[str, str], ...]]:
@@ -353,8 +355,8 @@ def count(
     agent: bool = False,
     **columns: Any,
 ) -> Any:
-    """A whole number, 1 or more (``zero_ok``: 0 or more); ``agent``: passed on to the agent
-    as ``--<name> N`` when set."""
+    """A whole number, 1 or more (``zero_ok``: 0 or more); ``agent``: passed on to the agent's
+    option of the same name (``--<name> N``) when set."""
 
     def columns_for(name: str) -> Mapping[str, Any]:
         flag = flag_of(name)
@@ -364,7 +366,7 @@ def count(
             "read": read_count(flag, zero_ok=zero_ok),
             "check": lambda value: parse_positive(flag, value, zero_ok=zero_ok),
             "metavar": metavar,
-            "agent": pass_on(flag, str) if agent else None,
+            "agent": pass_on(name, str) if agent else None,
             **columns,
         }
 
@@ -372,8 +374,9 @@ def count(
 
 
 def seconds(help: str, show_default: str, **columns: Any) -> Any:
-    """An agent knob in seconds, passed on as ``--<name> S`` when set; unset (the default),
-    the agent's own default applies, which ``show_default`` names."""
+    """An agent knob in seconds, passed on to the agent's option of the same name
+    (``--<name> S``) when set; unset (the default), the agent's own default applies, which
+    ``show_default`` names."""
 
     def columns_for(name: str) -> Mapping[str, Any]:
         flag = flag_of(name)
@@ -384,7 +387,7 @@ def seconds(help: str, show_default: str, **columns: Any) -> Any:
             "check": lambda value: check_seconds(flag, value),
             "metavar": "S",
             "show_default": show_default,
-            "agent": pass_on(flag, lambda value: format(value, "g")),
+            "agent": pass_on(name, lambda value: format(value, "g")),
             **columns,
         }
 

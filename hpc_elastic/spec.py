@@ -499,7 +499,7 @@ def _check_log_dir(log_dir: Path) -> None:
 
 
 def _signal_flags(signal: PreemptSignal) -> schema.AgentFlags:
-    return (("--preempt-signal", signal.name), ("--grace", str(signal.seconds)))
+    return (("preempt_signal", signal.name), ("grace", str(signal.seconds)))
 
 
 def _iface_environment(iface: str | None) -> tuple[tuple[str, str], ...]:
@@ -529,7 +529,7 @@ def _word(help: str, *, metavar: str = "NAME", **columns: Any) -> Any:
 
 
 def _grace_action_flags(value: str) -> schema.AgentFlags:
-    return () if value == GRACE_ACTIONS[0] else (("--grace-action", value),)
+    return () if value == GRACE_ACTIONS[0] else (("grace_action", value),)
 
 
 @dataclass(frozen=True)
@@ -717,19 +717,19 @@ class JobSpec:
     exclude_stragglers: bool = schema.switch(
         "Move a slot to another node when a rank there straggles.",
         False,
-        agent=lambda value: (("--exclude-stragglers",),) if value else (),
+        agent=lambda value: (("exclude_stragglers",),) if value else (),
     )
     prewarm: bool = schema.switch(
         "Keep standby workers with torch imported, so a restart skips the import "
         "(about 250 MB of host memory per worker).",
         True,
-        agent=lambda value: (("--prewarm", "torch"),) if value else (),
+        agent=lambda value: (("prewarm", "torch"),) if value else (),
     )
     in_place: bool = schema.switch(
         "Keep surviving workers through a restart and hand them the new round; for loops "
         "that use hpc_elastic.train.InPlace.",
         False,
-        agent=lambda value: (("--in-place",),) if value else (),
+        agent=lambda value: (("in_place",),) if value else (),
     )
     # The checkpoint settings: the training helpers read them from the environment, so each
     # exports a variable (``contract``) instead of passing an agent flag.

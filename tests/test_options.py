@@ -132,6 +132,8 @@ BUDGETS: dict[str, Any] = {
     "expected_gpus": 8,
     "bad_node_ttl": 3600.0,
     "exclude_stragglers": True,
+    "grace_action": "lead",
+    "in_place": True,
 }
 """Values other than the defaults for every ``submit`` row that passes an agent flag."""
 
