@@ -133,6 +133,14 @@ Python answers to, found on the image's own PATH."""
 DEFAULT_NODES = "1"
 DEFAULT_NPROC_PER_NODE = 1
 DEFAULT_MAX_RESTARTS = 3
+DEFAULT_JOB_NAME = "job"
+"""A run's name when neither ``--job-name`` nor the script's name gives one."""
+DEFAULT_PREWARM = True
+"""``--prewarm``: the agents keep standby workers with torch imported, so a restart skips the
+import."""
+DEFAULT_IN_PLACE = False
+"""``--in-place``: off, since only a loop that uses ``hpc_elastic.train.InPlace`` can take the
+new round in a surviving worker."""
 DEFAULT_PREEMPT_SIGNAL = "USR2@90"
 """What ``submit`` asks Slurm for: USR2, 90 seconds before the time limit or a preemption."""
 DEFAULT_GRACE = 30.0

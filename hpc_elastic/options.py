@@ -161,7 +161,8 @@ class AgentArguments:
     )
     grace_action: str = schema.like(JobSpec, GRACE_ACTIONS[0])
     in_place: bool = schema.option(
-        "Keep surviving workers through a restart (hpc_elastic.train.InPlace).", False
+        "Keep surviving workers through a restart (hpc_elastic.train.InPlace).",
+        contract.DEFAULT_IN_PLACE,
     )
 
     @classmethod

@@ -568,7 +568,7 @@ class JobSpec:
     job_name: str = schema.text(
         "Slurm job name.",
         parse_job_name,
-        "job",
+        contract.DEFAULT_JOB_NAME,
         metavar="NAME",
         show_default="the script's name",
         decided_late=True,
@@ -722,13 +722,13 @@ class JobSpec:
     prewarm: bool = schema.switch(
         "Keep standby workers with torch imported, so a restart skips the import "
         "(about 250 MB of host memory per worker).",
-        True,
+        contract.DEFAULT_PREWARM,
         agent=lambda value: (("prewarm", "torch"),) if value else (),
     )
     in_place: bool = schema.switch(
         "Keep surviving workers through a restart and hand them the new round; for loops "
         "that use hpc_elastic.train.InPlace.",
-        False,
+        contract.DEFAULT_IN_PLACE,
         agent=lambda value: (("in_place",),) if value else (),
     )
     # The checkpoint settings: the training helpers read them from the environment, so each
@@ -1064,4 +1064,4 @@ def parse_script(text: str) -> Path:
 def default_job_name(script: Path) -> str:
     """The script's name made safe for a run id: ``my train.py`` -> ``my-train``."""
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", script.stem).strip("-._")[:64]
-    return name or "job"
+    return name or contract.DEFAULT_JOB_NAME
