@@ -331,13 +331,21 @@ def test_a_lost_leader_costs_the_job_nothing_and_a_spare_restores_full_strength(
             now = zk_status(env, project)
             return now if now["state"] == state else None
 
-        degraded = wait_for(lambda: seen("degraded"), 120)
-        assert degraded is not None, zk_status(env, project)
-        assert {s["mode"] for s in servers(degraded) if s["myid"] == leader["myid"]} == {"down"}
-
         def replaced() -> dict[str, Any] | None:
             now = seen("serving")
             return now if now and leader["myid"] not in [s["myid"] for s in servers(now)] else None
+
+        # A lost node keeps the ensemble degraded until Slurm removes the node from its job;
+        # a cancelled step is replaced at once, and on a loaded machine that can be over
+        # between two `zk status` calls (each a few seconds there). Then the replacement
+        # itself, checked below, is the evidence that the loss was seen.
+        degraded = wait_for(
+            lambda: seen("degraded") or (replaced() if fault == "step" else None), 120
+        )
+        assert degraded is not None, zk_status(env, project)
+        if degraded["state"] == "degraded":
+            down = {s["mode"] for s in servers(degraded) if s["myid"] == leader["myid"]}
+            assert down == {"down"}, degraded
 
         full = wait_for(replaced, 300)
         assert full is not None, (zk_status(env, project), slurm_output(env, status))
