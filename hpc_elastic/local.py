@@ -19,13 +19,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
-from hpc_elastic import checkpoint_key, contract, events
+from hpc_elastic import checkpoint_key, contract, events, schema
 from hpc_elastic._version import __version__
 from hpc_elastic.contract import RUN_ID_ENV
 from hpc_elastic.errors import UsageError
@@ -43,7 +43,7 @@ from hpc_elastic.ops.progress import Progress
 from hpc_elastic.options import agent_flag, agent_options
 from hpc_elastic.rendezvous import state as st
 from hpc_elastic.rendezvous.local_store import SCHEME, LocalStoreServer
-from hpc_elastic.spec import NodeRange
+from hpc_elastic.spec import JobSpec, NodeRange, default_job_name
 from hpc_elastic.submission import new_run_id
 
 POLL = 0.2
@@ -76,29 +76,67 @@ class Churn:
 
 @dataclass(frozen=True)
 class LocalRun:
-    """Everything ``hpc-elastic run`` was asked for, validated."""
+    """Everything ``hpc-elastic run`` was asked for, validated.
+
+    The fields from ``nodes`` to ``in_place`` are ``run``'s options (``schema.options_of``,
+    ``commands.run``), each ``like`` ``submit``'s: the same flag, parser and check, with help
+    that speaks of local nodes; the defaults are the contract's, as ``JobSpec``'s are."""
 
     script: Path
-    nodes: NodeRange
+    nodes: NodeRange = schema.like(
+        JobSpec,
+        NodeRange.parse(contract.DEFAULT_NODES),
+        help="Local nodes (agents): N, or MIN:MAX to train on while MIN run.",
+    )
+    nproc_per_node: int = schema.like(
+        JobSpec, contract.DEFAULT_NPROC_PER_NODE, help="Workers per node."
+    )
+    max_restarts: int = schema.like(JobSpec, contract.DEFAULT_MAX_RESTARTS)
+    job_name: str = schema.like(JobSpec, contract.DEFAULT_JOB_NAME, help="The run's name.")
+    """Unset on the command line (None), the script's name (``spec.default_job_name``)."""
+    log_dir: Path = schema.like(
+        JobSpec, contract.DEFAULT_RUNS_DIR, help="Where the run's directory is made."
+    )
+    prewarm: bool = schema.like(
+        JobSpec,
+        contract.DEFAULT_PREWARM,
+        help="Keep standby workers with torch imported: faster rounds after churn.",
+    )
+    """Standby workers with torch imported, so a round after churn skips the import."""
+    in_place: bool = schema.like(
+        JobSpec,
+        contract.DEFAULT_IN_PLACE,
+        help="Keep surviving workers through churn and hand them the new round; for loops "
+        "that use hpc_elastic.train.InPlace.",
+    )
+    """``agent --in-place``: surviving workers keep their process through churn (loops that
+    use ``hpc_elastic.train.InPlace``); off by default, as for ``submit``."""
     script_args: tuple[str, ...] = ()
-    nproc_per_node: int = contract.DEFAULT_NPROC_PER_NODE
-    log_dir: Path = contract.DEFAULT_RUNS_DIR
-    job_name: str = "job"
-    max_restarts: int = contract.DEFAULT_MAX_RESTARTS
     churn: Churn | None = None
     seed: int = 0
     tee: bool = False
-    prewarm: bool = True
-    """Standby workers with torch imported, so a round after churn skips the import."""
-    in_place: bool = False
-    """``agent --in-place``: surviving workers keep their process through churn (loops that
-    use ``hpc_elastic.train.InPlace``); off by default, as for ``submit``."""
     grace: float = 10.0
     metrics_port: int | None = None
     """Node ``i`` serves Prometheus metrics on this port + i; 0 lets each agent pick one."""
     environment: tuple[tuple[str, str], ...] = ()
     """Variables for the agents and their workers, as ``submit``'s script exports them."""
     python: str = sys.executable
+
+    @classmethod
+    def from_values(cls, script: Path, values: Mapping[str, object], **others: Any) -> LocalRun:
+        """The run of ``script`` with its options' values as ``options.resolve`` gives them (a
+        ``job_name`` left unset is the script's name) and ``others``, the fields that are no
+        options."""
+        own = {row.name: values[row.name] for row in OPTIONS}
+        own["job_name"] = own["job_name"] or default_job_name(script)
+        # Typer converted each value by its row's type or parser, which mypy cannot follow
+        # through the table; the names are the fields'.
+        return cls(script=script, **own, **others)  # type: ignore[arg-type]
+
+
+OPTIONS = schema.options_of(LocalRun)
+"""The options ``LocalRun``'s fields declare, in ``--help`` order (``commands.run`` adds the
+checkpoint settings and its own)."""
 
 
 @dataclass

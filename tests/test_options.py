@@ -9,10 +9,11 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from hpc_elastic import cli, config, contract
+from hpc_elastic import cli, config, contract, local
 from hpc_elastic.agent import command
 from hpc_elastic.agent.api import AgentSpec
 from hpc_elastic.agent.workers import WorkerPaths, worker_env
+from hpc_elastic.commands import run as run_command
 from hpc_elastic.commands.run import RUN_OPTIONS
 from hpc_elastic.invocation import AgentInvocation
 from hpc_elastic.options import (
@@ -263,6 +264,54 @@ def test_a_bad_checkpoint_option_is_one_sentence_quoting_it(
     assert result.exit_code == 2
     assert quoted in result.output
     assert "Traceback" not in result.output
+
+
+RUN_FLAGS: dict[str, tuple[str, object]] = {
+    "nodes": ("--nodes=2:3", NodeRange(2, 3)),
+    "nproc_per_node": ("--nproc-per-node=2", 2),
+    "max_restarts": ("--max-restarts=0", 0),
+    "job_name": ("--job-name=mine", "mine"),
+    "log_dir": ("--log-dir=elsewhere", Path("elsewhere")),
+    "prewarm": ("--no-prewarm", False),
+    "in_place": ("--in-place", True),
+}
+"""A flag of each option ``LocalRun`` declares, and the value it gives the field."""
+
+
+def run_given(args: list[str], monkeypatch: pytest.MonkeyPatch) -> local.LocalRun:
+    """The ``LocalRun`` that ``hpc-elastic run ARGS`` hands local mode (which runs nothing)."""
+    seen: list[local.LocalRun] = []
+
+    def run_local(run: local.LocalRun, _say: object) -> int:
+        seen.append(run)
+        return 0
+
+    monkeypatch.setattr(run_command, "run_local", run_local)
+    result = runner.invoke(cli.app, ["run", *args])
+    assert result.exit_code == 0, result.output
+    [run] = seen
+    return run
+
+
+def test_each_option_of_run_reaches_its_local_run_field(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert list(RUN_FLAGS) == [row.name for row in local.OPTIONS]
+    run = run_given([flag for flag, _ in RUN_FLAGS.values()] + ["train.py"], monkeypatch)
+    assert {name: getattr(run, name) for name in RUN_FLAGS} == {
+        name: value for name, (_, value) in RUN_FLAGS.items()
+    }
+
+
+def test_run_without_options_takes_submits_defaults_and_the_scripts_name(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = run_given(["train.py"], monkeypatch)
+    submitted = JobSpec(script=workdir / "train.py")
+    for row in local.OPTIONS:
+        expected = "train" if row.name == "job_name" else getattr(submitted, row.name)
+        assert getattr(run, row.name) == expected, row.name
+    assert run == local.LocalRun(script=run.script, job_name="train", python=run.python)
 
 
 def test_local_mode_passes_the_checkpoint_options_to_its_agents() -> None:

@@ -2,8 +2,10 @@
 
 ``cli`` loads each of them lazily, when it runs. The domain
 sits below: ``hpc_elastic.submission``, ``hpc_elastic.local``, ``hpc_elastic.ops`` and
-``hpc_elastic.doctor``; the options ``submit`` and ``run`` share come from
-``hpc_elastic.options``. The agent's command stays in ``hpc_elastic.agent.command``.
+``hpc_elastic.doctor``; the options come from the fields that declare them, through
+``hpc_elastic.options``: ``submit``'s from ``JobSpec``, ``run``'s from ``local.LocalRun`` and
+the checkpoint settings it shares with ``submit``. The agent's command stays in
+``hpc_elastic.agent.command``.
 
 ``Invocation`` lives here, not in ``submit``: ``cli`` hands one to every command, and importing
 ``submit`` would cost ``--help`` and every other command the whole submit path.

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any, cast
+from typing import Annotated, Any
 
 import typer
 
+from hpc_elastic.local import OPTIONS as LOCAL_OPTIONS
 from hpc_elastic.local import Churn, LocalRun, run_local
 from hpc_elastic.logs import configure_from_env
-from hpc_elastic.options import CHECKPOINT_OPTIONS, job_environment, option, resolve, with_options
-from hpc_elastic.spec import NodeRange, default_job_name, parse_script, seconds_parser
+from hpc_elastic.options import CHECKPOINT_OPTIONS, job_environment, resolve, with_options
+from hpc_elastic.spec import parse_script, seconds_parser
 
 RUN_HELP = """Run SCRIPT elastically on this machine: MAX local agents, no Slurm, no ZooKeeper.
 
@@ -22,24 +22,9 @@ Examples:
 """
 
 
-RUN_OPTIONS = (
-    replace(option("nodes"), help="Local nodes (agents): N, or MIN:MAX to train on while MIN run."),
-    replace(option("nproc_per_node"), help="Workers per node."),
-    option("max_restarts"),
-    replace(option("job_name"), show_default="the script's name", help="The run's name."),
-    replace(option("log_dir"), help="Where the run's directory is made."),
-    replace(
-        option("prewarm"),
-        help="Keep standby workers with torch imported: faster rounds after churn.",
-    ),
-    replace(
-        option("in_place"),
-        help="Keep surviving workers through churn and hand them the new round; for loops "
-        "that use hpc_elastic.train.InPlace.",
-    ),
-    *CHECKPOINT_OPTIONS,
-)
-"""The rows ``run`` shares with ``submit``; ``run`` reads no config file, so the defaults apply."""
+RUN_OPTIONS = (*LOCAL_OPTIONS, *CHECKPOINT_OPTIONS)
+"""``run``'s options read from fields: ``LocalRun``'s, then the checkpoint settings it shares
+with ``submit``. ``run`` reads no config file, so the defaults apply."""
 
 
 @with_options(RUN_OPTIONS)
@@ -80,19 +65,13 @@ def run_command(
     configure_from_env()  # HPC_ELASTIC_LOG; the agents read it again from the environment
     path = parse_script(str(script))
     settings = resolve(RUN_OPTIONS, values, lambda _name: True, {})
-    run = LocalRun(
-        script=path,
+    run = LocalRun.from_values(
+        path,
+        settings,
         script_args=tuple(script_args or ()),
-        nodes=cast(NodeRange, settings["nodes"]),
-        nproc_per_node=cast(int, settings["nproc_per_node"]),
-        log_dir=cast(Path, settings["log_dir"]),
-        job_name=cast("str | None", settings["job_name"]) or default_job_name(path),
-        max_restarts=cast(int, settings["max_restarts"]),
         churn=Churn(Churn.parse(churn_every), churn_downtime) if simulate_churn else None,
         seed=seed,
         tee=tee,
-        prewarm=cast(bool, settings["prewarm"]),
-        in_place=cast(bool, settings["in_place"]),
         metrics_port=metrics_port,
         environment=tuple(job_environment(settings, CHECKPOINT_OPTIONS)),
     )
