@@ -15,6 +15,7 @@ from test_elastic_cluster import checkpoint_steps, story, submit_training, train
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.timeout(1200)  # its own waits add up to 1,080 s: the suite's 300 s cut them short
 def test_a_drill_on_a_running_job_reports_its_figures_and_finds_the_step_log_clean(
     cluster: Cluster, tmp_path: Path
 ) -> None:

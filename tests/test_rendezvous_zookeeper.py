@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,8 +19,9 @@ from pathlib import Path
 
 import pytest
 from cluster import REPO, Cluster
-from kazoo.client import KazooClient
+from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import NoAuthError
+from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.security import ACL, OPEN_ACL_UNSAFE, make_digest_acl
 
 from hpc_elastic.agent.badnodes import Cleared, clear, listing, remembered
@@ -215,6 +217,28 @@ def test_a_sigkilled_agent_is_noticed_within_the_session_timeout(
     assert rounds(pool, survivors)[0].world_size == 2
 
 
+def expire(client: KazooClient, address: ZooKeeperAddress) -> None:
+    """End ``client``'s session on the server, as an expiry does: a thief connects with the
+    session's id and password and closes it, and ``client`` learns at its next connect that the
+    session is gone (LOST). Each connect takes the session from the other client, so when
+    ``client`` reconnects first (a loaded machine), the thief's connect fails; it tries again
+    until ``client`` has heard of the loss."""
+    lost = threading.Event()
+    client.add_listener(lambda state: lost.set() if state == KazooState.LOST else None)
+    deadline = time.monotonic() + DEADLINE * 4
+    while not lost.is_set() and time.monotonic() < deadline:
+        thief = KazooClient(hosts=address.hosts, client_id=client.client_id)
+        try:
+            thief.start(timeout=10)
+            thief.stop()
+        except KazooTimeoutError:
+            pass  # the session went back to ``client`` first: steal it again
+        finally:
+            thief.close()
+        lost.wait(1)
+    assert lost.is_set(), f"{client.client_id[0]:#x}: the session outlived every close"
+
+
 @integration
 def test_a_session_expiry_counts_as_losing_the_node(
     zk: str, agents: list[StoreRendezvous], pool: ThreadPoolExecutor
@@ -226,10 +250,7 @@ def test_a_session_expiry_counts_as_losing_the_node(
     try:
         both = [agents[0], expiring]
         rounds(pool, both)
-        thief = KazooClient(hosts=address.hosts, client_id=client.client_id)
-        thief.start(timeout=10)
-        thief.stop()
-        thief.close()
+        expire(client, address)
         assert expiring.changed.wait(DEADLINE)
         assert agents[0].changed.wait(DEADLINE)
         again = rounds(pool, both)
