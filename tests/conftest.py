@@ -48,10 +48,20 @@ def _shard(text: str) -> tuple[int, int]:
     return int(number), int(total)
 
 
+INTEGRATION_TIMEOUT = 1200
+"""pytest-timeout's limit for an integration test that sets none (pyproject's 300 s is the unit
+tests'): a backstop against a hang, never a speed check. The longer cluster tests take 150-200 s
+on a quiet machine and more than 300 s on a busy one, where their own waits still held."""
+
+
 @pytest.hookimpl(trylast=True)  # after -m and -k, so that the shares split what they selected
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """With ``HPC_ELASTIC_TEST_SHARD=K/N``, every N-th test from the K-th on: the tests of one
-    file alternate between the shares, so a file of long tests does not land in one share."""
+    """Integration tests get ``INTEGRATION_TIMEOUT`` unless they set their own. With
+    ``HPC_ELASTIC_TEST_SHARD=K/N``, every N-th test from the K-th on: the tests of one file
+    alternate between the shares, so a file of long tests does not land in one share."""
+    for item in items:
+        if item.get_closest_marker("integration") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(INTEGRATION_TIMEOUT))
     text = os.environ.get(SHARD_ENV)
     if not text:
         return

@@ -163,12 +163,17 @@ class Run:
         )
 
     def workers(self, task: int) -> list[int]:
+        """The task's running workers, not the standbys that wait to become the next ones:
+        those carry the same command line (agent/standby.py), and with pids wrapped around on
+        a busy machine a standby may come first (the worker-kill row once killed one)."""
         return [
             pid
             for pid, args in self.processes(task).items()
             # The worker runs the job's code snapshot (<job dir>/code/examples/train.py), not
             # TRAIN itself: match the path inside the project.
-            if f"/{TRAIN.relative_to(REPO)} " in args and " agent " not in args
+            if f"/{TRAIN.relative_to(REPO)} " in args
+            and " agent " not in args
+            and not waits_for_its_order(pid)
         ]
 
     def formed_without(self, slot: str) -> bool:
@@ -203,6 +208,16 @@ def confirm(happened: Callable[[], bool], what: str, timeout: float = 30) -> Non
     """Wait until ``happened()``; else fail the row, saying which part of the fault is missing."""
     if not wait_until(happened, timeout, interval=0.1):
         raise FaultMissed(f"the fault did not take effect: {what} (waited {timeout:g} s)")
+
+
+def waits_for_its_order(pid: int) -> bool:
+    """Whether ``pid`` is a standby that still waits on its stdin pipe for a rank's order: a
+    worker reads nothing there (the agent starts a cold one on /dev/null, and a standby points
+    its stdin at /dev/null once its order came)."""
+    try:
+        return os.readlink(f"/proc/{pid}/fd/0").startswith("pipe:")
+    except OSError:
+        return False
 
 
 def process_state(pid: int) -> str | None:
