@@ -29,7 +29,7 @@ is connected to the rendezvous. The training helpers stop once its mtime is olde
 themselves before the others re-form without this node (docs/agent.md, "Fencing")."""
 LEASE_TIMEOUT_ENV = "HPC_ELASTIC_LEASE_TIMEOUT"
 """Workers' env: seconds after which a lease not renewed is stale: a third of the session
-timeout (``agent.fence_after``), since the agent stops renewing only once ZooKeeper reports
+timeout (``rules.fence_after``), since the agent stops renewing only once ZooKeeper reports
 SUSPENDED, which may come two thirds of a session after the server last heard from it."""
 ASSIGNMENT_FILE_ENV = "HPC_ELASTIC_ASSIGNMENT_FILE"
 """Workers' env, in-place mode only (``agent --in-place``): a file the agent replaces with a

@@ -18,10 +18,11 @@ import pytest
 from agent_fakes import MemoryJob
 
 from hpc_elastic import events, logs
-from hpc_elastic.agent.agent import (
+from hpc_elastic.agent.agent import Agent
+from hpc_elastic.agent.api import AgentSpec, ExitCode
+from hpc_elastic.agent.rules import (
     ENDS_ROUND,
     AfterRound,
-    Agent,
     Outcome,
     RoundEnd,
     after_round,
@@ -29,7 +30,6 @@ from hpc_elastic.agent.agent import (
     restart_reason,
     round_outcome,
 )
-from hpc_elastic.agent.api import AgentSpec, ExitCode
 from hpc_elastic.rendezvous import state as st
 from hpc_elastic.rendezvous.api import NodeInfo, RendezvousSettings
 from hpc_elastic.spec import NodeRange

@@ -1,6 +1,6 @@
 """The agent's pure rules for one poll of its workers: how a round ended, the lease, the fence.
 
-The simulation runs these very functions (``agent.poll_decision``), but the cases here are
+The simulation runs these very functions (``rules.poll_decision``), but the cases here are
 the ones a world of its own rarely makes: a worker that saved for a preemption while another
 still runs, a boundary that only a clock landing exactly on it shows.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from hpc_elastic.agent.agent import (
+from hpc_elastic.agent.rules import (
     Outcome,
     PollDecision,
     connection_fenced,

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from hpc_elastic.agent import agent, links
-from hpc_elastic.agent.agent import Outcome
+from hpc_elastic.agent import links, rules
+from hpc_elastic.agent.rules import Outcome
 from hpc_elastic.rendezvous import state as st
 from hpc_elastic.rendezvous.api import Failure
 from hpc_elastic.simulation import world
@@ -127,7 +127,7 @@ def test_the_simulation_finds_the_split_brain_without_fencing(
 ) -> None:
     """Neither the agent stops its workers when cut off, nor do the workers fence themselves
     on a stale lease: the reproduced split brain of issue 11."""
-    monkeypatch.setattr(agent, "connection_fenced", lambda since, now, session: False)
+    monkeypatch.setattr(rules, "connection_fenced", lambda since, now, session: False)
     monkeypatch.setattr(world, "LEASE", float("inf"))
     assert "two groups train at once" in first_violation()
 
@@ -142,19 +142,19 @@ def test_the_simulation_finds_stragglers_waited_for_for_ever(
 def broken_after_round(monkeypatch: pytest.MonkeyPatch, rule: str) -> None:
     """Replace one rule of the agent's production ``after_round``, in the agent and the
     simulation at once: the simulation runs the very function, so it must see the bug."""
-    fixed = agent.after_round
+    fixed = rules.after_round
 
-    def broken(end: agent.RoundEnd) -> agent.AfterRound:
+    def broken(end: rules.RoundEnd) -> rules.AfterRound:
         unreported = end.workers_stopped and not end.reported
         if rule == "membership change charged" and end.outcome is Outcome.CHANGED and unreported:
-            return agent.AfterRound.REPORT_FAILURE
+            return rules.AfterRound.REPORT_FAILURE
         if rule == "signal charged" and end.outcome is Outcome.SIGNALLED and not end.reported:
-            return agent.AfterRound.REPORT_FAILURE
+            return rules.AfterRound.REPORT_FAILURE
         if rule == "rerun taken for done" and end.barrier is False:
-            return agent.AfterRound.DONE
+            return rules.AfterRound.DONE
         return fixed(end)
 
-    monkeypatch.setattr(agent, "after_round", broken)
+    monkeypatch.setattr(rules, "after_round", broken)
 
 
 def test_the_simulation_finds_a_membership_change_charged_to_the_budget(
@@ -202,8 +202,8 @@ def test_the_simulation_finds_echoes_charged_to_the_budget_with_the_old_echo_wai
 def test_the_simulation_finds_echoes_reported_without_waiting_for_the_peer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    fixed = agent.after_round
-    monkeypatch.setattr(agent, "after_round", lambda end: fixed(replace(end, echo=False)))
+    fixed = rules.after_round
+    monkeypatch.setattr(rules, "after_round", lambda end: fixed(replace(end, echo=False)))
     assert "budget: " in first_violation()
 
 
@@ -216,9 +216,9 @@ def test_the_simulation_finds_an_echo_reported_by_an_agent_frozen_through_its_wa
     rule for a wait that ended cut off (seed 1237565, below) saves this schedule too, so both
     are taken away to show it. The peer's death is a silent one (no link tells it)."""
     silent_deaths(monkeypatch)
-    fixed = agent.after_round
+    fixed = rules.after_round
     monkeypatch.setattr(
-        agent, "after_round", lambda end: fixed(replace(end, stalled=False, cut_off=False))
+        rules, "after_round", lambda end: fixed(replace(end, stalled=False, cut_off=False))
     )
     found = simulate(14961)
     assert found.violation is not None
@@ -233,8 +233,8 @@ def test_the_simulation_finds_an_echo_reported_while_its_agent_was_cut_off(
     its echo wait and reported the echo once the link was back: a restart spent on a
     partition. An echo's wait that ends cut off now rejoins without reporting."""
     assert simulate(1237565).violation is None
-    fixed = agent.after_round
-    monkeypatch.setattr(agent, "after_round", lambda end: fixed(replace(end, cut_off=False)))
+    fixed = rules.after_round
+    monkeypatch.setattr(rules, "after_round", lambda end: fixed(replace(end, cut_off=False)))
     found = simulate(1237565)
     assert found.violation is not None
     assert found.violation.startswith("budget: "), found.summary()
@@ -252,7 +252,7 @@ def test_the_simulation_finds_an_echo_charged_after_a_wait_spent_mostly_frozen(
     silent_deaths(monkeypatch)
     assert simulate(1461216).violation is None
     monkeypatch.setattr(
-        agent, "echo_deadline", lambda started, settings, unheard: started + st.echo_wait(settings)
+        rules, "echo_deadline", lambda started, settings, unheard: started + st.echo_wait(settings)
     )
     found = simulate(1461216)
     assert found.violation is not None
@@ -277,14 +277,14 @@ def test_the_agents_reaction_to_a_round_is_the_production_function(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Every action the simulated agents take after a round comes from ``after_round``."""
-    asked: list[agent.AfterRound] = []
-    fixed = agent.after_round
+    asked: list[rules.AfterRound] = []
+    fixed = rules.after_round
 
-    def spy(end: agent.RoundEnd) -> agent.AfterRound:
+    def spy(end: rules.RoundEnd) -> rules.AfterRound:
         asked.append(fixed(end))
         return asked[-1]
 
-    monkeypatch.setattr(agent, "after_round", spy)
+    monkeypatch.setattr(rules, "after_round", spy)
     result = simulate(7)
     taken = [line.rsplit(": ", 1)[1] for line in result.trace if "after the round: " in line]
     assert taken == [action.value for action in asked]
@@ -296,7 +296,7 @@ def test_a_violation_shrinks_to_fewer_faults_and_its_replay_command_reproduces_i
 ) -> None:
     """With fencing reverted, the first split brain that several faults lead to shrinks to
     the one fault that matters, and the printed command replays that shrunk schedule."""
-    monkeypatch.setattr(agent, "connection_fenced", lambda since, now, session: False)
+    monkeypatch.setattr(rules, "connection_fenced", lambda since, now, session: False)
     monkeypatch.setattr(world, "LEASE", float("inf"))
     found = next(
         result
@@ -339,10 +339,10 @@ def without_split_brain(schedules: int, *, freezes: bool = True) -> str:
     return ""
 
 
-def renewing_while_cut_off(fixed: Callable[..., agent.PollDecision]) -> Callable[..., object]:
+def renewing_while_cut_off(fixed: Callable[..., rules.PollDecision]) -> Callable[..., object]:
     """``poll_decision`` with the lease renewed while the connection is down."""
 
-    def broken(codes: list[int | None], **kwargs: Any) -> agent.PollDecision:
+    def broken(codes: list[int | None], **kwargs: Any) -> rules.PollDecision:
         decision = fixed(codes, **kwargs)
         return replace(decision, renew_lease=not kwargs["changed"])
 
@@ -353,9 +353,9 @@ def test_the_lease_alone_fences_a_node_cut_off_or_frozen(monkeypatch: pytest.Mon
     """With the agent's own fence off, the workers' lease, renewed only while the agent is
     connected and its round live, stops every cut-off or frozen node's workers before a
     round forms without it; renewed while cut off, it lets a partitioned node train on."""
-    monkeypatch.setattr(agent, "connection_fenced", lambda since, now, session: False)
+    monkeypatch.setattr(rules, "connection_fenced", lambda since, now, session: False)
     assert without_split_brain(2000) == ""
-    monkeypatch.setattr(world, "poll_decision", renewing_while_cut_off(agent.poll_decision))
+    monkeypatch.setattr(world, "poll_decision", renewing_while_cut_off(rules.poll_decision))
     assert "two groups train at once" in without_split_brain(3000)
 
 
@@ -369,7 +369,7 @@ def test_the_agents_fence_alone_stops_a_cut_off_node_within_a_third_of_the_sessi
     monkeypatch.setattr(world, "LEASE", float("inf"))
     monkeypatch.setattr(world, "BUGGIFY_SHARE", 0.0)  # its planted freezes are freezes too
     assert without_split_brain(2000, freezes=False) == ""
-    monkeypatch.setattr(agent, "FENCE_FRACTION", 1.0)
+    monkeypatch.setattr(rules, "FENCE_FRACTION", 1.0)
     assert "two groups train at once" in without_split_brain(3000, freezes=False)
 
 
@@ -407,14 +407,14 @@ def test_the_simulation_finds_a_node_done_before_all_its_workers_exited_0(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A node with several workers counts as done only once every one of them exited 0."""
-    fixed = agent.round_outcome
+    fixed = rules.round_outcome
 
     def any_zero(codes: list[int | None], **kwargs: bool) -> tuple[Outcome, int | None] | None:
         if 0 in codes and None in codes:
             return Outcome.SUCCEEDED, None
         return fixed(codes, **kwargs)
 
-    monkeypatch.setattr(agent, "round_outcome", any_zero)
+    monkeypatch.setattr(rules, "round_outcome", any_zero)
     found = first_violation()
     assert "VIOLATION: success: " in found, found
     assert "workers exited [0, None" in found or "None, 0" in found, found

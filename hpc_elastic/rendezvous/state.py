@@ -471,7 +471,7 @@ def straggler_timeout(settings: RendezvousSettings) -> float:
     it out: it may stop its workers (``stop_grace``), wait for an echo's cause
     (``echo_wait``) and report; past that its agent is stuck, and a worker of it that is
     still running has fenced itself, since its lease (a third of ``session_timeout``, see
-    ``agent.fence_after``) went stale."""
+    ``rules.fence_after``) went stale."""
     return settings.stop_grace + echo_wait(settings) + settings.session_timeout + MARGIN
 
 

@@ -4,8 +4,8 @@ What runs is production code: ``rendezvous/state.py`` through ``StoreRendezvous`
 functions (``begin_round``/``round_step``, ``begin_barrier``/``barrier_step``,
 ``report_failure``), over the stores engineer's ``MemoryStore`` (ZooKeeper's semantics: CAS,
 sessions that expire at tick granularity, SUSPENDED/LOST/CONNECTED), the agent's pure
-poll (``agent.poll_decision``: the lease rule, ``round_outcome``, ``connection_fenced``),
-and the agent's reaction to how a round ended (``agent.after_round``: drain, barrier, stop,
+poll (``rules.poll_decision``: the lease rule, ``round_outcome``, ``connection_fenced``),
+and the agent's reaction to how a round ended (``rules.after_round``: drain, barrier, stop,
 report, leave or rejoin), looked up on the module at every call so that a test can break
 it for both. ``SimAgent`` only executes the actions in the simulated world; it holds no
 rule of its own. What is simulated is only what surrounds them: time, the delivery of
@@ -36,9 +36,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from hpc_elastic.agent import agent as production
-from hpc_elastic.agent import links
-from hpc_elastic.agent.agent import AfterRound, Outcome, RoundEnd, fence_after, poll_decision
+from hpc_elastic.agent import links, rules
+from hpc_elastic.agent.rules import AfterRound, Outcome, RoundEnd, fence_after, poll_decision
 from hpc_elastic.contract import FENCED_EXIT_CODE
 from hpc_elastic.errors import (
     RendezvousClosedError,
@@ -294,7 +293,7 @@ class SimAgent:
         self.reported = False
         """Whether this round's failure was reported (``World.check_reaction``)."""
         self.wait_started = 0.0
-        """When an echo's wait for the peer's news began (``production.echo_deadline``)."""
+        """When an echo's wait for the peer's news began (``rules.echo_deadline``)."""
         self.cut_off_before = 0.0
         """The handler's ``time_cut_off`` when that wait began."""
         self.wait_until = 0.0
@@ -383,9 +382,9 @@ class SimAgent:
         heard = not self.stop_signal and self.handler.changed.is_set()
         # A freeze here is an outage too (``World.inject``): the handler counts it.
         unheard = self.handler.time_cut_off() - self.cut_off_before
-        wait_until = production.echo_deadline(self.wait_started, self.world.settings, unheard)
+        wait_until = rules.echo_deadline(self.wait_started, self.world.settings, unheard)
         if heard or self.stop_signal or self.world.now >= wait_until:
-            stalled = not heard and production.overslept(wait_until, self.world.now)
+            stalled = not heard and rules.overslept(wait_until, self.world.now)
             cut_off = not heard and self.handler.suspended_since() is not None
             self._after_round(
                 replace(self.ending, heard_change=heard, stalled=stalled, cut_off=cut_off)
@@ -542,7 +541,7 @@ class SimAgent:
         goes on from the fact it learns)."""
         for _ in range(AFTER_ROUND_STEPS):
             end = replace(end, stop_signal=self.stop_signal)
-            action = production.after_round(end)
+            action = rules.after_round(end)
             self.world.log(f"{self.node.node_id} after the round: {action.value}")
             self.world.check_reaction(self, end, action)
             if action in (AfterRound.DRAIN, AfterRound.DRAIN_PREEMPTED, AfterRound.LEAVE):
