@@ -9,13 +9,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import SHARD_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 AN_INTEGRATION_TEST = "tests/test_slurm_cluster.py::test_unknown_partition_is_one_sentence"
 
 
 def run_without_cluster(tmp_path: Path, ci: str | None) -> subprocess.CompletedProcess[str]:
-    env = {key: value for key, value in os.environ.items() if key != "CI"}
+    # Neither this run's CI nor its share (scripts/test-all): the one test must be selected.
+    env = {key: value for key, value in os.environ.items() if key not in ("CI", SHARD_ENV)}
     env.update({"HPC_ELASTIC_TEST_CLUSTER": str(tmp_path / "no-cluster"), "PYTHONPATH": str(REPO)})
     if ci is not None:
         env["CI"] = ci
