@@ -37,18 +37,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 MUTANTS = REPO / "bench" / "mutants.toml"
 TEST_FILES = (
-    "tests/test_rendezvous_state.py",
-    "tests/test_rendezvous_handler.py",
-    "tests/test_watchdog.py",
-    "tests/test_agent_rules.py",
-    "tests/test_simulation.py",
-    "tests/test_agent.py",
+    "tests/rendezvous/test_rendezvous_state.py",
+    "tests/rendezvous/test_rendezvous_handler.py",
+    "tests/agent/test_watchdog.py",
+    "tests/agent/test_agent_rules.py",
+    "tests/simulation/test_simulation.py",
+    "tests/agent/test_agent.py",
 )
 """Fastest first: the run stops at the first failure."""
-LEFT_OUT = "tests/test_simulation.py::test_every_property_holds_on_twenty_thousand_schedules"
+LEFT_OUT = (
+    "tests/simulation/test_simulation.py::test_every_property_holds_on_twenty_thousand_schedules"
+)
 """The 20,000-schedule run (a minute or more); its first 2,000 seeds are pinned by a test of
 their own, which stays in."""
-PINNED = "tests/test_simulation.py::test_the_outcomes_of_the_first_seeds_are_pinned"
+PINNED = "tests/simulation/test_simulation.py::test_the_outcomes_of_the_first_seeds_are_pinned"
 """Run after the others: a behaviour change that no other test judges is killed by it."""
 SEEDS = 5000
 """A quarter of the simulation's run in CI, so that a whole run takes about an hour and a
