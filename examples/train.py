@@ -270,9 +270,10 @@ def crash_mid_step(checkpoints: elastic.Checkpointer, state: elastic.TrainState)
 
 
 def slowdown(slow_file: Path | None, rank: int) -> float:
-    """Extra seconds this rank sleeps per step: a straggler planted by a test (tests/test_soak.py)
-    for as long as it keeps the file. Slept before the step's collective (``should_stop``),
-    so the other ranks wait there for it, as they would for a slow GPU."""
+    """Extra seconds this rank sleeps per step: a straggler planted by a test
+    (tests/integration/test_soak.py) for as long as it keeps the file. Slept before the step's
+    collective (``should_stop``), so the other ranks wait there for it, as they would for a slow
+    GPU."""
     if slow_file is None:
         return 0.0
     try:

@@ -8,7 +8,7 @@ its lazy command group overrides ``TyperGroup`` methods whose signatures use cli
 ``Command``), and ``cli.typed_in`` asks a ``Context`` which options the user
 typed (``ParameterSource``). typer has no public name for those, so this module is the one
 place that reaches into ``typer._click``. pyproject.toml caps typer below its next minor
-version, and ``tests/test_click_compat.py`` fails loudly if typer moves or renames them.
+version, and ``tests/cli/test_click_compat.py`` fails loudly if typer moves or renames them.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ kazoo or jinja2 here, so ``--help`` answers at once and the agent starts fast.
 Every command is listed in ``LAZY_COMMANDS`` and its module is imported only when it runs (or
 its own ``--help`` is asked for): ``--help`` lists the commands by the summaries kept in that
 table, so ``--help`` and ``--version`` import no command module, and a command imports only its
-own. ``tests/test_cli.py`` pins what they import.
+own. ``tests/cli/test_cli.py`` pins what they import.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class Lazy:
     """The command's function, or a ``typer.Typer`` for a group of subcommands (``zk start``)."""
     summary: str
     """The first sentence of the command's help, all the root ``--help`` shows of it, so that
-    listing imports nothing; ``tests/test_cli.py`` checks it against the loaded command."""
+    listing imports nothing; ``tests/cli/test_cli.py`` checks it against the loaded command."""
     settings: Mapping[str, str] = field(default_factory=dict)
     """Settings of ``app.command``, each read from the module's attribute of that name."""
 

@@ -176,7 +176,7 @@ class AgentArguments:
 AGENT_OPTIONS: tuple[Option, ...] = schema.options_of(AgentArguments)
 """The options of ``hpc-elastic agent``, in ``--help`` order. Each option ``submit``'s rows pass
 on (``agent_options``) and each flag of ``AgentInvocation`` has its field there, and both are
-spelt from it, so the sender and the agent spell a flag the same way (tests/test_options.py
+spelt from it, so the sender and the agent spell a flag the same way (tests/cli/test_options.py
 checks both)."""
 
 _AGENT_BY_NAME = {row.name: row for row in AGENT_OPTIONS}

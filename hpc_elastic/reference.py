@@ -8,7 +8,7 @@ options are the option table's rows (``options.SUBMIT_OPTIONS``, ``AGENT_OPTIONS
 parameters. Each option's line is the help record that ``--help`` prints (click's
 ``get_help_record``: the flags, the metavar, the help and the default), so the page says what
 ``--help`` says; the config-file column comes from the table's ``config_key``.
-``tests/test_reference.py`` fails when the committed page differs from what this writes, and
+``tests/cli/test_reference.py`` fails when the committed page differs from what this writes, and
 when a command's ``--help`` lists other options than the page.
 
 Nothing of the command line imports this module, so it costs ``hpc-elastic`` nothing.

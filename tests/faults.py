@@ -12,7 +12,7 @@ The partition rows (``Fault.netns``) run a ``2:3`` job on a cluster whose nodes 
 network namespace (``scripts/dev-cluster up --netns``) and cut or slow the link of the node
 that runs rank 0, the writer of the step log and of every checkpoint.
 
-tests/test_faults.py runs each fault as one test; by hand, with a running
+tests/robustness/test_faults.py runs each fault as one test; by hand, with a running
 ``scripts/dev-cluster`` (``up --netns`` for the partition rows)::
 
     PYTHONPATH=. .venv/bin/python tests/faults.py --state-dir DIR --fault worker-kill

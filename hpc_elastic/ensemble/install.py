@@ -12,7 +12,7 @@ ZooKeeper is looked for, in this order (the first that holds a ZooKeeper jar win
 4. ``$CONDA_PREFIX``, laid out as in 2.
 
 Java is ``$JAVA_HOME/bin/java``, else ``java`` on ``PATH``. The search is pure over a
-``FileSystem`` (``tests/test_ensemble.py`` runs it on a fake one); what is missing is one
+``FileSystem`` (``tests/ensemble/test_ensemble.py`` runs it on a fake one); what is missing is one
 sentence naming it and the ways to get it.
 """
 

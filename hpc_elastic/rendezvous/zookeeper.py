@@ -165,7 +165,7 @@ class _BoundedHandler(SequentialThreadingHandler):  # type: ignore[misc]
     database is loaded, is refused ("ZooKeeperServer not running"), and closing it then fails
     on a NullPointerException (``zkDb`` is null) before the socket is closed. With a 20 s
     session a client whose attempt fell into that window came back 20 s after the server did,
-    or found its session expired meanwhile (tests/test_store_contract.py, ci13).
+    or found its session expired meanwhile (tests/rendezvous/test_store_contract.py, ci13).
 
     The trick: every socket kazoo asks for goes through ``create_connection``, so a timer armed
     there shuts the socket down when the attempt is still unanswered at the deadline; kazoo

@@ -172,7 +172,7 @@ class InPlace:
             # connections open through destroy_process_group. A live peer blocked on a receive
             # from us would then wait out the collective timeout (120 s), miss the agent's
             # ACK_TIMEOUT (30 s), and be restarted the normal way, spending the job's budget
-            # (tests/test_inplace.py's node-leave test caught it on a loaded machine).
+            # (tests/agent/test_inplace.py's node-leave test caught it on a loaded machine).
             self._abandoned = str(error)
             return
         if self._first_step_pending:

@@ -1,4 +1,4 @@
-"""``InPlace`` without an agent: the test writes the assignment files (tests/test_inplace.py).
+"""``InPlace`` without an agent: the test writes the assignment files (tests/agent/test_inplace.py).
 
 ``--scenario blocked`` (3 ranks): rank 2 exits; in the next step rank 1 receives from it (that
 fails at once, the peer's connection is closed) while rank 0 receives from rank 1, a live peer

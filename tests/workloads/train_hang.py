@@ -1,4 +1,5 @@
-"""A small DDP job on gloo in which one rank hangs on purpose (tests/test_hang_attribution.py).
+"""A small DDP job on gloo in which one rank hangs on purpose
+(tests/agent/test_hang_attribution.py).
 
 Every rank steps in lockstep: a forward and a backward through DDP (its gradient all-reduce),
 a short sleep, then ``elastic.should_stop`` (a marked all_reduce that beats the heartbeat).

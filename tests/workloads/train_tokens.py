@@ -1,4 +1,4 @@
-"""A tiny next-token model over token shards, for tests/test_data_elastic.py.
+"""A tiny next-token model over token shards, for tests/train/test_data_elastic.py.
 
 ``ElasticShards.tokens`` over every ``*.bin`` of ``--shards-dir`` (uint16, ``--length`` tokens
 a sample), read through torchdata's ``StatefulDataLoader`` with ``--workers`` workers, DDP on

@@ -35,7 +35,7 @@ def on_signal(signum: int, frame: FrameType | None) -> None:
 def lease_stale(env: os._Environ[str]) -> bool:
     """The training helpers' lease rule (``hpc_elastic.train.lease``) in the standard library
     only: a worker that imported hpc-elastic would no longer be a script that never imports
-    torch (tests/test_standby.py)."""
+    torch (tests/agent/test_standby.py)."""
     path, timeout = env.get("HPC_ELASTIC_LEASE_FILE"), env.get("HPC_ELASTIC_LEASE_TIMEOUT")
     if not path or not timeout:
         return False
