@@ -265,6 +265,9 @@ def zk_root(cluster: Cluster) -> Iterator[str]:
         client.create(f"{root}/hpc-elastic", makepath=True)
         client.create(f"{root}/hpc-elastic/{USERS}")  # open too, for the same reason
         yield root
+        if not client.connected:  # a test that restarted ZooKeeper may have expired its session
+            client.stop()
+            client.start(timeout=60)
         # The agents' bad-node memory is guarded by the user's digest: log in with it to clean.
         user_secret = Path(cluster.env[USER_SECRET_FILE_ENV])
         if user_secret.is_file():

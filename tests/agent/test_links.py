@@ -42,10 +42,14 @@ print(json.dumps(links.port), flush=True)
 if role == "member":
     centre = NodeInfo("centre", "127.0.0.1", 1, "", centre_port)
     links.hold(Round(1, (centre, NodeInfo(me, "127.0.0.1", 1)), "127.0.0.1", 1, 0, 0))
+    while not links.peers():
+        time.sleep(0.01)
+    print(json.dumps("linked"), flush=True)
 """
 """Another agent's links, in a process of its own: ``member`` links up to the centre at the
-given port for round 1; ``centre`` waits for members. Then it waits to be killed, or for the
-test's process to be gone (``peer_process``)."""
+given port for round 1 and prints "linked" once it has read the centre's answer; ``centre``
+waits for members. Then it waits to be killed, or for the test's process to be gone
+(``peer_process``)."""
 
 
 def wait_for(condition: Callable[[], bool], what: str) -> None:
@@ -109,6 +113,11 @@ def test_a_member_killed_with_sigkill_is_reported_departed_by_the_centre(
     process = peer_process("m", "member", links.port)
     try:
         wait_for(lambda: Peer("m", 1) in links.peers(), "the member's link up")
+        # Up at both ends: the centre's answer read, nothing lies unread in the member's
+        # buffer. Killed before that, its kernel resets the link (no evidence, by design).
+        assert process.stdout is not None
+        process.stdout.readline()  # its own port
+        assert process.stdout.readline() == json.dumps("linked") + "\n"
         assert heard.peers == []
         process.send_signal(signal.SIGKILL)
         wait_for(lambda: bool(heard.peers), "the member reported departed")
