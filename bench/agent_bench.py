@@ -6,14 +6,18 @@ for both launchers, in the same run:
 * worker SIGKILL -> first step completed by the restarted group;
 * agent SIGKILL  -> first step completed at the smaller world size (``--nodes 3:4``);
 * a 4th agent starts next to 3 that train (``--nodes 3:4``) -> first step at world size 4;
+* a node freezes (SIGSTOP to its agent and workers: nothing closes, only its ZooKeeper session
+  expires) -> first step at world size 3;
 * hot spares: a member's agent SIGKILL (``--nodes 3:3``) -> first step at world size 3 again,
   with a 4th agent waiting beside the full round (``submit --spares 1``), and without one,
   where a new agent is started at the moment of the kill (the best a requeue can do: Slurm's
   own detection, requeue delay and queue wait come on top);
 * idle agent CPU (%) and RSS (MB) over a few seconds of training.
 
-Each scenario runs for torchrun, the agent with cold workers and the agent with ``--prewarm
-torch``, one after the other in the same run; the table has one row per scenario. For the
+Each scenario runs for torchrun, the agent with cold workers, the agent with ``--prewarm
+torch`` (these two with a session of 2 s and a last call of 1 s) and the agent exactly as
+``submit`` renders it (its default session timeout and last call, ``--prewarm torch``), one
+after the other in the same run; the table has one row per scenario. For the
 agent, each try also prints its restart timeline (``hpc_elastic.ops.phases``: seconds after the
 round's end was first seen), so the table says how long and the timeline says where.
 
@@ -23,10 +27,11 @@ recovers at all) and the c10d rendezvous; an attempt that has not recovered with
 
     python bench/agent_bench.py --zk 127.0.0.1:2181 [--repeats 3] [--no-idle]
 
-``--side-by-side`` runs the restart table in one command: the three scenarios (worker SIGKILL,
-node SIGKILL, a new node; 4 agents x 1 worker) for torchrun, the agent with cold workers,
-with ``--prewarm torch``, and with ``--in-place --prewarm torch`` (tests/workloads/
-train_inplace.py, which uses ``hpc_elastic.train.InPlace``). Every agent column needs a
+``--side-by-side`` runs the restart table in one command: the four scenarios (worker SIGKILL,
+node SIGKILL, a new node, a frozen node; 4 agents x 1 worker) for torchrun, the agent with
+cold workers, with ``--prewarm torch``, as ``submit`` renders it, and with ``--in-place
+--prewarm torch`` (tests/workloads/train_inplace.py, which uses
+``hpc_elastic.train.InPlace``). Every agent column needs a
 ZooKeeper and gets the same one: ``--zk private`` starts one for the run (tickTime 500, as
 the dev cluster's) and stops it at the end::
 
@@ -194,9 +199,13 @@ def ours(
     *,
     count: int = AGENTS,
     workload: Workload = GLOO,
+    rendered: bool = False,
 ) -> Launch:
+    """``count`` agents of one job. ``rendered``: with ``submit``'s defaults for every timing
+    (session timeout, last call, grace) instead of the bench's short ones."""
     run_id = uuid.uuid4().hex[:8]
     modules = [f"--prewarm={module}" for module in workload.prewarm] if prewarm else []
+    timings = [] if rendered else ["--session-timeout=2", "--last-call=1", "--grace=3"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
 
     def agent(index: int) -> subprocess.Popen[bytes]:
@@ -204,8 +213,7 @@ def ours(
             [
                 sys.executable, "-m", "hpc_elastic", "agent",
                 f"--run-id={run_id}", f"--job-dir={out / 'job'}", f"--zk={_chroot(zk)}",
-                f"--nodes={nodes}", "--zk-open-acl", "--session-timeout=2", "--last-call=1",
-                "--grace=3",
+                f"--nodes={nodes}", "--zk-open-acl", *timings,
                 f"--slot=a{index}", "--host=127.0.0.1", *modules,
                 "--", sys.executable, "-u", str(workload.script), f"--out={out}",
                 "--steps=100000",
@@ -297,6 +305,23 @@ def agent_kill(launch: Launch, give_up: float) -> float | None:
     if not _wait(lambda: launch.progress()[-1][2] == 3, give_up):
         return None
     return next(t for t, _, w, _ in launch.progress() if t > killed and w == 3) - killed
+
+
+def agent_freeze(launch: Launch, give_up: float) -> float | None:
+    """Seconds from freezing a node (SIGSTOP to its agent and workers: a silent loss, no
+    connection closes) to the first step at world size 3. Only the frozen agent's session
+    expiry tells the others."""
+    if not _wait(lambda: _trained(launch), 120):
+        return None
+    victim = launch.agents[-1]
+    node = [victim.pid, *_descendants(victim.pid)]
+    frozen = time.time()
+    for pid in node:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+    if not _wait(lambda: launch.progress()[-1][2] == 3, give_up):
+        return None
+    return next(t for t, _, w, _ in launch.progress() if t > frozen and w == 3) - frozen
 
 
 def _member_kill(launch: Launch, give_up: float, replace: bool) -> float | None:
@@ -394,12 +419,21 @@ def cell(results: list[float | None]) -> str:
     return f"{statistics.median(done):.1f} s ({spread}, {len(done)} of {len(results)})"
 
 
-LAUNCHERS = ("torchrun c10d", "agent, cold workers", "agent, --prewarm torch")
+LAUNCHERS = (
+    "torchrun c10d",
+    "agent, cold workers",
+    "agent, --prewarm torch",
+    "agent as submit renders it",
+)
+"""The columns. The first three agents run with a session of 2 s, a last call of 1 s and a
+grace of 3 s; the last one with ``submit``'s defaults (``contract.DEFAULT_SESSION_TIMEOUT``,
+``DEFAULT_LAST_CALL``, ``--prewarm torch``)."""
 SCENARIOS: tuple[tuple[str, str, int, Probe], ...] = (
     # (row, --nodes, agents at the start, probe)
     ("worker SIGKILL -> next step, all 4 ranks", "4", AGENTS, worker_kill),
     ("node SIGKILL -> step at 3 nodes", "3:4", AGENTS, agent_kill),
     ("4th node arrives -> step at 4 nodes", "3:4", AGENTS - 1, node_arrival),
+    ("frozen node (SIGSTOP) -> step at 3 nodes", "3:4", AGENTS, agent_freeze),
     # Hot spares (submit --spares): 3 nodes train, a 4th agent waits beside the full round.
     ("node SIGKILL -> step at full size (3:3), hot spare", "3:3", AGENTS, spare_takes_over),
     (
@@ -414,6 +448,34 @@ AGENT_ONLY = frozenset(
 )
 """Scenarios torchrun has no counterpart for (its extra nodes never replace a lost one at
 once: they wait for the next rendezvous, which a lost node does not start); its cell is "-"."""
+
+
+def launcher(
+    zk: str, name: str, nodes: str, count: int, workload: Workload = GLOO
+) -> Callable[[Path], Launch]:
+    """Starts the ``LAUNCHERS`` column ``name``: ``count`` nodes of one job in a folder."""
+    if name == LAUNCHERS[0]:
+        return functools.partial(torchrun, nodes, count=count, workload=workload)
+    return functools.partial(
+        ours,
+        zk,
+        nodes,
+        count=count,
+        workload=workload,
+        prewarm=name in LAUNCHERS[2:],
+        rendered=name == LAUNCHERS[3],
+    )
+
+
+def import_torch_seconds(tries: int = 3) -> float:
+    """The median wall time of ``import torch`` in a fresh interpreter: what a new node pays
+    before it can do anything, and what the arrival row is counted against."""
+    times = []
+    for _ in range(tries):
+        started = time.monotonic()
+        subprocess.run([sys.executable, "-c", "import torch"], check=True)
+        times.append(time.monotonic() - started)
+    return statistics.median(times)
 
 
 def main() -> None:
@@ -505,16 +567,6 @@ def run(args: argparse.Namespace) -> None:
     chosen = [name for name in args.only or LAUNCHERS if name in LAUNCHERS]
     scenarios = [row for row in SCENARIOS if not args.scenario or row[0] in args.scenario]
 
-    def launcher(
-        name: str, nodes: str, count: int, workload: Workload = GLOO
-    ) -> Callable[[Path], Launch]:
-        if name == LAUNCHERS[0]:
-            return lambda out: torchrun(nodes, out, count, workload)
-        prewarm = name == LAUNCHERS[2]
-        return lambda out: ours(
-            args.zk, nodes, out, prewarm=prewarm, count=count, workload=workload
-        )
-
     rows = []
     for workload in args.workloads:
         for scenario, nodes, count, probe in scenarios:
@@ -525,7 +577,7 @@ def run(args: argparse.Namespace) -> None:
                     cells.append("-")
                     continue
                 print(f"{row}: {name}", flush=True)
-                start = launcher(name, nodes, count, workload)
+                start = launcher(args.zk, name, nodes, count, workload)
                 results = [
                     measure(f"try {n + 1}", start, probe, args.give_up) for n in range(args.repeats)
                 ]
@@ -538,7 +590,7 @@ def run(args: argparse.Namespace) -> None:
         return
     for name in chosen:
         with tempfile.TemporaryDirectory(prefix="agent-bench-") as tmp:
-            launch = launcher(name, "4", AGENTS)(Path(tmp))
+            launch = launcher(args.zk, name, "4", AGENTS)(Path(tmp))
             try:
                 cpu, rss = idle_cost(launch)
             finally:
@@ -577,7 +629,7 @@ def side_by_side(
     *,
     workloads: list[Workload] | None = None,
 ) -> None:
-    """The restart table in one run: rows are the three scenarios, columns the launchers, the
+    """The restart table in one run: rows are the four scenarios, columns the launchers, the
     in-place column last (its own workload and probe: fault -> a step by every rank of the new
     round, and, after ";", the survivors' first step after their agent knew the round).
     ``only`` and ``scenarios`` (``--only``, ``--scenario``) pick columns and rows; with other
@@ -585,10 +637,11 @@ def side_by_side(
     others do not use ``InPlace``)."""
     workloads = workloads or [GLOO]
     columns = [name for name in (*LAUNCHERS, IN_PLACE_LAUNCHER) if not only or name in only]
+    print(f"import torch in a fresh interpreter: {import_torch_seconds():.2f} s (median of 3)")
     rows = []
     for workload in workloads:
-        for scenario, nodes, count, probe in SCENARIOS[:3]:
-            if scenarios and scenario not in scenarios:
+        for scenario, nodes, count, probe in SCENARIOS:
+            if scenario in AGENT_ONLY or (scenarios and scenario not in scenarios):
                 continue
             row = row_name(scenario, workload, workloads)
             cells = [
@@ -646,22 +699,15 @@ def _side_by_side_cell(
     """One cell of ``side_by_side``: ``repeats`` tries of one launcher on one scenario."""
     nodes, count, probe = scenario
     if name == IN_PLACE_LAUNCHER:
-        if workload != GLOO:
+        fault = IN_PLACE_FAULTS.get(probe)
+        if workload != GLOO or fault is None:
             return "-"
         print(f"{row}: {IN_PLACE_LAUNCHER}", flush=True)
-        fault = IN_PLACE_FAULTS[probe]
         return in_place_cell(
             zk, nodes, count, fault, repeats=repeats, give_up=give_up, prewarm=True
         )
     print(f"{row}: {name}", flush=True)
-    if name == LAUNCHERS[0]:
-        start: Callable[[Path], Launch] = functools.partial(
-            torchrun, nodes, count=count, workload=workload
-        )
-    else:
-        start = functools.partial(
-            ours, zk, nodes, prewarm=name == LAUNCHERS[2], count=count, workload=workload
-        )
+    start = launcher(zk, name, nodes, count, workload)
     return cell([measure(f"try {n + 1}", start, probe, give_up) for n in range(repeats)])
 
 
