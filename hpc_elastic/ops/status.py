@@ -17,7 +17,7 @@ from hpc_elastic.ops import timeline
 from hpc_elastic.ops.jobs import JobRecord, runner_alive
 from hpc_elastic.slurm import commands
 from hpc_elastic.slurm.commands import JobStatus
-from hpc_elastic.slurm.elastic import every_task_held
+from hpc_elastic.slurm.queue import every_task_held
 
 SlurmQuery = Callable[[Sequence[str]], list[JobStatus]]
 """What ``squeue`` answers for some job ids: ``commands.squeue`` unless a caller gives its own."""
@@ -242,7 +242,7 @@ def job_state(record: JobRecord, summary: timeline.Summary, slurm: list[JobStatu
     ``list``, ``status`` and the Python API share, so they never disagree about a job.
     ``slurm`` is Slurm's queue lines of this job (``of_job``); a job the agents say is running
     but that Slurm no longer lists (cancelled, killed) and whose local runner is gone is
-    stopped; one whose every task Slurm holds (by its reason, ``elastic.held_reason``) is
+    stopped; one whose every task Slurm holds (by its reason, ``queue.held_reason``) is
     held: it waits for an ``scontrol release``."""
     if summary.outcome != "running":
         return summary.outcome

@@ -6,6 +6,8 @@
 - ``env``: what Slurm tells a process (its ``SLURM_*`` variables), read once;
 - ``elastic``: a slot's life as an array task: who is coming, who leaves and why, requeues,
   ``ExcNodeList``, held tasks, the job's arrays;
+- ``queue``: pure readings of squeue's listing of a job (which tasks run, start, pend or are
+  held) and the cached slot count, shared by the agent and the operator's commands;
 - ``drain``: drained and failing nodes, asked by one agent per job and left at the next
   checkpoint;
 - ``grace``: saves timed from the heartbeats against the ``--signal`` lead and GraceTime.

@@ -9,7 +9,7 @@ which may die any moment, leaves at once. The ``drain`` event gives the reason S
 
 **One query per job per interval.** Asking Slurm from every agent would grow slurmctld's load
 with the job's size. So one agent of the job asks: the lowest running slot, the same one that
-releases held tasks (``elastic.reports_held``), chosen from the squeue answers every agent
+releases held tasks (``queue.reports_held``), chosen from the squeue answers every agent
 already has; it runs one ``sinfo -t drain,fail`` (whose answer lists the drained nodes of the
 cluster, not its every node) at most every ``POLL_S`` and publishes it in the job directory
 (``slots/drained.json``, ``JobDir.drained``). Every agent reads that file instead. Two agents

@@ -5,7 +5,9 @@ the agent of one task: how many slots run or are about to (so a round need not w
 slots Slurm cannot start now), why this slot was asked to stop (preemption, time limit or by
 hand), whether to requeue it and away from which nodes, and which pending slots to cancel
 once the job is over. The per-slot counts live in ``<job dir>/slots/<slot>.json``; only one
-incarnation of a slot runs at a time, so the file has a single writer.
+incarnation of a slot runs at a time, so the file has a single writer. What squeue's listing
+says (which tasks run, start, pend or are held, and the cached slot count) is read in
+``slurm/queue.py``, which the operator's commands share; the actions on it are here.
 """
 
 from __future__ import annotations
@@ -41,11 +43,22 @@ from hpc_elastic.jobdir import JobDir, JobRecord, write_private
 from hpc_elastic.slurm import commands, drain, grace
 from hpc_elastic.slurm.commands import JobStatus, NodeDrain
 from hpc_elastic.slurm.env import SlurmContext
+from hpc_elastic.slurm.queue import (
+    CHURN_HOLD,
+    ENDED,
+    LIVE,
+    ComingSlots,
+    churn_held_tasks,
+    held_reasons,
+    poll,
+    reports_held,
+    running_tasks,
+    task_arrays,
+    task_indices,
+)
 
 log = logging.getLogger(__name__)
 
-SQUEUE_INTERVAL = 2.0
-"""Seconds between two squeue calls of one agent: the rendezvous asks on every change."""
 SQUEUE_TIMEOUT = 10.0
 """Seconds one background squeue may take; the rendezvous does without the count meanwhile."""
 SCONTROL_TIMEOUT = 10.0
@@ -53,28 +66,6 @@ SCONTROL_TIMEOUT = 10.0
 SCONTROL_TRIES = 3
 SCONTROL_PAUSE = 0.5
 """Tries of that ``scontrol``, and seconds between two (well inside any GraceTime)."""
-_STARTING = frozenset({"RUNNING", "CONFIGURING"})
-_ENDED = frozenset(
-    {
-        "COMPLETING",
-        "COMPLETED",
-        "CANCELLED",
-        "FAILED",
-        "TIMEOUT",
-        "PREEMPTED",
-        "NODE_FAIL",
-        "BOOT_FAIL",
-        "DEADLINE",
-        "OUT_OF_MEMORY",
-        "REVOKED",
-        "STAGE_OUT",
-    }
-)
-"""Task states in which Slurm has ended the task or is ending it: nothing left to cancel."""
-_LIVE = frozenset({"RUNNING", "SIGNALING", "SUSPENDED", "STOPPED", "RESIZING"})
-"""Task states in which an agent may run on a node. Every other state (PENDING, REQUEUED,
-REQUEUE_HOLD, CONFIGURING, SPECIAL_EXIT, a state this version does not know) means that no
-agent of the task runs: the end of the job cancels it at once."""
 END_MARGIN_S = 60.0
 """Seconds a sibling's agent is given, beyond its workers' ``--grace``, to finish its own
 clean exit once the job is over, before the end of the job cancels its task: on a busy
@@ -122,56 +113,6 @@ class SlotLimits:
 # --- pure parts ----------------------------------------------------------------------------
 
 
-def task_indices(text: str) -> list[int]:
-    """Array task ids from squeue's %K: ``3``, ``0-3``, ``1,3-5`` or ``0-3%2`` (a throttle)."""
-    indices: list[int] = []
-    for part in text.split("%", maxsplit=1)[0].split(","):
-        low, _, high = part.partition("-")
-        if not low.strip().isdigit() or (high and not high.strip().isdigit()):
-            raise SlurmError(
-                f"squeue printed the array tasks '{text}', which are not ids like '0-3,5'; "
-                "check that `squeue` is Slurm's and not a wrapper."
-            )
-        indices.extend(range(int(low), int(high or low) + 1))
-    return indices
-
-
-def coming_slots(statuses: Sequence[JobStatus]) -> int:
-    """Slots that run or will start at once; those waiting for resources, priority or a
-    requeue delay (``BeginTime``) are not counted, so a round does not wait for them."""
-    count = 0
-    for status in statuses:
-        if status.array_task is None:
-            continue
-        soon = status.state in _STARTING or (status.state == "PENDING" and status.reason == "None")
-        if soon:
-            count += len(task_indices(status.array_task))
-    return count
-
-
-def task_arrays(statuses: Sequence[JobStatus]) -> dict[int, str]:
-    """Each array task squeue lists -> the array job it belongs to. A job that grows
-    elsewhere (``--grow-partition``/``--grow-qos``) is two arrays whose task ids never
-    overlap (0..MIN-1 and MIN..), so a task id alone names a slot, and this its Slurm job."""
-    return {
-        index: str(status.job_id)
-        for status in statuses
-        if status.array_task is not None
-        for index in task_indices(status.array_task)
-    }
-
-
-def pending_tasks(statuses: Sequence[JobStatus]) -> list[int]:
-    """Tasks in which no agent runs and that Slurm has not ended: pending, requeued, held,
-    configuring, or in a state this version does not know."""
-    return sorted(
-        index
-        for status in statuses
-        if status.state not in _LIVE | _ENDED and status.array_task is not None
-        for index in task_indices(status.array_task)
-    )
-
-
 class Sibling(enum.Enum):
     """What the end of the job does with one sibling task (``sibling_at_end``)."""
 
@@ -200,9 +141,9 @@ def sibling_at_end(status: JobStatus, ledger: SlotLedger | None, lost: bool) -> 
     that did is never cancelled; a ledger that names another node than Slurm's is the last
     incarnation's, and the task Slurm shows is a new one that has not arrived yet.
     """
-    if status.state in _ENDED:
+    if status.state in ENDED:
         return Sibling.GONE
-    if status.state not in _LIVE:
+    if status.state not in LIVE:
         return Sibling.WAITING
     if ledger is not None and (
         ledger.running_on is None or (status.nodes and ledger.running_on != status.nodes)
@@ -273,77 +214,6 @@ def end_plan(
     return EndPlan(
         tasks(Sibling.WAITING, Sibling.LOST), tasks(Sibling.LOST), tasks(Sibling.FINISHING)
     )
-
-
-CHURN_HOLD = "JobHoldMaxRequeue"
-"""The reason squeue gives for a task Slurm held because it was requeued more often than the
-site's ``MaxBatchRequeue``: the job's own churn, which a sibling slot may release."""
-_HELD_REASONS = frozenset(
-    {
-        CHURN_HOLD,
-        "JobHeldAdmin",
-        "JobHeldUser",
-        "launch_failed_requeued_held",
-        "job_requeued_in_held_state",
-    }
-)
-"""Reasons squeue gives for a pending task that will never start until someone releases it
-(its priority is 0), spaces written as underscores (``held_reason``): the last two are the
-texts Slurm shows in place of ``JobHeldUser`` after a failed launch or ``scontrol requeuehold``."""
-
-
-def held_reason(status: JobStatus) -> str | None:
-    """Why Slurm holds this task (its reason, spaces as underscores), or None if it does not.
-
-    The reason decides, never the state. Slurm 22.05's ``scontrol release`` resets a hold's
-    priority and reason but leaves the ``REQUEUE_HOLD`` state flag, which only the task's
-    start clears: a task just released reads ``REQUEUE_HOLD`` with reason ``None``, then
-    ``BeginTime`` while the requeue delay runs (seen on the dev cluster: about 5 s). Read by
-    its state, the slot that released it took it for held again, and alerted.
-    ``scontrol requeuehold``, the other way round, leaves a held task ``PENDING``.
-    """
-    reason = status.reason.replace(" ", "_")  # squeue prints a free-text reason as it is
-    return reason if reason in _HELD_REASONS else None
-
-
-def held_reasons(statuses: Sequence[JobStatus]) -> dict[int, str]:
-    """Tasks Slurm holds (requeued too often, or held by hand), each with squeue's reason
-    (``held_reason``): they wait for an ``scontrol release`` that nobody gives on a weekend."""
-    return {
-        index: reason
-        for status in statuses
-        if status.array_task is not None and (reason := held_reason(status)) is not None
-        for index in task_indices(status.array_task)
-    }
-
-
-def every_task_held(statuses: Sequence[JobStatus]) -> bool:
-    """Whether Slurm lists the job only as held tasks: nothing runs, nothing starts by itself,
-    and no agent is left to release them (the one stall the job cannot end by itself)."""
-    return bool(statuses) and all(held_reason(status) is not None for status in statuses)
-
-
-def churn_held_tasks(statuses: Sequence[JobStatus]) -> list[int]:
-    """Held tasks the job may release itself: held for too many requeues, and for nothing
-    else. An admin's hold (``JobHeldAdmin``) or the user's own (``JobHeldUser``) is a person's
-    decision, and a launch failure a broken node: those are only reported."""
-    return sorted(task for task, reason in held_reasons(statuses).items() if reason == CHURN_HOLD)
-
-
-def running_tasks(statuses: Sequence[JobStatus]) -> list[int]:
-    return sorted(
-        index
-        for status in statuses
-        if status.state in _STARTING and status.array_task is not None
-        for index in task_indices(status.array_task)
-    )
-
-
-def reports_held(statuses: Sequence[JobStatus], me: int) -> bool:
-    """Whether slot ``me`` is the one to release or report held tasks: the lowest running
-    task, so a job of 64 slots raises one alert per held task, not 64."""
-    running = running_tasks(statuses)
-    return bool(running) and min(running) == me
 
 
 def will_be_held(restart_count: int, limit: int) -> bool:
@@ -639,90 +509,6 @@ def save_json(path: Path, record: Mapping[str, object]) -> None:
 # --- talking to Slurm ------------------------------------------------------------------------
 
 
-SlurmCall = Callable[[], None]
-Spawn = Callable[[SlurmCall], None]
-"""Runs one Slurm query away from the caller: a daemon thread in production."""
-
-
-def in_background(work: SlurmCall) -> None:
-    threading.Thread(target=work, name="hpc-elastic-slurm", daemon=True).start()
-
-
-class ComingSlots:
-    """The rendezvous' ``expected_nodes``: slots of this array that run or start at once.
-
-    The rendezvous asks on every change, from kazoo's watch and connection threads, and
-    those must never block: a stuck watch thread delays every later watch and the session's
-    pings, and squeue may take its whole timeout when slurmctld is busy. So a call never runs
-    squeue itself. It returns the last answer (None before the first one) and, when that
-    answer is older than ``interval``, starts one squeue through ``spawn`` (never two at once).
-    When squeue fails or times out the answer is None: the rendezvous then waits the last call.
-    """
-
-    def __init__(
-        self,
-        array_job_id: str,
-        squeue: Callable[[Sequence[str]], list[JobStatus]],
-        interval: float = SQUEUE_INTERVAL,
-        clock: Callable[[], float] = time.monotonic,
-        spawn: Spawn = in_background,
-        *,
-        on_statuses: Callable[[Sequence[JobStatus]], None] | None = None,
-        also: Callable[[], Sequence[str]] = tuple,
-    ) -> None:
-        self._array_job_id = array_job_id
-        self._also = also
-        """The job's other arrays (the growth slots'), asked in the same squeue."""
-        self._on_statuses = on_statuses
-        """Also shown each squeue answer (the held-task report), from the squeue thread."""
-        self._squeue = squeue
-        self._interval = interval
-        self._clock = clock
-        self._spawn = spawn
-        self._lock = threading.Lock()
-        """Held only to read or swap the fields below, never while squeue runs."""
-        self._asked_at: float | None = None
-        self._asking = False
-        self._answer: int | None = None
-
-    def __call__(self) -> int | None:
-        with self._lock:
-            due = not self._asking and (
-                self._asked_at is None or self._clock() - self._asked_at >= self._interval
-            )
-            if due:
-                self._asking, self._asked_at = True, self._clock()
-        if due:
-            self._spawn(self._refresh)
-        return self._answer  # Read after spawn: an inline spawn (tests) answers at once.
-
-    def _refresh(self) -> None:
-        try:
-            statuses = self._squeue([self._array_job_id, *self._also()])
-            answer = coming_slots(statuses) or None
-            if self._on_statuses is not None:
-                self._on_statuses(statuses)
-        except SlurmError as error:
-            log.debug("squeue failed, no slot count until the next try: %s", error)
-            answer = None
-        with self._lock:
-            if answer != self._answer:
-                log.debug("slots running or starting now: %s -> %s", self._answer, answer)
-            self._answer, self._asking = answer, False
-
-
-def _poll(coming: ComingSlots, interval: float) -> None:
-    """Ask ``coming`` every ``interval`` s from a daemon thread, so its squeue (and the held
-    report) also runs while the rendezvous is quiet; the count it refreshes is harmless."""
-
-    def loop() -> None:
-        while True:
-            time.sleep(interval)
-            coming()
-
-    threading.Thread(target=loop, name="hpc-elastic-held", daemon=True).start()
-
-
 def cancel_tasks(array_job_id: str, tasks: Sequence[int], env: Mapping[str, str] | None) -> None:
     """One ``scancel`` for ``tasks`` of the array (none: no call)."""
     if tasks:
@@ -945,7 +731,7 @@ class ElasticSlot:
         )
         coming()
         if emit is not None:
-            _poll(coming, HELD_POLL_S)
+            poll(coming, HELD_POLL_S)
         return coming
 
     def watch_held(self, emit: Callable[..., None]) -> Callable[[Sequence[JobStatus]], None]:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from cluster import wait_until
 from slurm_fake import FakeSlurm, Reply, mocked_slurm
 from slurm_fake import array_slot as slot
 from typer.testing import CliRunner
@@ -22,21 +21,15 @@ from hpc_elastic.cli import app
 from hpc_elastic.errors import SlurmError
 from hpc_elastic.ops import cancel
 from hpc_elastic.ops.jobs import JobRecord
-from hpc_elastic.slurm import commands, elastic
+from hpc_elastic.slurm import commands, elastic, queue
 from hpc_elastic.slurm.commands import JobStatus
 from hpc_elastic.slurm.elastic import (
-    ComingSlots,
     Departure,
     ElasticSlot,
     SlotLedger,
     SlotLimits,
 )
 
-# A 1:4 array while another job holds 3 nodes: one task runs, three wait for resources.
-HELD_BACK = """\
-9|1-3|PENDING|Resources|
-9|0|RUNNING|None|n1
-"""
 # After a preemption: two requeued tasks wait out the requeue delay, one was just granted.
 AFTER_PREEMPTION = """\
 9|2-3|PENDING|BeginTime|
@@ -52,33 +45,6 @@ RUNNING_JOB = (
 
 def statuses(text: str) -> list[JobStatus]:
     return commands.parse_squeue(text)
-
-
-@pytest.mark.parametrize(
-    ("text", "indices"),
-    [("3", [3]), ("0-3", [0, 1, 2, 3]), ("1,3-4", [1, 3, 4]), ("0-3%2", [0, 1, 2, 3])],
-)
-def test_task_indices(text: str, indices: list[int]) -> None:
-    assert elastic.task_indices(text) == indices
-
-
-def test_task_indices_refuses_garbage() -> None:
-    with pytest.raises(SlurmError, match="'x-1'"):
-        elastic.task_indices("x-1")
-
-
-def test_slots_waiting_for_resources_are_not_coming() -> None:
-    assert elastic.coming_slots(statuses(HELD_BACK)) == 1
-
-
-def test_just_granted_slots_come_requeued_ones_do_not() -> None:
-    assert elastic.coming_slots(statuses(AFTER_PREEMPTION)) == 2
-    assert elastic.pending_tasks(statuses(AFTER_PREEMPTION)) == [1, 2, 3]
-
-
-def test_a_task_held_after_too_many_requeues_is_cancelled_at_the_end() -> None:
-    held = "9|1|REQUEUE_HOLD|JobHoldMaxRequeue|\n9|0|RUNNING|None|n1\n"
-    assert elastic.pending_tasks(statuses(held)) == [1]
 
 
 @pytest.mark.parametrize(
@@ -133,53 +99,6 @@ def test_ledger_counts_each_cause_against_its_own_limit() -> None:
     assert "time limit 1 times" in str(
         SlotLedger().requeued(Departure.TIME_LIMIT).over_limit(limits)
     )
-
-
-def inline(work: Callable[[], None]) -> None:
-    """Runs the background squeue at once, so that rate-limit tests need no threads."""
-    work()
-
-
-def test_coming_slots_asks_squeue_at_most_once_per_interval() -> None:
-    calls: list[list[str]] = []
-    now = [0.0]
-
-    def squeue(ids: Sequence[str]) -> list[JobStatus]:
-        calls.append(list(ids))
-        return statuses(HELD_BACK)
-
-    coming = ComingSlots("9", squeue, interval=2.0, clock=lambda: now[0], spawn=inline)
-    assert [coming(), coming()] == [1, 1]
-    now[0] = 2.5
-    assert coming() == 1
-    assert calls == [["9"], ["9"]]
-
-
-def test_coming_slots_falls_back_to_the_last_call_when_squeue_fails() -> None:
-    def broken(ids: Sequence[str]) -> list[JobStatus]:
-        raise SlurmError("squeue failed.")
-
-    assert ComingSlots("9", broken, spawn=inline)() is None
-
-
-def test_a_slow_squeue_never_blocks_the_rendezvous_thread_that_asks() -> None:
-    """kazoo's watch threads ask; they get the last answer while one squeue runs elsewhere."""
-    entered, release = threading.Event(), threading.Event()
-    calls: list[str] = []
-
-    def slow(ids: Sequence[str]) -> list[JobStatus]:
-        calls.append("squeue")
-        entered.set()
-        release.wait(60)
-        return statuses(HELD_BACK)
-
-    coming = ComingSlots("9", slow, interval=0.0)
-    assert coming() is None, "the first call must not wait for squeue's answer"
-    assert entered.wait(30)
-    assert coming() is None
-    assert calls == ["squeue"], "a second squeue started while the first still ran"
-    release.set()
-    assert wait_until(lambda: coming() == 1, 30)
 
 
 @pytest.fixture
@@ -762,23 +681,10 @@ def test_negative_spares_are_refused_in_one_sentence(
     assert "Traceback" not in result.output
 
 
-def test_coming_slots_count_running_spares_but_a_round_never_exceeds_max() -> None:
-    """Spares run like any slot: squeue counts them, and ``expected`` above MAX only means
-    that a round need not wait (``next_action`` caps it at MAX)."""
-    statuses = commands.parse_squeue("9|0-2|RUNNING|None|n[1-3]\n")
-    assert elastic.coming_slots(statuses) == 3
-
-
 # --- held tasks: release a churn hold under the no-progress breaker, announce the last ---
 
 CHURN_HELD = "9|1|REQUEUE_HOLD|JobHoldMaxRequeue|\n9|0|RUNNING|None|n1\n"
 ADMIN_HELD = "9|1|REQUEUE_HOLD|JobHeldAdmin|\n9|3|PENDING|JobHeldUser|\n9|0|RUNNING|None|n1\n"
-
-
-def test_only_a_hold_for_too_many_requeues_is_the_jobs_to_release() -> None:
-    assert elastic.churn_held_tasks(statuses(CHURN_HELD)) == [1]
-    assert elastic.churn_held_tasks(statuses(ADMIN_HELD)) == []
-    assert sorted(elastic.held_reasons(statuses(ADMIN_HELD))) == [1, 3]
 
 
 @pytest.mark.parametrize(
@@ -914,12 +820,6 @@ def test_a_task_released_but_still_shown_requeue_hold_is_not_a_new_hold(tmp_path
     )
 
 
-@pytest.mark.parametrize("shown", RELEASED_STILL_SHOWN[:2])
-def test_a_released_task_waiting_to_start_is_not_held(shown: str) -> None:
-    assert elastic.held_reasons(statuses(shown)) == {}
-    assert not elastic.every_task_held(statuses(shown.splitlines()[0]))
-
-
 def test_a_task_requeued_held_by_hand_is_held_whatever_its_state(tmp_path: Path) -> None:
     """``scontrol requeuehold`` leaves the task PENDING, its reason the text "job requeued in
     held state" (squeue prints the spaces): someone's decision, reported and never released."""
@@ -1028,7 +928,7 @@ def test_a_hold_the_slot_reports_is_posted_to_the_notify_url_and_its_other_event
         AgentSpec(job_dir=tmp_path, command=("train",)), "job", slot(tmp_path), notifier
     )
     emit(events.Kind.REQUEUE, cause="bad_node", slurm_job="9_2", excluded=["n3"])
-    emit(events.Kind.HELD, task=1, slurm_job="9_1", reason=elastic.CHURN_HOLD)
+    emit(events.Kind.HELD, task=1, slurm_job="9_1", reason=queue.CHURN_HOLD)
     assert delivered.wait(10), "the held alert was never posted"
     notifier.close()
     assert len(posted) == 1, posted

@@ -18,7 +18,7 @@ from hpc_elastic.events import Event, Kind
 from hpc_elastic.jobdir import JobRecord
 from hpc_elastic.ops import cancel, status
 from hpc_elastic.render import RenderContext, render, render_growth
-from hpc_elastic.slurm import elastic
+from hpc_elastic.slurm import elastic, queue
 from hpc_elastic.slurm.commands import JobStatus, SlurmJobId, parse_squeue
 from hpc_elastic.slurm.env import SlurmContext
 from hpc_elastic.spec import ArrayPart, JobSpec, NodeRange
@@ -160,7 +160,7 @@ def test_each_task_is_known_by_its_own_array() -> None:
         "10|2|RUNNING|None|n3",
         "10|3|PENDING|Resources|",
     )
-    assert elastic.task_arrays(statuses) == {0: "9", 1: "9", 2: "10", 3: "10"}
+    assert queue.task_arrays(statuses) == {0: "9", 1: "9", 2: "10", 3: "10"}
 
 
 def test_the_coming_slots_count_both_arrays_in_one_squeue() -> None:
@@ -170,7 +170,7 @@ def test_the_coming_slots_count_both_arrays_in_one_squeue() -> None:
         asked.append(list(ids))
         return squeue_lines("9|0|RUNNING|None|n1", "10|2|RUNNING|None|n3", "10|3|PENDING|None|")
 
-    coming = elastic.ComingSlots("9", squeue, spawn=lambda work: work(), also=lambda: ("10",))
+    coming = queue.ComingSlots("9", squeue, spawn=lambda work: work(), also=lambda: ("10",))
     assert coming() == 3
     assert asked == [["9", "10"]]
 
@@ -269,7 +269,7 @@ def test_cancel_ends_both_arrays(tmp_path: Path) -> None:
 def test_a_hold_in_the_other_array_is_released_by_its_own_job_id(tmp_path: Path) -> None:
     write_record(tmp_path)
     held = squeue_lines(
-        "9|0|RUNNING|None|n1", "10|2|RUNNING|None|n3", f"10|3|PENDING|{elastic.CHURN_HOLD}|"
+        "9|0|RUNNING|None|n1", "10|2|RUNNING|None|n3", f"10|3|PENDING|{queue.CHURN_HOLD}|"
     )
     with mocked_slurm() as slurm:
         slurm.answer("scontrol", "release")
