@@ -32,6 +32,7 @@ from typing import TypeVar
 from hpc_elastic import events
 from hpc_elastic.agent import hangs, investigation, proc, rootcause, rules, sockets, stops, watchdog
 from hpc_elastic.agent.api import AgentPhase, AgentSpec, ExitCode
+from hpc_elastic.agent.inplace import InPlaceHandover
 from hpc_elastic.agent.links import Links, Peer
 from hpc_elastic.agent.rules import (
     ENDS_ROUND,
@@ -52,13 +53,11 @@ from hpc_elastic.agent.storehost import StoreHost, store_host_command, wants_sto
 from hpc_elastic.agent.workers import (
     Worker,
     WorkerGroup,
-    WorkerPaths,
     attempt_paths,
     launch,
     worker_env,
 )
 from hpc_elastic.contract import (
-    ASSIGNMENT_FILE_ENV,
     LEASE_FILE_ENV,
     LEASE_TIMEOUT_ENV,
 )
@@ -69,13 +68,6 @@ from hpc_elastic.errors import (
 )
 from hpc_elastic.events import FailedDetails, FailureDetails, HangDetails, Kind, RoundDetails
 from hpc_elastic.protocol import heartbeat
-from hpc_elastic.protocol.assignment import (
-    ROUND_KEYS,
-    Assignment,
-    ack_path,
-    read_ack,
-    write_assignment,
-)
 from hpc_elastic.rendezvous import state as rdzv_state
 from hpc_elastic.rendezvous.api import (
     Failure,
@@ -117,11 +109,6 @@ LEAVE_WAIT = 2.0
 its connection, milliseconds when the store answers) once its workers are gone. Past that, or
 when it is cut off, it exits without: its membership then goes with its session, and the
 others notice within a session timeout instead of at once."""
-
-ACK_TIMEOUT = 30.0
-"""In-place mode: seconds a surviving worker has to take up the new round (it acknowledges at
-its next step boundary, or at once when a collective failed on a dead peer). One that does not
-(stuck in a long step, or a loop without ``InPlace``) is killed and restarted the normal way."""
 
 log = logging.getLogger(__name__)
 
@@ -275,11 +262,11 @@ def standby_pool(
 class Agent:
     """Runs this node's workers through rounds until the job succeeds, fails or is stopped.
 
-    Why some fifty methods: it is the executor of every decision of the loop (the phases in
-    the module's docstring), each action a small method of its own, and it owns the one
-    thing those actions share, this node's round and its workers. The decisions themselves
-    are pure functions in ``rules.py``; hangs, investigations, links and workers have their
-    own modules.
+    Why 51 methods: it is the executor of every decision of the loop (the phases in the
+    module's docstring), each action a small method of its own, and it owns the one thing
+    those actions share, this node's round and its workers. The decisions themselves are
+    pure functions in ``rules.py``; hangs, investigations, links, workers and in-place mode's
+    hand-over of a round to the survivors (``InPlaceHandover``) have their own modules.
     """
 
     def __init__(
@@ -333,8 +320,16 @@ class Agent:
         self._hangs_answered: set[int] = set()
         """The round's hang investigations this agent took part in (agent/investigation.py)."""
         self._breaker = watchdog.Breaker()
-        self._acks: dict[int, tuple[int, float]] = {}
-        """In-place mode: local rank -> (round, deadline) of each survivor yet to take it up."""
+        self._in_place = (
+            InPlaceHandover(self._run_dir, self._node, spec, self._standbys)
+            if spec.in_place
+            else None
+        )
+        """``--in-place``: the hand-over of each new round to the surviving workers
+        (agent/inplace.py); None in the normal mode. None rather than an object whose methods
+        do nothing: in-place mode starts a round's workers differently (``hand_over`` instead
+        of ``WorkerGroup.start``), which no null object can stand in for, and
+        ``if self._in_place is not None`` shows at each point where the two modes part."""
         rdzv.on_spare = self._waiting_as_spare
         self._links = self._prepared.links
         """Last: a link's end may call ``_peer_departed`` from now on."""
@@ -580,13 +575,8 @@ class Agent:
             attempt_paths(self.spec, self._run_dir, rdzv_round.number, first + local)
             for local in range(self.spec.nproc_per_node)
         ]
-        if self.spec.in_place:
-            # A survivor keeps the heartbeat file it was started with, whatever its new rank:
-            # a newcomer's file is named by round as well as rank, so the two never collide.
-            paths = [
-                replace(each, heartbeat=self._run_dir / f"heartbeat_{rdzv_round.number}_{i}")
-                for i, each in enumerate(paths, start=first)
-            ]
+        if self._in_place is not None:
+            paths = self._in_place.worker_paths(paths, rdzv_round.number, first)
         environ = {
             **self._environ,
             LEASE_FILE_ENV: str(self._lease),
@@ -606,8 +596,11 @@ class Agent:
             )
             for local in range(self.spec.nproc_per_node)
         ]
-        if self.spec.in_place:
-            return self._start_in_place(rdzv_round.number, envs, paths)
+        if self._in_place is not None:
+            group, kept = self._in_place.hand_over(rdzv_round.number, envs, paths, self._group)
+            if kept:
+                self._event(Kind.WORKERS_KEPT, round=rdzv_round.number, ranks=kept)
+            return group
         return WorkerGroup.start(self.spec, envs, paths, self._standbys)
 
     def _keep_stores(self, rdzv_round: Round) -> bool:
@@ -632,45 +625,6 @@ class Agent:
             "this agent's" if ours else "not this agent's",
         )
         return ours
-
-    def _start_in_place(
-        self, round_number: int, envs: list[dict[str, str]], paths: list[WorkerPaths]
-    ) -> WorkerGroup:
-        """In-place mode: write every local rank its round (a survivor takes it up at its next
-        step boundary), start workers only for the local ranks that have no survivor."""
-        group = self._group if self._group is not None else WorkerGroup([])
-        survivors = {worker.local_rank: worker for worker in group.keep_running()}
-        deadline = time.monotonic() + ACK_TIMEOUT
-        self._acks = {}
-        try:
-            for local, (env, worker_paths) in enumerate(zip(envs, paths, strict=True)):
-                assignment_file = self._assignment_file(local)
-                env[ASSIGNMENT_FILE_ENV] = str(assignment_file)
-                round_env = {key: env[key] for key in ROUND_KEYS}
-                write_assignment(assignment_file, Assignment(round_number, round_env))
-                survivor = survivors.get(local)
-                if survivor is None:
-                    # A new worker has yet to show that its loop takes rounds (_takes_rounds).
-                    ack_path(assignment_file).unlink(missing_ok=True)
-                    group.add(self.spec, env, worker_paths, local, self._standbys)
-                    continue
-                log.debug(
-                    "%s: rank %d (pid %d) goes on in place as rank %s of round %d",
-                    self._node,
-                    survivor.rank,
-                    survivor.process.pid,
-                    env["RANK"],
-                    round_number,
-                )
-                survivor.rank = int(env["RANK"])
-                self._acks[local] = (round_number, deadline)
-        except BaseException:
-            group.stop(0.0)
-            raise
-        if survivors:
-            kept = sorted(worker.rank for worker in survivors.values())
-            self._event(Kind.WORKERS_KEPT, round=round_number, ranks=kept)
-        return group
 
     def _monitor(self, group: WorkerGroup, round_number: int) -> _Ended:
         """Wake every ``poll_interval``: a few waitpid and stat calls, well under 1% CPU."""
@@ -723,44 +677,18 @@ class Agent:
             return _Ended(outcome, self._failure(worker.rank, code))
         return _Ended(outcome)
 
-    def _takes_rounds(self, group: WorkerGroup) -> bool:
-        """In-place mode, and every running worker's loop uses ``InPlace`` (it acknowledged the
-        round it started in). A loop without it would never take up a round: restarting it
-        the normal way at once beats killing it at the deadline, round after round."""
-        if not self.spec.in_place:
-            return False
-        running = group.running()
-        return bool(running) and all(
-            read_ack(self._assignment_file(worker.local_rank)) is not None for worker in running
-        )
-
     def _unacknowledged(self, group: WorkerGroup) -> _Ended | None:
-        """In-place mode: kill a survivor that did not take up its round in time; its failure
-        then restarts it the normal way (from a survivor's broadcast or the checkpoint)."""
-        if not self._acks:
+        """In-place mode: the failure of a survivor that did not take up its round in time
+        (``InPlaceHandover.overdue`` killed it), which restarts it the normal way (from a
+        survivor's broadcast or the checkpoint); None while every survivor is in time, and
+        in the normal mode."""
+        if self._in_place is None:
             return None
-        now = time.monotonic()
-        for worker in group.workers:
-            pending = self._acks.get(worker.local_rank)
-            if pending is None:
-                continue
-            round_number, deadline = pending
-            if read_ack(self._assignment_file(worker.local_rank)) == round_number:
-                log.debug("%s: rank %d took up round %d", self._node, worker.rank, round_number)
-                del self._acks[worker.local_rank]
-            elif now >= deadline and worker.returncode is None:
-                worker.signal_group(signal.SIGKILL)
-                worker.process.wait()
-                reason = (
-                    f"rank {worker.rank} did not take up round {round_number} in place within "
-                    f"{ACK_TIMEOUT:g} s; its loop must call InPlace.step() at every step"
-                )
-                return _Ended(Outcome.FAILED, self._failure(worker.rank, None, reason), hung=True)
-        return None
-
-    def _assignment_file(self, local_rank: int) -> Path:
-        """In-place mode: the file that hands local rank ``local_rank`` its next round."""
-        return self._run_dir / f"assignment_{local_rank}"
+        missed = self._in_place.overdue(group)
+        if missed is None:
+            return None
+        rank, reason = missed
+        return _Ended(Outcome.FAILED, self._failure(rank, None, reason), hung=True)
 
     def _renew_lease(self) -> None:
         try:
@@ -950,7 +878,9 @@ class Agent:
             # A hang's victim waited for a rank elsewhere: it hears of that rank's failure.
             echo=failure is not None
             and (ended.victim or (not ended.hung and rootcause.is_echo(failure))),
-            takes_rounds=ended.outcome is not Outcome.SUCCEEDED and self._takes_rounds(group),
+            takes_rounds=ended.outcome is not Outcome.SUCCEEDED
+            and self._in_place is not None
+            and self._in_place.takes_rounds(group),
         )
         facts = _RoundFacts(
             rdzv_round,

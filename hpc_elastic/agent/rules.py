@@ -163,7 +163,8 @@ class RoundEnd:
     echo: bool = False
     """The failed rank's own error says a peer died (``rootcause.is_echo``)."""
     takes_rounds: bool = False
-    """In-place mode, and every live worker's loop takes rounds (``Agent._takes_rounds``)."""
+    """In-place mode, and every live worker's loop takes rounds
+    (``InPlaceHandover.takes_rounds``)."""
     stop_signal: bool = False
     """A stop signal is pending (read again before every decision)."""
     workers_stopped: bool = False

@@ -19,7 +19,7 @@ from agent_fakes import MemoryJob
 from cluster import free_port
 
 from hpc_elastic import events
-from hpc_elastic.agent import agent as agent_module
+from hpc_elastic.agent import inplace as inplace_module
 from hpc_elastic.agent.agent import Agent
 from hpc_elastic.agent.api import AgentSpec, ExitCode
 from hpc_elastic.ops import phases
@@ -248,7 +248,7 @@ runpy.run_path({str(FAKE_WORKER)!r}, run_name="__main__")
 def test_a_survivor_that_never_takes_up_its_round_is_killed_and_restarted_the_normal_way(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(agent_module, "ACK_TIMEOUT", 0.5)
+    monkeypatch.setattr(inplace_module, "ACK_TIMEOUT", 0.5)
     codes, job, job_dir = run_nodes(
         tmp_path,
         (sys.executable, "-c", TAKES_ROUND_ONE),
