@@ -34,25 +34,41 @@ def test_two_node_job_runs_one_task_on_each_node(cluster: Cluster, tmp_path: Pat
 
 def test_high_partition_preempts_and_requeues_low(cluster: Cluster, tmp_path: Path) -> None:
     log = tmp_path / "signals.log"
+    ready = tmp_path / "trap-set"
     script = tmp_path / "low.sh"
     # A fork-free trap: a handler that forks can lose the second of two back-to-back signals.
+    # The script says when its trap is set: Slurm shows the job RUNNING from its allocation on,
+    # before the batch script has started on a loaded node, and a signal sent then is lost.
     script.write_text(
-        f"#!/bin/bash\ntrap 'echo USR1 >> {log}' USR1\nwhile true; do sleep 1; done\n"
+        f"#!/bin/bash\ntrap 'echo USR1 >> {log}' USR1\n: > {ready}\nwhile true; do sleep 1; done\n"
     )
     low = cluster.run(
         ["sbatch", "--parsable", "-N4", "--signal=B:USR1@5", "-o", "/dev/null", str(script)]
     ).stdout.strip()
-    assert wait_until(lambda: _job_field(cluster, low, "JobState") == "RUNNING", 30)
+    high = ""
+    try:
+        assert wait_until(ready.exists, 120), "the low job's script never started"
+        high = cluster.run(
+            [
+                "sbatch",
+                "--parsable",
+                "-p",
+                "high",
+                "-N4",
+                "-o",
+                "/dev/null",
+                "--wrap",
+                "exec sleep 300",
+            ]
+        ).stdout.strip()
 
-    high = cluster.run(
-        ["sbatch", "--parsable", "-p", "high", "-N4", "-o", "/dev/null", "--wrap", "exec sleep 300"]
-    ).stdout.strip()
-
-    assert wait_until(lambda: _job_field(cluster, high, "JobState") == "RUNNING", 60)
-    assert _job_field(cluster, low, "JobState") == "PENDING"
-    assert _job_field(cluster, low, "Restarts") == "1"
-    assert log.read_text().split() == ["USR1"]
-    cluster.run(["scancel", low, high])
+        # The low partition's GraceTime (20 s) first, then a loaded slurmctld's own pace.
+        assert wait_until(lambda: _job_field(cluster, high, "JobState") == "RUNNING", 180)
+        assert _job_field(cluster, low, "JobState") == "PENDING"
+        assert _job_field(cluster, low, "Restarts") == "1"
+        assert log.read_text().split() == ["USR1"]
+    finally:
+        cluster.run(["scancel", low, *([high] if high else [])])
 
 
 def test_zookeeper_grants_two_second_sessions(
