@@ -70,6 +70,15 @@ def test_a_node_killed_with_its_workers_is_left_out_before_its_session_expires(
             for e in agents.events()
             if e.kind == "join" and e.slot == victim
         )
+        # The links are evidence once they are up; a node killed before that is left out when
+        # its session expires (a link refused or reset while it was being made proves nothing).
+        # The centre accepts a link from each member; a member makes one to the centre.
+        holders, way = ([members[0]], "from") if victim_rank else (members[1:], "to")
+        line = f"link {way} {victim_id} for round {first.round} up"
+        wait_for(
+            lambda: all(line in agents.log(slot) for slot in holders),
+            "the survivors' links with the victim up",
+        )
         agent_pid = agents.procs[victim].pid
         workers = children(agent_pid)
         assert workers, "the victim's workers are running"
