@@ -109,6 +109,11 @@ time.sleep(600)  # holds its session until the test SIGKILLs it
 """
 
 
+def _tasks_named(cluster: Cluster, name: str) -> int:
+    """How many of the cluster's job processes are called ``name``."""
+    return sum(entry.split()[1] == name for entry in cluster.strays())
+
+
 def _command_lines_mentioning(text: str) -> list[str]:
     found = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
@@ -178,7 +183,9 @@ def test_down_leaves_nothing_behind_even_after_a_node_crash(tmp_path: Path) -> N
     private = Cluster.start(tmp_path / "state")
     try:
         private.run(["sbatch", "-N2", "-o", "/dev/null", "--wrap", "srun sleep 300"])
-        running = wait_until(lambda: [state for _, state in private.squeue()] == ["RUNNING"], 60)
+        # Slurm shows the job RUNNING from its allocation on, before a loaded node has started
+        # anything: wait for the step's task on each node, the processes the crash must orphan.
+        running = wait_until(lambda: _tasks_named(private, "sleep") == 2, 120)
         assert running, private.run(["squeue", "-o", "%i %T %r %N"]).stdout
         private.node_kill("n2")
         assert private.strays()
