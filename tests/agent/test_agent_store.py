@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from cluster import wait_until
+from lifeline import while_parent_lives
 from test_agent import Cluster
 
 from hpc_elastic import events
@@ -166,7 +167,7 @@ def test_a_store_host_that_stops_answering_is_given_up_within_its_wait(tmp_path:
     silent = tmp_path / "silent.py"
     silent.write_text(
         "import json, sys, time\nprint(json.dumps({'ready': 1}), flush=True)\n"
-        "sys.stdin.readline()\ntime.sleep(600)\n"
+        "sys.stdin.readline()\n" + while_parent_lives("time.sleep(0.1)")
     )
     host = StoreHost(
         [sys.executable, str(silent)],

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from cluster import DEV_CLUSTER, Cluster, free_port, free_port_block, wait_until
 from kazoo.client import KazooClient
+from lifeline import while_parent_lives
 
 pytestmark = pytest.mark.integration
 
@@ -105,8 +106,8 @@ client = KazooClient(hosts=sys.argv[1], timeout=2.0)
 client.start(timeout=10)
 client.create(sys.argv[2], ephemeral=True, makepath=True)
 print("ready", flush=True)
-time.sleep(600)  # holds its session until the test SIGKILLs it
-"""
+""" + while_parent_lives("time.sleep(0.1)")
+"""Holds its session until the test SIGKILLs it (or the test's own process is gone)."""
 
 
 def _tasks_named(cluster: Cluster, name: str) -> int:

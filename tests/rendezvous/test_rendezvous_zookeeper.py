@@ -23,6 +23,7 @@ from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import NoAuthError
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.security import ACL, OPEN_ACL_UNSAFE, make_digest_acl
+from lifeline import while_parent_lives
 
 from hpc_elastic.agent.badnodes import Cleared, clear, listing, remembered
 from hpc_elastic.errors import (
@@ -185,8 +186,8 @@ settings = RendezvousSettings(run_id="job", nodes=NodeRange(2, 3), last_call=0.3
                               session_timeout=float(sys.argv[2]))
 agent = connect(sys.argv[1], settings, NodeInfo("victim", "127.0.0.1", 1), secret="s3cret")
 print(agent.next_round().number, flush=True)
-time.sleep(600)  # stays a member until the test SIGKILLs it
-"""
+""" + while_parent_lives("time.sleep(0.1)")
+"""Stays a member until the test SIGKILLs it (or the test's own process is gone)."""
 
 
 @integration
