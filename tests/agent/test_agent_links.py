@@ -70,14 +70,27 @@ def test_a_node_killed_with_its_workers_is_left_out_before_its_session_expires(
             for e in agents.events()
             if e.kind == "join" and e.slot == victim
         )
-        # The links are evidence once they are up; a node killed before that is left out when
-        # its session expires (a link refused or reset while it was being made proves nothing).
-        # The centre accepts a link from each member; a member makes one to the centre.
-        holders, way = ([members[0]], "from") if victim_rank else (members[1:], "to")
-        line = f"link {way} {victim_id} for round {first.round} up"
+        # The links are evidence once they are up at both ends; a node killed before that is
+        # left out when its session expires (a link refused or reset while it was being made
+        # proves nothing). The centre accepts a link from each member; a member makes one to the
+        # centre. A member's link is up at the centre when the centre has sent its answer, and at
+        # the member once the member has read it: killed in between, the member's kernel finds
+        # the answer unread and resets the link (RST, no evidence), so both ends are waited for.
+        centre_id = next(
+            str(e.details["node_id"])
+            for e in agents.events()
+            if e.kind == "join" and e.slot == members[0]
+        )
+        ends = (
+            [(members[0], f"link from {victim_id}"), (victim, f"link to {centre_id}")]
+            if victim_rank
+            else [(slot, f"link to {victim_id}") for slot in members[1:]]
+        )
         wait_for(
-            lambda: all(line in agents.log(slot) for slot in holders),
-            "the survivors' links with the victim up",
+            lambda: all(
+                f"{line} for round {first.round} up" in agents.log(slot) for slot, line in ends
+            ),
+            "the links between the victim and the survivors up at both ends",
         )
         agent_pid = agents.procs[victim].pid
         workers = children(agent_pid)
