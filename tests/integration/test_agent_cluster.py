@@ -82,7 +82,10 @@ class Job:
                 )
             )
 
-    def wait(self, timeout: float = 90) -> list[tuple[int, str]]:
+    def wait(self, timeout: float = 300) -> list[tuple[int, str]]:
+        """Every agent's exit code and output, once all have exited. The deadline is for a
+        hang, not a speed limit: two attempts that take 8 s on a quiet machine took 90 s
+        at a load of 40 on 2 cores (each rank's torch import, twice, on a starved core)."""
         results = []
         for agent in self.agents:
             output, _ = agent.communicate(timeout=timeout)
