@@ -129,7 +129,7 @@ class LocalRun:
         options."""
         own = {row.name: values[row.name] for row in OPTIONS}
         own["job_name"] = own["job_name"] or default_job_name(script)
-        # Typer converted each value by its row's type or parser, which mypy cannot follow
+        # click converted each value by its row's type or parser, which mypy cannot follow
         # through the table; the names are the fields'.
         return cls(script=script, **own, **others)  # type: ignore[arg-type]
 

@@ -1,12 +1,13 @@
-"""``hpc-elastic run``: the Typer signature of local mode; ``hpc_elastic.local`` runs it."""
+"""``hpc-elastic run``: the click command of local mode; ``hpc_elastic.local`` runs it."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-import typer
+import click
 
+from hpc_elastic.clicktools import Parsed, exit_with
 from hpc_elastic.local import OPTIONS as LOCAL_OPTIONS
 from hpc_elastic.local import Churn, LocalRun, run_local
 from hpc_elastic.logs import configure_from_env
@@ -28,37 +29,47 @@ with ``submit``. ``run`` reads no config file, so the defaults apply."""
 
 
 @with_options(RUN_OPTIONS)
+@click.command("run", help=RUN_HELP)
+@click.argument(
+    "script", type=click.Path(path_type=Path), help="The training script, run with python -u."
+)
+@click.argument("script_args", nargs=-1, help="Arguments for SCRIPT, after '--'.")
+@click.option(
+    "--simulate-churn/--no-simulate-churn",
+    default=False,
+    help="Kill a random node now and then and start it again later.",
+)
+@click.option(
+    "--churn-every",
+    default="20:40",
+    metavar="MIN:MAX",
+    help="Seconds between two simulated node losses.",
+)
+@click.option(
+    "--churn-downtime",
+    type=Parsed(seconds_parser("--churn-downtime")),
+    default=10.0,
+    metavar="S",
+    help="Seconds a killed node stays away.",
+)
+@click.option("--seed", type=int, default=0, metavar="N", help="Seed of the churn schedule.")
+@click.option(
+    "--metrics-port",
+    type=int,
+    metavar="PORT",
+    help="Serve metrics: node i on PORT+i (0: any free port).",
+)
+@click.option("--tee/--no-tee", default=False, help="Show the agents' and workers' output.")
 def run_command(
-    script: Annotated[
-        Path,
-        typer.Argument(metavar="SCRIPT", help="The training script, run with python -u."),
-    ],
-    script_args: Annotated[
-        list[str] | None,
-        typer.Argument(metavar="SCRIPT_ARGS", help="Arguments for SCRIPT, after '--'."),
-    ] = None,
+    script: Path,
+    script_args: tuple[str, ...],
     *,
-    simulate_churn: Annotated[
-        bool,
-        typer.Option(help="Kill a random node now and then and start it again later."),
-    ] = False,
-    churn_every: Annotated[
-        str, typer.Option(metavar="MIN:MAX", help="Seconds between two simulated node losses.")
-    ] = "20:40",
-    churn_downtime: Annotated[
-        float,
-        typer.Option(
-            parser=seconds_parser("--churn-downtime"),
-            metavar="S",
-            help="Seconds a killed node stays away.",
-        ),
-    ] = 10.0,
-    seed: Annotated[int, typer.Option(help="Seed of the churn schedule.")] = 0,
-    metrics_port: Annotated[
-        int | None,
-        typer.Option(metavar="PORT", help="Serve metrics: node i on PORT+i (0: any free port)."),
-    ] = None,
-    tee: Annotated[bool, typer.Option(help="Show the agents' and workers' output.")] = False,
+    simulate_churn: bool,
+    churn_every: str,
+    churn_downtime: float,
+    seed: int,
+    metrics_port: int | None,
+    tee: bool,
     **values: Any,
 ) -> None:
     """The shared options are the table's (``RUN_OPTIONS``); ``values`` holds them by name."""
@@ -68,11 +79,11 @@ def run_command(
     run = LocalRun.from_values(
         path,
         settings,
-        script_args=tuple(script_args or ()),
+        script_args=script_args,
         churn=Churn(Churn.parse(churn_every), churn_downtime) if simulate_churn else None,
         seed=seed,
         tee=tee,
         metrics_port=metrics_port,
         environment=tuple(job_environment(settings, CHECKPOINT_OPTIONS)),
     )
-    raise typer.Exit(run_local(run, lambda text: typer.echo(text, err=True)))
+    exit_with(run_local(run, lambda text: click.echo(text, err=True)))

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from slurm_fake import FakeSlurm, Reply, mocked_submit
-from typer.testing import CliRunner
 
 from hpc_elastic import __version__, cli
 
@@ -187,7 +187,7 @@ BAD_INPUT = [
     (["--zk", "localhost"], "--zk 'localhost' is not a ZooKeeper address list"),
     (["--template", "missing.j2"], "--template 'missing.j2' cannot be read"),
     (["--job-name", "a/b"], "--job-name 'a/b' is not usable"),
-    (["--no-such-flag"], "No such option: --no-such-flag"),
+    (["--no-such-flag"], "No such option '--no-such-flag'"),
 ]
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from typer.testing import CliRunner
+from click.testing import CliRunner
 
 from hpc_elastic import cli, config, contract, local
 from hpc_elastic.agent import command
