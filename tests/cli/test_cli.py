@@ -322,6 +322,33 @@ def test_dry_run_does_not_import_torch(workdir: Path) -> None:
         assert heavy not in imported
 
 
+EVERYDAY = {
+    "--help": ("--help",),
+    "--version": ("--version",),
+    "render": ("render", "--nodes", "1:4", "train.py"),
+    "submit": ("submit", "--dry-run", "train.py"),
+    "status": ("status", "--log-dir", "runs", "train-1"),
+}
+"""The commands a user types most, which must start at once: no library they do not use."""
+
+
+@pytest.mark.parametrize("args", list(EVERYDAY.values()), ids=list(EVERYDAY))
+def test_the_everyday_commands_import_neither_typer_nor_pydantic_nor_torch(
+    workdir: Path, args: tuple[str, ...]
+) -> None:
+    """typer converted every option's value through pydantic, a tenth of a second before any
+    command ran; the command line is plain click now, and must stay so."""
+    job_dir = workdir / "runs" / "train-1"  # a local run's record, which status reads
+    job_dir.mkdir(parents=True)
+    record = {"run_id": "train-1", "job_id": None, "mode": "local", "zk": "local:/nonexistent"}
+    (job_dir / "job.json").write_text(json.dumps({**record, "spec": {"nodes": "1:2"}}))
+    (job_dir / "job.json").chmod(0o600)
+    imported = _imported_modules(*args).split()
+    assert "click" in imported  # the list is read right
+    for heavy in ("typer", "pydantic", "torch", "kazoo", "numpy"):
+        assert heavy not in imported
+
+
 @pytest.mark.parametrize("name", list(cli.LAZY_COMMANDS))
 def test_the_root_help_lists_each_command_by_the_first_sentence_of_its_own_help(name: str) -> None:
     """The root ``--help`` shows a summary kept in ``LAZY_COMMANDS`` so that it imports no
