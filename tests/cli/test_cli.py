@@ -280,6 +280,20 @@ def test_unexpected_errors_are_one_line(workdir: Path, slurm: FakeSlurm) -> None
     assert err.startswith("error: Internal error (RuntimeError: boom); rerun with")
 
 
+def test_ctrl_c_ends_a_command_with_130_and_no_error_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An interrupted command (``logs --follow``, a long ``status``) ends as the shell's Ctrl-C
+    does: exit 128 + SIGINT, no "error: Aborted." for what the user asked for."""
+    from hpc_elastic import api  # noqa: PLC0415
+
+    def interrupted(*_args: object) -> api.Job:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(api.Job, "find", interrupted)
+    code, out, err = invoke("status", "train-1")
+    assert (code, out) == (130, "")
+    assert "error" not in err
+
+
 def _imported_modules(*args: str) -> str:
     """Run the real entry point in a fresh interpreter; return what it imported."""
     result = subprocess.run(
