@@ -1,7 +1,7 @@
 """hpc-elastic: keep multi-node PyTorch training alive on Slurm while nodes come and go.
 
 The Python API (``submit``, ``jobs``, ``Job``) is imported on first use, so ``import
-hpc_elastic`` stays cheap (no typer, no jinja2, never torch) for the agent and the workers.
+hpc_elastic`` stays cheap (no click, no jinja2, never torch) for the agent and the workers.
 """
 
 from __future__ import annotations

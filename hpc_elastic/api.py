@@ -231,7 +231,7 @@ def plan_given(
 ) -> tuple[Plan, ZkChoice]:
     """The plan of ``script`` from option values by name, ``given(name)`` saying which ones
     the caller gave (they beat the config file, which beats the defaults; ``values`` may hold
-    the others too, as Typer hands them over); and the ZooKeeper it uses, with why
+    the others too, as click hands them over); and the ZooKeeper it uses, with why
     (``ZkChoice.line()``, logged here). ``plan_job`` and the CLI's ``submit`` and ``render``
     plan here. ``config`` defaults to the config file found from the current directory.
     """
@@ -359,7 +359,7 @@ def _option(name: str) -> Option:
 
 
 def _as_flag_value(option: Option, value: object) -> object:
-    """``value`` as Typer would hand the flag's value to ``resolve``: parsed by the same
+    """``value`` as click would hand the flag's value to ``resolve``: parsed by the same
     parser, and a list of texts for a repeatable option (``resolve`` parses each item)."""
     if option.repeatable:
         if isinstance(value, Mapping):  # env={"KEY": "value"}

@@ -1,7 +1,7 @@
 """The ``hpc-elastic`` application: the command group, errors as one line, lazy loading.
 
 The commands themselves live in ``hpc_elastic.commands``, one module each. Every error, ours or
-Typer's, leaves as one ``error: <sentence>`` line on stderr with exit code 2 (usage) or 1
+click's, leaves as one ``error: <sentence>`` line on stderr with exit code 2 (usage) or 1
 (runtime); no traceback reaches the user. Importing this module must stay cheap: no torch,
 kazoo or jinja2 here, so ``--help`` answers at once and the agent starts fast.
 
@@ -16,21 +16,14 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Annotated, Any, NoReturn
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
-import typer
-from typer.core import TyperCommand, TyperGroup
+import click
 
-from hpc_elastic._click_compat import (
-    ClickException,
-    Command,
-    Context,
-    HelpFormatter,
-    NoArgsIsHelpError,
-)
 from hpc_elastic._version import __version__
+from hpc_elastic.clicktools import Group
 from hpc_elastic.commands import Invocation
 from hpc_elastic.contract import DEBUG_ENV
 from hpc_elastic.errors import HpcElasticError, one_line
@@ -42,13 +35,12 @@ class Lazy:
     """Where a command lives, and what the root ``--help`` lists it with."""
 
     module: str
-    function: str
-    """The command's function, or a ``typer.Typer`` for a group of subcommands (``zk start``)."""
+    attribute: str
+    """The module's attribute that holds the command: a ``click.Command``, or a ``click.Group``
+    of subcommands (``zk start``)."""
     summary: str
     """The first sentence of the command's help, all the root ``--help`` shows of it, so that
     listing imports nothing; ``tests/cli/test_cli.py`` checks it against the loaded command."""
-    settings: Mapping[str, str] = field(default_factory=dict)
-    """Settings of ``app.command``, each read from the module's attribute of that name."""
 
 
 LAZY_COMMANDS: dict[str, Lazy] = {
@@ -56,26 +48,22 @@ LAZY_COMMANDS: dict[str, Lazy] = {
         "hpc_elastic.commands.submit",
         "submit_command",
         "Render the sbatch script for SCRIPT and submit it with sbatch.",
-        {"help": "SUBMIT_HELP"},
     ),
     # ``submit`` and ``render`` are one command under two names (render prints, submits nothing).
     "render": Lazy(
         "hpc_elastic.commands.submit",
-        "submit_command",
+        "render_command",
         "Print the sbatch script that submit would send; calls nothing on Slurm.",
-        {"help": "RENDER_HELP"},
     ),
     "agent": Lazy(
         "hpc_elastic.agent.command",
         "agent",
         "Run this node's workers in the job's rendezvous; restart them as nodes come and go.",
-        {"context_settings": "CONTEXT"},
     ),
     "run": Lazy(
         "hpc_elastic.commands.run",
         "run_command",
         "Run SCRIPT elastically on this machine: MAX local agents, no Slurm, no ZooKeeper.",
-        {"help": "RUN_HELP"},
     ),
     "status": Lazy(
         "hpc_elastic.commands.status",
@@ -136,35 +124,27 @@ LAZY_COMMANDS: dict[str, Lazy] = {
 """Command name -> where it lives, in the order ``--help`` lists them."""
 
 
-def _load_command(name: str) -> Command:
+def _load_command(name: str) -> click.Command:
     lazy = LAZY_COMMANDS[name]
-    module = importlib.import_module(lazy.module)
-    target = getattr(module, lazy.function)
-    if isinstance(target, typer.Typer):
-        group = typer.main.get_group(target)
-        group.name = name
-        return group
-    single = typer.Typer(add_completion=False, rich_markup_mode=None)
-    options = {key: getattr(module, attribute) for key, attribute in lazy.settings.items()}
-    single.command(name, **options)(target)
-    return typer.main.get_command(single)
+    command: click.Command = getattr(importlib.import_module(lazy.module), lazy.attribute)
+    return command
 
 
-class _App(TyperGroup):
+class _App(Group):
     """Turns every error into one line and an exit code, under CliRunner as in real life;
     loads the ``LAZY_COMMANDS`` on first use."""
 
-    def list_commands(self, ctx: Context) -> list[str]:
+    def list_commands(self, ctx: click.Context) -> list[str]:
         others = super().list_commands(ctx)
         return [*LAZY_COMMANDS, *(name for name in others if name not in LAZY_COMMANDS)]
 
-    def get_command(self, ctx: Context, cmd_name: str) -> Command | None:
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         if cmd_name in LAZY_COMMANDS and cmd_name not in self.commands:
             self.add_command(_load_command(cmd_name), cmd_name)
         return super().get_command(ctx, cmd_name)
 
-    def format_commands(self, ctx: Context, formatter: HelpFormatter) -> None:
-        """Typer's listing, but a command not loaded yet stands in as a bare command whose help
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """click's listing, but a command not loaded yet stands in as a bare command whose help
         is its summary: click shortens both alike (to the first sentence, or fewer words and
         "..."), so the listing is the same and loads nothing."""
         listed = [(name, self._listed(name)) for name in self.list_commands(ctx)]
@@ -176,36 +156,43 @@ class _App(TyperGroup):
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 
-    def _listed(self, name: str) -> Command:
+    def _listed(self, name: str) -> click.Command:
         """The command when it is loaded, else its stand-in (``list_commands`` names only
         these two kinds)."""
         loaded = self.commands.get(name)
         if loaded is not None:
             return loaded
-        return TyperCommand(name, help=LAZY_COMMANDS[name].summary)
+        return click.Command(name, help=LAZY_COMMANDS[name].summary)
 
-    def main(  # type: ignore[override]
+    def main(
         self,
         args: Sequence[str] | None = None,
         prog_name: str | None = None,
         complete_var: str | None = None,
         standalone_mode: bool = True,
+        windows_expand_args: bool = True,
         **extra: Any,
     ) -> NoReturn:
+        """click's ``main`` in its non-standalone mode, so that every error comes here: a
+        command's result or ``ctx.exit(code)`` is the exit code."""
         argv = tuple(sys.argv[1:] if args is None else args)
         extra.setdefault("obj", Invocation(argv))
         try:
             result = super().main(
-                argv, prog_name or "hpc-elastic", complete_var, standalone_mode=False, **extra
+                argv,
+                prog_name or "hpc-elastic",
+                complete_var,
+                standalone_mode=False,
+                windows_expand_args=windows_expand_args,
+                **extra,
             )
         except HpcElasticError as err:
             _fail(str(err), err.exit_code)
-        except NoArgsIsHelpError as err:
-            typer.echo(err.format_message())
-            sys.exit(0)
-        except ClickException as err:
+        except click.ClickException as err:
             _fail(_click_sentence(err), err.exit_code)
-        except typer.Abort:
+        except click.Abort as err:
+            if isinstance(err.__cause__, KeyboardInterrupt):
+                sys.exit(130)  # Ctrl-C: the shell's code for SIGINT, no error line
             _fail("Aborted.", 1)
         except Exception as err:
             if os.environ.get(DEBUG_ENV):
@@ -220,16 +207,16 @@ class _App(TyperGroup):
 
 def _fail(sentence: str, exit_code: int) -> NoReturn:
     """One line whatever the sentence quotes: a newline in a bad value is shown as ``\\n``."""
-    typer.echo(f"error: {one_line(sentence)}", err=True)
+    click.echo(f"error: {one_line(sentence)}", err=True)
     sys.exit(exit_code)
 
 
-def _click_sentence(err: ClickException) -> str:
+def _click_sentence(err: click.ClickException) -> str:
     message = err.format_message()
     context = getattr(err, "ctx", None)
     if context is None:
         return message
-    if message.endswith((".", "?")):
+    if message.endswith((".", "?", "?)")):  # "... (Did you mean one of: '--nodes'?)"
         return f"{message} See '{context.command_path} --help'."
     return f"{message}; see '{context.command_path} --help'."
 
@@ -245,37 +232,31 @@ Examples:
 Defaults can live in hpc-elastic.toml or [tool.hpc-elastic] in pyproject.toml.
 """
 
-app = typer.Typer(
-    cls=_App,
-    name="hpc-elastic",
+
+def _show_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value:
+        click.echo(f"hpc-elastic {__version__}")
+        ctx.exit(0)
+
+
+app = _App(
+    "hpc-elastic",
     help=ROOT_HELP,
     no_args_is_help=True,
-    add_completion=False,
-    rich_markup_mode=None,
-    pretty_exceptions_enable=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
-
-
-def _show_version(value: bool) -> None:
-    if value:
-        typer.echo(f"hpc-elastic {__version__}")
-        raise typer.Exit()
-
-
-@app.callback()
-def _root(
-    version: Annotated[
-        bool,
-        typer.Option(
-            "--version",
-            callback=_show_version,
+    # Every command's options say their defaults in --help, as the option table's do.
+    context_settings={"help_option_names": ["-h", "--help"], "show_default": True},
+    params=[
+        click.Option(
+            ["--version"],
+            is_flag=True,
+            expose_value=False,
             is_eager=True,
+            callback=_show_version,
             help="Print the version and exit.",
-        ),
-    ] = False,
-) -> None:
-    """Only carries --version; the help text is ROOT_HELP."""
+        )
+    ],
+)
+"""The ``hpc-elastic`` group: ``--version``, ``-h``/``--help`` and the ``LAZY_COMMANDS``."""
 
 
 def main() -> None:

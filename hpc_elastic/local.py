@@ -74,6 +74,52 @@ class Churn:
         return bounds
 
 
+def _churn_every(text: str) -> str:
+    """``--churn-every``'s parser: the text once ``Churn.parse`` took it, so that a bad value
+    is refused with the other flags, and ``--help`` shows the default as it is typed."""
+    Churn.parse(text)
+    return text
+
+
+@dataclass(frozen=True)
+class RunExtras:
+    """``run``'s options that ``submit`` has no like of, each declared on its field
+    (``schema``): the simulated churn, its seed, the agents' metrics and output.
+    ``LocalRun.from_values`` makes ``LocalRun``'s ``churn``, ``seed``, ``metrics_port`` and
+    ``tee`` of them (``run_fields``)."""
+
+    simulate_churn: bool = schema.option(
+        "Kill a random node now and then and start it again later.", False
+    )
+    churn_every: str = schema.option(
+        "Seconds between two simulated node losses.",
+        ":".join(f"{bound:g}" for bound in Churn.every),
+        parse=_churn_every,
+        metavar="MIN:MAX",
+    )
+    churn_downtime: float = schema.duration("Seconds a killed node stays away.", Churn.downtime)
+    seed: int = schema.option("Seed of the churn schedule.", 0, metavar="N")
+    metrics_port: int | None = schema.option(
+        "Serve metrics: node i on PORT+i (0: any free port).", None, metavar="PORT"
+    )
+    tee: bool = schema.option("Show the agents' and workers' output.", False)
+
+    def run_fields(self) -> dict[str, object]:
+        """``LocalRun``'s fields these options give."""
+        churn = Churn(Churn.parse(self.churn_every), self.churn_downtime)
+        return {
+            "churn": churn if self.simulate_churn else None,
+            "seed": self.seed,
+            "metrics_port": self.metrics_port,
+            "tee": self.tee,
+        }
+
+
+EXTRA_OPTIONS = schema.options_of(RunExtras)
+"""``run``'s own options, in ``--help`` order (after ``LocalRun``'s and the checkpoint
+settings: ``commands.run.RUN_OPTIONS``)."""
+
+
 @dataclass(frozen=True)
 class LocalRun:
     """Everything ``hpc-elastic run`` was asked for, validated.
@@ -124,19 +170,20 @@ class LocalRun:
 
     @classmethod
     def from_values(cls, script: Path, values: Mapping[str, object], **others: Any) -> LocalRun:
-        """The run of ``script`` with its options' values as ``options.resolve`` gives them (a
-        ``job_name`` left unset is the script's name) and ``others``, the fields that are no
-        options."""
+        """The run of ``script`` with its options' values as ``options.resolve`` gives them
+        (``OPTIONS``' and ``EXTRA_OPTIONS``'; a ``job_name`` left unset is the script's name)
+        and ``others``, the fields that are no options."""
         own = {row.name: values[row.name] for row in OPTIONS}
         own["job_name"] = own["job_name"] or default_job_name(script)
-        # Typer converted each value by its row's type or parser, which mypy cannot follow
+        # click converted each value by its row's type or parser, which mypy cannot follow
         # through the table; the names are the fields'.
-        return cls(script=script, **own, **others)  # type: ignore[arg-type]
+        extras = RunExtras(**{row.name: values[row.name] for row in EXTRA_OPTIONS})  # type: ignore[arg-type]
+        return cls(script=script, **own, **extras.run_fields(), **others)  # type: ignore[arg-type]
 
 
 OPTIONS = schema.options_of(LocalRun)
 """The options ``LocalRun``'s fields declare, in ``--help`` order (``commands.run`` adds the
-checkpoint settings and its own)."""
+checkpoint settings, then ``EXTRA_OPTIONS``)."""
 
 
 @dataclass

@@ -12,7 +12,7 @@ becomes the value and where the value goes besides the dataclass: ``sbatch`` giv
 goes there: a command line is visible to everyone on the node, an environment only to its
 owner). Everything else is derived from the rows:
 
-- the Typer options of the commands (``typer_parameters``), so ``--help`` shows the fields'
+- the click options of the commands (``click_options``), so ``--help`` shows the fields'
   defaults, not numbers repeated by hand in the help text (for a ``submit`` option left to the
   agent, the default of the agent's field: "the agent's 600");
 - the config keys (``config._KEYS``);
@@ -29,18 +29,19 @@ lines and of the agent flags, which the reference scripts pin.
 
 from __future__ import annotations
 
-import inspect
+import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated, Any
-
-import typer
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from hpc_elastic import contract, schema, spec
 from hpc_elastic.contract import GRACE_ACTIONS
 from hpc_elastic.schema import ConfigReader, Option, WrongTypeError
 from hpc_elastic.spec import JobSpec, NodeRange, PreemptSignal, parse_notify_url
+
+if TYPE_CHECKING:
+    import click
 
 __all__ = [
     "AGENT_OPTIONS",
@@ -53,14 +54,14 @@ __all__ = [
     "WrongTypeError",
     "agent_flag",
     "agent_options",
+    "click_option",
+    "click_options",
     "config_readers",
     "job_environment",
     "option",
     "parse_notify_url",
     "resolve",
     "sbatch_options",
-    "typer_parameter",
-    "typer_parameters",
     "with_options",
 ]
 
@@ -75,8 +76,10 @@ class AgentArguments:
     ``--last-call``, ...), the field is ``like`` ``JobSpec``'s: the same flag, parser and help,
     with the agent's real default where submit leaves it unset ("the agent decides")."""
 
-    run_id: str = schema.option("The job's rendezvous id, shared by its agents.")
-    job_dir: Path = schema.option("The job directory: logs, checkpoints, events.jsonl.")
+    run_id: str = schema.option("The job's rendezvous id, shared by its agents.", metavar="ID")
+    job_dir: Path = schema.option(
+        "The job directory: logs, checkpoints, events.jsonl.", metavar="DIR"
+    )
     zk: str = schema.option(
         "ZooKeeper hosts 'h1:p1,h2:p2[/chroot]', or local:SOCKET.", metavar="HOSTS"
     )
@@ -167,9 +170,9 @@ class AgentArguments:
 
     @classmethod
     def from_values(cls, values: Mapping[str, object]) -> AgentArguments:
-        """Typer's values (``with_options``), repeatable ones made tuples by their rows."""
-        # Typer converted each value by its row's type or parser, which mypy cannot follow
-        # through the table; the names are the fields', the types checked by Typer at run time.
+        """click's values (``with_options``), repeatable ones made tuples by their rows."""
+        # click converted each value by its row's type or parser, which mypy cannot follow
+        # through the table; the names are the fields', the types checked by click at run time.
         return cls(**{row.name: row.finish(values[row.name]) for row in AGENT_OPTIONS})  # type: ignore[arg-type]
 
 
@@ -276,58 +279,75 @@ def config_readers(options: Iterable[Option] = SUBMIT_OPTIONS) -> dict[str, Conf
     }
 
 
-def typer_parameter(row: Option) -> inspect.Parameter:
-    """``row`` as a keyword parameter Typer can read, default and all."""
-    default: object = row.default
-    if row.repeatable:
-        default = None
-    elif row.parse is not None and default is not None:
-        default = str(default)  # Typer runs the default through ``parse`` too
+def click_option(row: Option) -> click.Option:
+    """``row`` as a click option: its flag (``--<name>``, or the row's own, e.g.
+    ``--requeue/--no-requeue``; a bool field without one gets ``--<name>/--no-<name>``), value
+    type or parser, default, help, metavar, variable, and what ``--help`` says as the default.
+    The option's name is the row's, which the command's function receives it by."""
+    import click  # noqa: PLC0415 (only a command line builds options: see clicktools)
+
     settings: dict[str, Any] = {"help": row.help, "show_default": row.show_default}
-    if row.parse is not None:
-        settings["parser"] = row.parse
     if row.metavar is not None:
         settings["metavar"] = row.metavar
     if row.envvar is not None:
-        settings["envvar"] = row.envvar
-    if row.required:  # no default at all: Typer then marks the option [required]
-        default = inspect.Parameter.empty
-    declarations = () if row.flag is None else (row.flag,)
-    annotation = list[str] | None if row.repeatable else row.type
-    return inspect.Parameter(
-        row.name,
-        inspect.Parameter.KEYWORD_ONLY,
-        default=default,
-        annotation=Annotated[annotation, typer.Option(*declarations, **settings)],
+        settings |= {"envvar": row.envvar, "show_envvar": True}
+    if row.required:  # no default at all: click refuses to run without it, [required] in --help
+        settings["required"] = True
+    elif not row.repeatable:  # a repeatable option given no flag is (), as click makes it
+        settings["default"] = row.default
+    if row.type is bool:
+        flag = row.cli_flag if row.flag is not None else f"{row.cli_flag}/--no-{row.cli_flag[2:]}"
+        return click.Option([row.name, flag], is_flag=True, **settings)
+    return click.Option(
+        [row.name, row.cli_flag], type=_click_type(row), multiple=row.repeatable, **settings
     )
 
 
-def typer_parameters(options: Iterable[Option]) -> list[inspect.Parameter]:
-    return [typer_parameter(row) for row in options]
+def _click_type(row: Option) -> click.ParamType[Any, Any]:
+    """How click turns a flag's text into the row's value: the row's parser, else by the
+    field's type (``int``, ``float``, ``str``, ``Path``, each maybe ``| None``); a repeatable
+    row's items stay texts (``Option.finish`` makes them its items)."""
+    import click  # noqa: PLC0415
+
+    from hpc_elastic.clicktools import Parsed  # noqa: PLC0415
+
+    if row.parse is not None:
+        return Parsed(row.parse)
+    if row.repeatable:
+        return click.STRING
+    kinds = [kind for kind in typing.get_args(row.type) or (row.type,) if kind is not type(None)]
+    known: dict[object, click.ParamType[Any, Any]] = {
+        int: click.INT,
+        float: click.FLOAT,
+        str: click.STRING,
+        Path: click.Path(path_type=Path),
+    }
+    if len(kinds) != 1 or kinds[0] not in known:
+        raise TypeError(f"option '{row.name}' of type {row.type} needs a parser (parse=...)")
+    return known[kinds[0]]
 
 
-def with_options(
-    options: Sequence[Option],
-) -> Callable[[Callable[..., None]], Callable[..., None]]:
-    """Give a command ``def f(ctx, ..., **values)`` the table's options as Typer parameters.
+def click_options(options: Iterable[Option]) -> list[click.Option]:
+    return [click_option(row) for row in options]
 
-    Typer reads a command's parameters from ``inspect.signature``; this replaces ``**values``
-    in that signature with one keyword parameter per row, so the command's Python code stays a
-    few lines and the fields stay the one place an option is written.
+
+CommandT = TypeVar("CommandT", bound="click.Command")
+
+
+def with_options(options: Sequence[Option]) -> Callable[[CommandT], CommandT]:
+    """Give a command the table's options, right after its arguments (so ``--help`` lists
+    them before the command's own options): ``@with_options(rows)`` above ``@click.command``.
+
+    The command's function takes them as ``**values``, by the rows' names, so its code stays
+    a few lines and the fields stay the one place an option is written.
     """
 
-    def decorate(function: Callable[..., None]) -> Callable[..., None]:
-        own = [
-            parameter
-            for parameter in inspect.signature(function, eval_str=True).parameters.values()
-            if parameter.kind is not inspect.Parameter.VAR_KEYWORD
-        ]
-        positional = [p for p in own if p.kind is not inspect.Parameter.KEYWORD_ONLY]
-        keyword = [p for p in own if p.kind is inspect.Parameter.KEYWORD_ONLY]
-        function.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-            [*positional, *typer_parameters(options), *keyword]
-        )
-        return function
+    def decorate(command: CommandT) -> CommandT:
+        params = command.params
+        arguments = [index for index, p in enumerate(params) if p.param_type_name == "argument"]
+        at = arguments[-1] + 1 if arguments else 0
+        params[at:at] = click_options(options)
+        return command
 
     return decorate
 

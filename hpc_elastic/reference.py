@@ -4,8 +4,8 @@
     python -m hpc_elastic.reference             # print the page
 
 The page is read off the commands themselves: ``cli.app`` with every lazy command loaded, whose
-options are the option table's rows (``options.SUBMIT_OPTIONS``, ``AGENT_OPTIONS``) made Typer
-parameters. Each option's line is the help record that ``--help`` prints (click's
+options are the option table's rows (``options.SUBMIT_OPTIONS``, ``AGENT_OPTIONS``) made click
+options. Each option's line is the help record that ``--help`` prints (click's
 ``get_help_record``: the flags, the metavar, the help and the default), so the page says what
 ``--help`` says; the config-file column comes from the table's ``config_key``.
 ``tests/cli/test_reference.py`` fails when the committed page differs from what this writes, and
@@ -23,11 +23,9 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-import typer
-from typer.core import TyperGroup
+import click
 
 from hpc_elastic import cli, options
-from hpc_elastic._click_compat import Command, Context
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "reference.md"
 """Where ``--write`` puts the page: docs/ of the checkout this module lives in."""
@@ -54,12 +52,14 @@ For `submit` and `render`, the "Config key" column names the key that sets the o
 """
 
 
-def commands(command: Command, context: Context) -> Iterator[tuple[Command, Context]]:
+def commands(
+    command: click.Command, context: click.Context
+) -> Iterator[tuple[click.Command, click.Context]]:
     """``command`` and every visible command below it, depth first, in ``--help``'s order.
 
     ``get_command`` on the root loads a lazy command (``cli._App``), as running it would."""
     yield command, context
-    group = command if isinstance(command, TyperGroup) else None
+    group = command if isinstance(command, click.Group) else None
     if group is None:
         return
     for name in group.list_commands(context):
@@ -69,16 +69,17 @@ def commands(command: Command, context: Context) -> Iterator[tuple[Command, Cont
         yield from commands(child, context_of(child, name, context))
 
 
-def context_of(command: Command, name: str, parent: Context | None = None) -> Context:
+def context_of(
+    command: click.Command, name: str, parent: click.Context | None = None
+) -> click.Context:
     """The context click gives ``command`` when it runs: its own settings (``-h`` as well as
     ``--help``, from the root's) apply to its help records, and its parent's are inherited."""
-    return Context(command, info_name=name, parent=parent, **command.context_settings)
+    return click.Context(command, info_name=name, parent=parent, **command.context_settings)
 
 
-def root() -> tuple[Command, Context]:
+def root() -> tuple[click.Command, click.Context]:
     """The ``hpc-elastic`` command group and its context, as the console script starts it."""
-    command = typer.main.get_command(cli.app)
-    return command, context_of(command, "hpc-elastic")
+    return cli.app, context_of(cli.app, "hpc-elastic")
 
 
 def anchor(path: str) -> str:
@@ -109,7 +110,7 @@ def help_text(text: str | None) -> list[str]:
     return lines
 
 
-def parameter_rows(command: Command, context: Context) -> tuple[list[str], list[str]]:
+def parameter_rows(command: click.Command, context: click.Context) -> tuple[list[str], list[str]]:
     """The arguments' and the options' table rows, from the help records ``--help`` prints."""
     keys = {row.name: row.config_key for row in options.SUBMIT_OPTIONS}
     with_keys = context.command_path in CONFIG_COMMANDS
@@ -131,9 +132,9 @@ def parameter_rows(command: Command, context: Context) -> tuple[list[str], list[
     return arguments, flags
 
 
-def subcommand_rows(command: Command, context: Context) -> list[str]:
+def subcommand_rows(command: click.Command, context: click.Context) -> list[str]:
     """A group's commands, each with the first sentence of its help and a link to its section."""
-    if not isinstance(command, TyperGroup):
+    if not isinstance(command, click.Group):
         return []
     rows = ["| Command | What it does |", "|---|---|"]
     for name in command.list_commands(context):
@@ -146,7 +147,7 @@ def subcommand_rows(command: Command, context: Context) -> list[str]:
     return [*rows, ""]
 
 
-def section(command: Command, context: Context) -> list[str]:
+def section(command: click.Command, context: click.Context) -> list[str]:
     """One command's section: usage, help, subcommands, arguments, options."""
     path = context.command_path
     usage = " ".join([path, *command.collect_usage_pieces(context)])

@@ -18,7 +18,7 @@ A builder cannot know the name of the field it is assigned to, so it stores a fu
 that name to the row's columns (``Columns``); ``options_of`` calls it with the field's name,
 so that flags, parsers and error messages are spelt from the one name.
 
-Nothing here imports typer: ``options`` makes the rows Typer parameters.
+Nothing here imports click: ``options`` makes the rows click options.
 """
 
 from __future__ import annotations
@@ -57,14 +57,15 @@ class Option:
     """One option, read back from its field (``options_of``); see the module docstring."""
 
     name: str
-    """The field's name: the Typer parameter, the ``JobSpec`` field, ``config.values``' key."""
+    """The field's name: the click parameter, the ``JobSpec`` field, ``config.values``' key."""
     type: Any
     """The field's annotation (``tuple[str, ...]`` for a repeatable option)."""
     help: str
     default: object = None
     """The field's default: the value when neither a flag nor the config file gives one."""
     parse: Callable[[str], object] | None = None
-    """A flag's text -> value (Typer's ``parser=``); None: Typer converts by ``type``."""
+    """A flag's text -> value (click's type: ``clicktools.Parsed``); None: click converts by
+    ``type``."""
     item: Callable[[str], object] | None = None
     """For a repeatable option: each flag's text -> one item of the value's tuple."""
     read: ConfigReader | None = None
@@ -105,7 +106,7 @@ class Option:
         return self.item is not None or typing.get_origin(self.type) is tuple
 
     def finish(self, value: object) -> object:
-        """A Typer value as the dataclass holds it: repeatable options become tuples."""
+        """A click value as the dataclass holds it: repeatable options become tuples of items."""
         if not self.repeatable:
             return value
         items = value if isinstance(value, list | tuple) else ()
@@ -178,7 +179,8 @@ def like(cls: type, default: object = MISSING, **changes: Any) -> Any:
 
 
 def parse_positive(option: str, value: int, *, zero_ok: bool = False) -> int:
-    """Counts like --nproc-per-node: Typer checks it is an int, this checks it makes sense."""
+    """Counts like --nproc-per-node: ``count_parser`` or the config reader checks it is an int,
+    this checks it makes sense."""
     if value < 0 or (value == 0 and not zero_ok):
         bound = "0 or more" if zero_ok else "1 or more"
         raise UsageError(f"{option} '{value}' is out of range; give {bound}.")
@@ -186,7 +188,7 @@ def parse_positive(option: str, value: int, *, zero_ok: bool = False) -> int:
 
 
 def count_parser(option: str, *, zero_ok: bool = False) -> Callable[[str], int]:
-    """A Typer ``parser=`` for counts, so '--nproc-per-node x' quotes 'x' like every other error."""
+    """A flag's parser for counts, so '--nproc-per-node x' quotes 'x' like every other error."""
 
     def parse(text: str) -> int:
         try:
@@ -199,7 +201,7 @@ def count_parser(option: str, *, zero_ok: bool = False) -> Callable[[str], int]:
 
 
 def seconds_parser(option: str) -> Callable[[str], float]:
-    """A Typer ``parser=`` for durations in seconds (fractions allowed)."""
+    """A flag's parser for durations in seconds (fractions allowed)."""
 
     def parse(text: str) -> float:
         try:
@@ -315,7 +317,7 @@ def exported_unless_default(
 
 
 def option(help: str, default: object = MISSING, **columns: Any) -> Any:
-    """An option Typer converts by the field's type (no parser of its own)."""
+    """An option click converts by the field's type (no parser of its own)."""
     return declare(lambda _name: {"help": help, **columns}, default)
 
 

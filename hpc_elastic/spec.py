@@ -1,8 +1,8 @@
 """Specs: frozen dataclasses that validate themselves, so a bad value fails where it is parsed.
 
-The parsers here (``NodeRange.parse``, ``parse_time``, ...) are what the CLI passes to Typer as
-``parser=`` and what the config file's values go through, so a flag and a config key are held
-to the same rules and say the same sentence when they are wrong.
+The parsers here (``NodeRange.parse``, ``parse_time``, ...) are what the CLI gives click as the
+options' types (``clicktools.Parsed``) and what the config file's values go through, so a flag
+and a config key are held to the same rules and say the same sentence when they are wrong.
 """
 
 from __future__ import annotations

@@ -17,14 +17,15 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Any
 
-import typer
+import click
 
 from hpc_elastic import contract, events, notify
 from hpc_elastic.agent import badnodes, stops
 from hpc_elastic.agent.agent import Agent, Prepared, prepare
 from hpc_elastic.agent.api import AgentSpec, ExitCode, parse_signal
+from hpc_elastic.clicktools import exit_with
 from hpc_elastic.errors import AgentError, RendezvousUnreachableError
 from hpc_elastic.events import Kind
 from hpc_elastic.jobdir import BEAT_S, ensure_job_dir, untrusted_job_dir, write_beat
@@ -45,24 +46,23 @@ if TYPE_CHECKING:
 HOST_ENV = contract.HOST_ENV
 _log = logging.getLogger(__name__)
 
-CONTEXT = {"allow_interspersed_args": False}
-"""Everything after ``--`` (or after the first positional argument) is the worker command."""
-
 
 @with_options(AGENT_OPTIONS)
-def agent(
-    command: Annotated[
-        list[str],
-        typer.Argument(metavar="COMMAND", help="The worker command, e.g. python -u train.py."),
-    ],
-    **values: Any,
-) -> None:
+@click.command(
+    "agent",
+    # Everything after ``--`` (or after the first positional argument) is the worker command.
+    context_settings={"allow_interspersed_args": False},
+)
+@click.argument(
+    "command", nargs=-1, required=True, help="The worker command, e.g. python -u train.py."
+)
+def agent(command: tuple[str, ...], **values: Any) -> None:
     """Run this node's workers in the job's rendezvous; restart them as nodes come and go."""
     configure_from_env()  # HPC_ELASTIC_LOG, also when called without main()
     # The handlers stay until the process exits: `scontrol requeue` in settle signals the
     # whole step, this agent too, and that signal may land after run_agent has returned.
-    code = run_agent(tuple(command), AgentArguments.from_values(values), restore_signals=False)
-    raise typer.Exit(code)
+    code = run_agent(command, AgentArguments.from_values(values), restore_signals=False)
+    exit_with(code)
 
 
 def run_agent(
@@ -157,7 +157,7 @@ def _stopped_before_joining(
     leave; the standbys go with ``prepared``. The preemption signal still exits 75, so that
     ``settle`` requeues the slot as for any preemption."""
     code = stops.exit_code(stopped.signum, spec.preempt_signal)
-    typer.echo(
+    click.echo(
         f"hpc-elastic agent: got {stopped} before joining job '{run_id}'; exiting with code "
         f"{int(code)}.",
         err=True,
@@ -172,7 +172,7 @@ def _unreachable_before_joining(
     """The ensemble answered the connection, then went away for the outage limit before the
     job's nodes could be set up (``_connect_until_stopped``)."""
     code = ExitCode.UNREACHABLE
-    typer.echo(f"hpc-elastic agent: {error}", err=True)
+    click.echo(f"hpc-elastic agent: {error}", err=True)
     emit(Kind.ERROR, reason=str(error), exit_code=int(code))
     return int(code)
 
@@ -340,7 +340,7 @@ def _start(
         phase=lambda: runner.phase,
     )
     if exporter.port is not None:
-        typer.echo(f"hpc-elastic agent: metrics on port {exporter.port}", err=True)
+        click.echo(f"hpc-elastic agent: metrics on port {exporter.port}", err=True)
     return runner, exporter
 
 
@@ -514,7 +514,7 @@ def check_before_joining(
     if checked.healthy:
         return None
     if array_slot is None:
-        typer.echo(
+        click.echo(
             f"hpc-elastic agent: node '{node}' failed its health check, so it does not join "
             f"job '{run_id}': {checked.reason} Fix the node or run the job elsewhere.",
             err=True,
@@ -534,7 +534,7 @@ def check_before_joining(
 def _leave_drained(array_slot: ElasticSlot, drained: NodeDrain, emit: Callable[..., None]) -> int:
     """A node Slurm drained between granting it and this agent's start: leave before joining.
     ``scontrol requeue`` signals the whole step, this agent too (as in the preflight's move)."""
-    typer.echo(
+    click.echo(
         f"hpc-elastic agent: node '{drained.node}' is {drained.state} ({drained.reason}); "
         "requeueing this slot elsewhere before it joins.",
         err=True,
@@ -552,7 +552,7 @@ def _arrive(array_slot: ElasticSlot, spec: AgentSpec, run_id: str) -> None:
     spec.job_dir.mkdir(parents=True, exist_ok=True)
     emit = _emitter(spec, run_id, array_slot)
     if array_slot.problem is not None:
-        typer.echo(f"hpc-elastic agent: {array_slot.problem}", err=True)
+        click.echo(f"hpc-elastic agent: {array_slot.problem}", err=True)
         emit(Kind.WARNING, message=array_slot.problem)
     arrival = array_slot.arrive()
     if arrival.node_failure is not None:

@@ -3,23 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
 
-import typer
+import click
 
 from hpc_elastic.ops import jobs
 
-LogDir = Annotated[
-    Path | None,
-    typer.Option(
-        metavar="DIR",
-        help="Where job directories live. Default: the config file's, else ./hpc-elastic-runs.",
-    ),
-]
-JobArg = Annotated[
-    str,
-    typer.Argument(metavar="JOB", help="A run id, a job directory or a Slurm job id."),
-]
+log_dir_option = click.option(
+    "--log-dir",
+    type=click.Path(path_type=Path),
+    metavar="DIR",
+    help="Where job directories live. Default: the config file's, else ./hpc-elastic-runs.",
+)
+"""``--log-dir DIR``, given to the function as ``log_dir`` (a ``Path``, or None)."""
+job_argument = click.argument("job", help="A run id, a job directory or a Slurm job id.")
+"""The JOB argument, given to the function as ``job``."""
 
 
 def log_dir_of(flag: Path | None) -> Path:

@@ -1,12 +1,13 @@
-"""``hpc-elastic doctor``: the Typer signature; ``hpc_elastic.doctor`` runs the checks."""
+"""``hpc-elastic doctor``: the click command; ``hpc_elastic.doctor`` runs the checks."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, cast
+from typing import cast
 
-import typer
+import click
 
+from hpc_elastic.clicktools import Parsed, exit_with
 from hpc_elastic.config import load_config
 from hpc_elastic.contract import (
     DEFAULT_PREEMPT_SIGNAL,
@@ -38,56 +39,50 @@ def _local_dir(text: str) -> Path:
     return directory.absolute()
 
 
+@click.command("doctor")
+@click.option("--partition", metavar="NAME", help="Partition to check; default: Slurm's.")
+@click.option(
+    "--zk",
+    type=Parsed(parse_zk),
+    metavar="HOST:PORT[,...]",
+    help="ZooKeeper to check. Default: $HPC_ELASTIC_ZK, the config file, the ensemble you "
+    f"started (hpc-elastic zk start), or {DEFAULT_ZK}.",
+)
+@click.option(
+    "--checkpoint-dir",
+    metavar="DIR|URL",
+    help="Where jobs will write. Default: ./hpc-elastic-runs. An s3:// URL is not created or "
+    "checked here.",
+)
+@click.option(
+    "--signal",
+    default=DEFAULT_PREEMPT_SIGNAL,
+    metavar="SIG[@SECONDS]",
+    help="The --signal your jobs will have: its lead must hold a save.",
+)
+@click.option(
+    "--save-seconds",
+    type=Parsed(seconds_parser("--save-seconds")),
+    metavar="S",
+    help="How long one checkpoint save takes (status shows the agents' figure); default: "
+    "time a test save.",
+)
+@click.option(
+    "--save-size",
+    metavar="SIZE",
+    help=f"Time a test save of this size (e.g. 2G) in the checkpoint directory; default "
+    f"{TEST_SAVE_BYTES // 2**20}M.",
+)
+@click.option("--qos", metavar="NAME", help="The QoS your jobs will run under (preempt/qos).")
 def doctor_command(
-    partition: Annotated[
-        str | None, typer.Option(metavar="NAME", help="Partition to check; default: Slurm's.")
-    ] = None,
-    zk: Annotated[
-        str | None,
-        typer.Option(
-            parser=parse_zk,
-            metavar="HOST:PORT[,...]",
-            help="ZooKeeper to check. Default: $HPC_ELASTIC_ZK, the config file, the ensemble "
-            f"you started (hpc-elastic zk start), or {DEFAULT_ZK}.",
-        ),
-    ] = None,
-    checkpoint_dir: Annotated[
-        str | None,
-        typer.Option(
-            metavar="DIR|URL",
-            help="Where jobs will write. Default: ./hpc-elastic-runs. An s3:// URL is not "
-            "created or checked here.",
-        ),
-    ] = None,
+    partition: str | None,
+    zk: str | None,
+    checkpoint_dir: str | None,
     *,
-    signal: Annotated[
-        str,
-        typer.Option(
-            metavar="SIG[@SECONDS]",
-            help="The --signal your jobs will have: its lead must hold a save.",
-        ),
-    ] = DEFAULT_PREEMPT_SIGNAL,
-    save_seconds: Annotated[
-        float | None,
-        typer.Option(
-            parser=seconds_parser("--save-seconds"),
-            metavar="S",
-            help="How long one checkpoint save takes (status shows the agents' figure); "
-            "default: time a test save.",
-        ),
-    ] = None,
-    save_size: Annotated[
-        str | None,
-        typer.Option(
-            metavar="SIZE",
-            help=f"Time a test save of this size (e.g. 2G) in the checkpoint directory; "
-            f"default {TEST_SAVE_BYTES // 2**20}M.",
-        ),
-    ] = None,
-    qos: Annotated[
-        str | None,
-        typer.Option(metavar="NAME", help="The QoS your jobs will run under (preempt/qos)."),
-    ] = None,
+    signal: str,
+    save_seconds: float | None,
+    save_size: str | None,
+    qos: str | None,
 ) -> None:
     """Check a cluster before the first submit: one line per check, pass, warn or fail."""
     config = load_config(Path.cwd())
@@ -111,8 +106,8 @@ def doctor_command(
     )
     for check in checks:
         for line in check.lines():
-            typer.echo(line)
+            click.echo(line)
     failed = sum(check.level is Level.FAIL for check in checks)
     warned = sum(check.level is Level.WARN for check in checks)
-    typer.echo(f"{len(checks)} checks: {failed} failed, {warned} warnings.")
-    raise typer.Exit(1 if failed else 0)
+    click.echo(f"{len(checks)} checks: {failed} failed, {warned} warnings.")
+    exit_with(1 if failed else 0)

@@ -1,4 +1,4 @@
-"""``hpc-elastic drill``: the Typer signature, the checks before acting, the act and the wait;
+"""``hpc-elastic drill``: the click command, the checks before acting, the act and the wait;
 ``hpc_elastic.ops.drill`` holds the rules and the figures."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import random
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated
 
-import typer
+import click
 
-from hpc_elastic.commands._job import JobArg, LogDir, log_dir_of
+from hpc_elastic.clicktools import Parsed, exit_with
+from hpc_elastic.commands._job import job_argument, log_dir_of, log_dir_option
 from hpc_elastic.errors import SlurmError, UsageError, one_line
 from hpc_elastic.events import Event
 from hpc_elastic.jobdir import JobRecord
@@ -30,30 +30,34 @@ REQUEUE_MARGIN_S = 30.0
 signal lead and this margin, as Slurm does after GraceTime."""
 
 
+@click.command("drill")
+@job_argument
+@log_dir_option
+@click.option("--kind", default="preempt", metavar="preempt|requeue|node-kill", help="What to act.")
+@click.option(
+    "--step-log",
+    type=click.Path(path_type=Path),
+    metavar="FILE",
+    help="The job's step log (lines 'step=N ...'), checked for a missing or repeated step.",
+)
+@click.option(
+    "--timeout",
+    type=Parsed(seconds_parser("--timeout")),
+    default=900.0,
+    metavar="S",
+    help="How long to wait for the job to train at full size again.",
+)
+@click.option("--seed", type=int, metavar="N", help="Pick the slot with this seed.")
+@click.option("--json", "json_output", is_flag=True, help="Print the figures as JSON.")
 def drill_command(
-    job: JobArg,
-    log_dir: LogDir = None,
+    job: str,
+    log_dir: Path | None,
     *,
-    kind: Annotated[
-        str, typer.Option(metavar="preempt|requeue|node-kill", help="What to act.")
-    ] = "preempt",
-    step_log: Annotated[
-        Path | None,
-        typer.Option(
-            metavar="FILE",
-            help="The job's step log (lines 'step=N ...'), checked for a missing or repeated step.",
-        ),
-    ] = None,
-    timeout: Annotated[
-        float,
-        typer.Option(
-            parser=seconds_parser("--timeout"),
-            metavar="S",
-            help="How long to wait for the job to train at full size again.",
-        ),
-    ] = 900.0,
-    seed: Annotated[int | None, typer.Option(help="Pick the slot with this seed.")] = None,
-    json_output: Annotated[bool, typer.Option("--json", help="Print the figures as JSON.")] = False,
+    kind: str,
+    step_log: Path | None,
+    timeout: float,
+    seed: int | None,
+    json_output: bool,
 ) -> None:
     """Act a preemption (or a requeue, or a node's death) on a random running slot of JOB,
     wait until it trains at full size again, and report the time that took, the steps redone,
@@ -70,7 +74,7 @@ def drill_command(
     if full is None:
         raise UsageError(f"Job '{record.run_id}' has formed no round yet; drill it once it trains.")
     logged = len(drill.log_steps(step_log.read_text())) if step_log and step_log.exists() else 0
-    typer.echo(f"Drilling job {record.run_id}: {kind} of slot {task} ({task_job}).", err=True)
+    click.echo(f"Drilling job {record.run_id}: {kind} of slot {task} ({task_job}).", err=True)
     acted = _act(kind, task_job, record, task)
     report = _wait(
         record,
@@ -83,12 +87,12 @@ def drill_command(
         logged=logged,
     )
     if json_output:
-        typer.echo(json.dumps({**asdict(report), "grace_margin_s": report.grace_margin_s}))
+        click.echo(json.dumps({**asdict(report), "grace_margin_s": report.grace_margin_s}))
     else:
         for line in report.lines():
-            typer.echo(one_line(line))
+            click.echo(one_line(line))
     recovered = report.time_to_full_step_s is not None
-    raise typer.Exit(0 if recovered and not report.problems else 1)
+    exit_with(0 if recovered and not report.problems else 1)
 
 
 def _pick(record: JobRecord, history: list[Event], seed: int | None) -> tuple[str, str]:

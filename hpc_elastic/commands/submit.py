@@ -1,4 +1,4 @@
-"""``hpc-elastic submit`` and ``hpc-elastic render``: the Typer signature, then the domain.
+"""``hpc-elastic submit`` and ``hpc-elastic render``: the click command, then the domain.
 
 The options come from the option table (``hpc_elastic.options``); the domain is
 ``hpc_elastic.submission`` (plan, then write the job directory and sbatch).
@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Annotated, Any, cast
+from typing import Any, cast
 
-import typer
+import click
 
 from hpc_elastic import api, sensitive
-from hpc_elastic._click_compat import ParameterSource
+from hpc_elastic.clicktools import Parsed
 from hpc_elastic.commands import Invocation
 from hpc_elastic.ensemble.choice import require_alive
 from hpc_elastic.jobdir import CodeSnapshot
@@ -43,46 +43,53 @@ Same options as submit. Example: hpc-elastic render --nodes 1:4 train.py > job.s
 """
 
 
-TYPED = frozenset({ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT})
+TYPED = frozenset({click.ParameterSource.COMMANDLINE, click.ParameterSource.ENVIRONMENT})
 """Where a value counts as the user's own: it beats the config file."""
 
 
-def typed_in(ctx: typer.Context) -> Callable[[str], bool]:
-    """Whether the user gave option ``name`` on this command line (not Typer's default)."""
+def typed_in(ctx: click.Context) -> Callable[[str], bool]:
+    """Whether the user gave option ``name`` on this command line (not click's default)."""
     return lambda name: ctx.get_parameter_source(name) in TYPED
 
 
 @with_options(SUBMIT_OPTIONS)
+@click.command("submit", help=SUBMIT_HELP)
+@click.argument(
+    "script", type=Parsed(parse_script), help="The training script, run with python -u."
+)
+@click.argument("script_args", nargs=-1, help="Arguments for SCRIPT, after '--'.")
+@click.option("--dry-run", is_flag=True, help="Print the script; submit nothing.")
+@click.pass_context
 def submit_command(
-    ctx: typer.Context,
-    script: Annotated[
-        Path,
-        typer.Argument(
-            parser=parse_script, metavar="SCRIPT", help="The training script, run with python -u."
-        ),
-    ],
-    script_args: Annotated[
-        list[str] | None,
-        typer.Argument(metavar="SCRIPT_ARGS", help="Arguments for SCRIPT, after '--'."),
-    ] = None,
+    ctx: click.Context,
+    /,
+    script: Path,
+    script_args: tuple[str, ...],
     *,
-    dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Print the script; submit nothing.")
-    ] = False,
+    dry_run: bool,
     **values: Any,
 ) -> None:
     """The options are the table's (``hpc_elastic.options``); ``values`` holds them by name."""
     argv = cast(Invocation, ctx.find_root().obj).argv
     job, zk = api.plan_given(
-        script, script_args or (), values, typed_in(ctx), command_line=("hpc-elastic", *argv)
+        script, script_args, values, typed_in(ctx), command_line=("hpc-elastic", *argv)
     )
     warn_of_secrets(argv, f"hpc-elastic {ctx.info_name}")
     if dry_run or ctx.info_name == "render":
-        typer.echo(job.shown(), nl=False, color=True)  # the exact scripts, escapes and all
+        click.echo(job.shown(), nl=False, color=True)  # the exact scripts, escapes and all
         return
     require_alive(zk.address)
     _submit(job)
-    typer.echo(zk.line())
+    click.echo(zk.line())
+
+
+render_command = click.Command(
+    "render",
+    callback=submit_command.callback,
+    params=list(submit_command.params),
+    help=RENDER_HELP,
+)
+"""``submit`` under another name and help: it prints the script (``ctx.info_name``)."""
 
 
 VALUE_FLAGS = tuple(option.cli_flag for option in SUBMIT_OPTIONS if option.type is not bool)
@@ -94,7 +101,7 @@ def warn_of_secrets(argv: Sequence[str], command: str) -> None:
     ``ps`` shows the command line to every user (``hpc_elastic.sensitive``). After the plan,
     so that a command with a bad flag still says one ``error:`` line and nothing else."""
     for finding in sensitive.command_line_findings(argv, VALUE_FLAGS):
-        typer.echo(f"warning: {sensitive.warning(finding, command)}", err=True)
+        click.echo(f"warning: {sensitive.warning(finding, command)}", err=True)
 
 
 def _submit(job: Plan) -> None:
@@ -104,18 +111,18 @@ def _submit(job: Plan) -> None:
     shape = f"elastic {nodes} nodes" if nodes.is_elastic else f"{nodes} nodes"
     if job.spec.spares:
         shape += f" and {job.spec.spares} hot spare{'s' if job.spec.spares > 1 else ''}"
-    typer.echo(f"Submitted batch job {submitted.job_id} (run {job.context.run_id}, {shape}).")
+    click.echo(f"Submitted batch job {submitted.job_id} (run {job.context.run_id}, {shape}).")
     grow = submitted.record.grow_job_id
     if grow is not None:
-        typer.echo(f"Growth slots: {describe_growth(job)}, as Slurm job {grow}.")
-    typer.echo(f"Job directory: {job.job_dir}")
+        click.echo(f"Growth slots: {describe_growth(job)}, as Slurm job {grow}.")
+    click.echo(f"Job directory: {job.job_dir}")
     logs = job.paths.slurm_output(str(submitted.job_id), elastic=job.spec.is_array)
-    typer.echo(f"Logs: {logs}")
+    click.echo(f"Logs: {logs}")
     if grow is not None:
-        typer.echo(f"      {job.paths.slurm_output(grow, elastic=True)}")
-    typer.echo(f"Code: {describe_snapshot(submitted.record.snapshot)}")
+        click.echo(f"      {job.paths.slurm_output(grow, elastic=True)}")
+    click.echo(f"Code: {describe_snapshot(submitted.record.snapshot)}")
     if job.code is not None and job.code.left_out:
-        typer.echo(f"Left out of the snapshot as secrets: {describe_left_out(job.code.left_out)}")
+        click.echo(f"Left out of the snapshot as secrets: {describe_left_out(job.code.left_out)}")
 
 
 def describe_growth(job: Plan) -> str:

@@ -1,4 +1,4 @@
-"""``hpc-elastic watch``: the Typer signature; ``hpc_elastic.ops.watch`` decides, this acts.
+"""``hpc-elastic watch``: the click command; ``hpc_elastic.ops.watch`` decides, this acts.
 
 One run looks once at every job of the user's that Slurm lists and posts what it found; it is
 meant to run every few minutes from scrontab (``watch --install`` writes the line) or cron.
@@ -12,11 +12,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING
 
-import typer
+import click
 
-from hpc_elastic.commands._job import LogDir, log_dir_of
+from hpc_elastic.clicktools import Parsed
+from hpc_elastic.commands._job import log_dir_of, log_dir_option
 from hpc_elastic.contract import NOTIFY_URL_ENV
 from hpc_elastic.errors import UsageError, one_line
 from hpc_elastic.jobdir import JobRecord
@@ -34,56 +35,60 @@ END = "# hpc-elastic watch: end"
 """The lines around the watcher's entry in the user's scrontab, so --uninstall finds it."""
 
 
+@click.command("watch")
+@log_dir_option
+@click.option(
+    "--dead-after",
+    type=Parsed(seconds_parser("--dead-after")),
+    default=rules.DEAD_AFTER,
+    metavar="S",
+    help="Alert when no slot of a job has run for this long.",
+)
+@click.option(
+    "--heartbeat-after",
+    type=Parsed(seconds_parser("--heartbeat-after")),
+    default=rules.HEARTBEAT_AFTER,
+    metavar="S",
+    help="Alert when a running job's heartbeat or training step has not moved for this long.",
+)
+@click.option(
+    "--min-goodput",
+    type=float,
+    default=rules.MIN_GOODPUT,
+    metavar="RATIO",
+    help="Alert when a job's goodput falls under this.",
+)
+@click.option(
+    "--goodput-after",
+    type=Parsed(seconds_parser("--goodput-after")),
+    default=rules.GOODPUT_AFTER,
+    metavar="S",
+    help="Judge goodput only after a job has run this long.",
+)
+@click.option(
+    "--notify",
+    metavar="URL",
+    envvar=NOTIFY_URL_ENV,
+    show_envvar=True,
+    help="Where to post for a job without a --notify of its own; without any, alerts are "
+    "printed (cron mails them).",
+)
+@click.option("--install", is_flag=True, help="Write the scrontab line that runs this watch.")
+@click.option(
+    "--every", type=int, default=10, metavar="MINUTES", help="With --install: how often it runs."
+)
+@click.option("--uninstall", is_flag=True, help="Remove the line --install wrote.")
 def watch_command(
-    log_dir: LogDir = None,
+    log_dir: Path | None,
     *,
-    dead_after: Annotated[
-        float,
-        typer.Option(
-            parser=seconds_parser("--dead-after"),
-            metavar="S",
-            help="Alert when no slot of a job has run for this long.",
-        ),
-    ] = rules.DEAD_AFTER,
-    heartbeat_after: Annotated[
-        float,
-        typer.Option(
-            parser=seconds_parser("--heartbeat-after"),
-            metavar="S",
-            help="Alert when a running job's heartbeat or training step has not moved for this "
-            "long.",
-        ),
-    ] = rules.HEARTBEAT_AFTER,
-    min_goodput: Annotated[
-        float,
-        typer.Option(metavar="RATIO", help="Alert when a job's goodput falls under this."),
-    ] = rules.MIN_GOODPUT,
-    goodput_after: Annotated[
-        float,
-        typer.Option(
-            parser=seconds_parser("--goodput-after"),
-            metavar="S",
-            help="Judge goodput only after a job has run this long.",
-        ),
-    ] = rules.GOODPUT_AFTER,
-    notify: Annotated[
-        str | None,
-        typer.Option(
-            metavar="URL",
-            envvar=NOTIFY_URL_ENV,
-            help="Where to post for a job without a --notify of its own; without any, alerts "
-            "are printed (cron mails them).",
-        ),
-    ] = None,
-    install: Annotated[
-        bool, typer.Option("--install", help="Write the scrontab line that runs this watch.")
-    ] = False,
-    every: Annotated[
-        int, typer.Option(metavar="MINUTES", help="With --install: how often it runs.")
-    ] = 10,
-    uninstall: Annotated[
-        bool, typer.Option("--uninstall", help="Remove the line --install wrote.")
-    ] = False,
+    dead_after: float,
+    heartbeat_after: float,
+    min_goodput: float,
+    goodput_after: float,
+    notify: str | None,
+    install: bool,
+    every: int,
+    uninstall: bool,
 ) -> None:
     """Check every job of yours from outside: alert once when no slot runs for a while, when a
     job's heartbeat stops, or when its goodput is low, and once more when it recovers."""
@@ -100,7 +105,7 @@ def watch_command(
         return
     limits = rules.Thresholds(dead_after, heartbeat_after, min_goodput, goodput_after)
     sent = run_once(log_dir_of(log_dir), limits, notify, all_jobs=log_dir is None)
-    typer.echo(f"hpc-elastic watch: {sent} alert{'s' if sent != 1 else ''} sent.")
+    click.echo(f"hpc-elastic watch: {sent} alert{'s' if sent != 1 else ''} sent.")
 
 
 def run_once(
@@ -115,7 +120,7 @@ def run_once(
     summaries = [(record, timeline.summarize(record.events())) for record in records]
     states, warnings = status.job_states(summaries)
     for warning in warnings:
-        typer.echo(f"warning: {one_line(warning)}", err=True)
+        click.echo(f"warning: {one_line(warning)}", err=True)
     if warnings:
         return 0  # Slurm did not answer: nothing is known, nothing is said, nothing forgotten.
     ids = [job for record in records for job in record.job_ids]
@@ -153,7 +158,7 @@ def _poster(notify: str | None, notifiers: dict[str, Notifier]) -> rules.Post:
 
     def post(record: JobRecord, kind: str, sentence: str) -> None:
         message = f"Job {record.run_id} (Slurm job {'/'.join(record.job_ids)}): {sentence}."
-        typer.echo(f"{kind}: {one_line(message)}")
+        click.echo(f"{kind}: {one_line(message)}")
         url = record.notify or notify
         if url is None:
             return
@@ -217,6 +222,6 @@ def _scrontab(install: bool, every: int, argv: list[str]) -> None:
     finally:
         Path(file.name).unlink(missing_ok=True)
     if install:
-        typer.echo(f"Installed in your scrontab: {line}")
+        click.echo(f"Installed in your scrontab: {line}")
     else:
-        typer.echo("Removed the hpc-elastic watch line from your scrontab.")
+        click.echo("Removed the hpc-elastic watch line from your scrontab.")

@@ -1,6 +1,6 @@
 """``hpc-elastic zk start|status|stop|serve``: the user's own ZooKeeper ensemble.
 
-The Typer signatures only; ``hpc_elastic.ensemble`` does the work and is imported when a
+The click commands only; ``hpc_elastic.ensemble`` does the work and is imported when a
 command runs, so ``hpc-elastic --help`` loads nothing of it. ``supervise``, ``server`` and
 ``clean`` are what the ensemble's Slurm job runs (hidden from ``--help``).
 """
@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
 
-import typer
+import click
 
 from hpc_elastic import contract
+from hpc_elastic.clicktools import Group, Parsed, exit_with
 from hpc_elastic.errors import UsageError
 from hpc_elastic.spec import (
     count_parser,
@@ -25,18 +25,15 @@ from hpc_elastic.spec import (
     seconds_parser,
 )
 
-zk_app = typer.Typer(
-    name="zk",
+zk_app = Group(
+    "zk",
     help="Your own ZooKeeper ensemble for the rendezvous: start it as a Slurm job (or serve "
     "it in the foreground), see it, stop it. See docs/cluster-setup.md.",
     no_args_is_help=True,
-    add_completion=False,
-    rich_markup_mode=None,
 )
 
 
 def _servers(text: str) -> int:
-    text = str(text)  # Typer runs the default (an int) through the parser too
     if text.strip() not in {str(count) for count in contract.ZK_SERVER_COUNTS}:
         raise UsageError(
             f"--servers '{text}' is not one of {', '.join(map(str, contract.ZK_SERVER_COUNTS))}; "
@@ -52,112 +49,114 @@ def _ports(text: str) -> tuple[int, int]:
 
 
 def _checked_ports(text: str) -> str:
-    """``--ports`` stays text for Typer (a tuple would be two arguments); checked here."""
+    """``--ports`` stays text for click (a tuple would be two arguments); checked here."""
     _ports(text)
     return text
 
 
 def _say(text: str) -> None:
-    typer.echo(text)
+    click.echo(text)
 
 
 DEFAULT_PORTS = f"{contract.DEFAULT_ZK_PORTS[0]}:{contract.DEFAULT_ZK_PORTS[1]}"
 
 
 @zk_app.command("start")
+@click.option(
+    "--servers",
+    type=Parsed(_servers),
+    default=contract.DEFAULT_ZK_SERVERS,
+    metavar="1|3|5",
+    help="Servers, one per node: 3 survive losing one, 5 survive losing two.",
+)
+@click.option(
+    "--partition",
+    type=Parsed(lambda text: parse_sbatch_value("--partition", text)),
+    metavar="NAME",
+    help="A partition that never preempts (refused otherwise). Default: Slurm's.",
+)
+@click.option(
+    "--time", type=Parsed(parse_time), metavar="TIME", help="Time limit; outlive your jobs."
+)
+@click.option(
+    "--account",
+    type=Parsed(lambda text: parse_sbatch_value("--account", text)),
+    metavar="NAME",
+    help="Slurm account to charge.",
+)
+@click.option(
+    "--mem",
+    type=Parsed(parse_mem),
+    default=contract.DEFAULT_ZK_MEMORY,
+    metavar="SIZE",
+    help="Memory per server node.",
+)
+@click.option(
+    "--data-dir",
+    default="",
+    metavar="DIR",
+    help="Node-local directory for each server's data and transaction logs.",
+    show_default="$TMPDIR, else /tmp",
+)
+@click.option(
+    "--ports",
+    type=Parsed(_checked_ports),
+    default=DEFAULT_PORTS,
+    metavar="LOW:HIGH",
+    help="Where servers pick their ports.",
+)
+@click.option(
+    "--restarts",
+    type=Parsed(count_parser("--restarts", zero_ok=True)),
+    default=contract.DEFAULT_ZK_RESTARTS,
+    metavar="N",
+    help="Times a server whose step died starts again in place.",
+)
+@click.option(
+    "--spares",
+    type=Parsed(count_parser("--spares", zero_ok=True)),
+    default=contract.DEFAULT_ZK_SPARES,
+    metavar="N",
+    help="Spare nodes held in the job, each ready to replace a server whose node is lost "
+    f"(0..{contract.ZK_MAX_SPARES}; needs --servers 3 or 5).",
+)
+@click.option(
+    "--timeout",
+    type=Parsed(seconds_parser("--timeout")),
+    default=contract.DEFAULT_ZK_START_TIMEOUT,
+    metavar="S",
+    help="Seconds the running job may take to serve.",
+)
+@click.option(
+    "--allow-preemption",
+    is_flag=True,
+    help="Start even in a partition that may preempt the job.",
+)
+@click.option("--wait/--no-wait", default=True, help="Return once the ensemble serves.")
+@click.option("--python", metavar="PATH", help="Python on the nodes.", show_default="this one")
+@click.option(
+    "--sbatch-arg",
+    type=Parsed(parse_sbatch_arg),
+    multiple=True,
+    metavar="OPTION",
+    help="Any other sbatch option, e.g. '--qos=service'. Repeatable.",
+)
 def start_command(
     *,
-    servers: Annotated[
-        int,
-        typer.Option(
-            parser=_servers,
-            metavar="1|3|5",
-            help="Servers, one per node: 3 survive losing one, 5 survive losing two.",
-        ),
-    ] = contract.DEFAULT_ZK_SERVERS,
-    partition: Annotated[
-        str | None,
-        typer.Option(
-            parser=lambda text: parse_sbatch_value("--partition", text),
-            metavar="NAME",
-            help="A partition that never preempts (refused otherwise). Default: Slurm's.",
-        ),
-    ] = None,
-    time: Annotated[
-        str | None,
-        typer.Option(parser=parse_time, metavar="TIME", help="Time limit; outlive your jobs."),
-    ] = None,
-    account: Annotated[
-        str | None,
-        typer.Option(
-            parser=lambda text: parse_sbatch_value("--account", text),
-            metavar="NAME",
-            help="Slurm account to charge.",
-        ),
-    ] = None,
-    mem: Annotated[
-        str, typer.Option(parser=parse_mem, metavar="SIZE", help="Memory per server node.")
-    ] = contract.DEFAULT_ZK_MEMORY,
-    data_dir: Annotated[
-        str,
-        typer.Option(
-            metavar="DIR",
-            help="Node-local directory for each server's data and transaction logs.",
-            show_default="$TMPDIR, else /tmp",
-        ),
-    ] = "",
-    ports: Annotated[
-        str,
-        typer.Option(
-            parser=_checked_ports, metavar="LOW:HIGH", help="Where servers pick their ports."
-        ),
-    ] = DEFAULT_PORTS,
-    restarts: Annotated[
-        int,
-        typer.Option(
-            parser=count_parser("--restarts", zero_ok=True),
-            metavar="N",
-            help="Times a server whose step died starts again in place.",
-        ),
-    ] = contract.DEFAULT_ZK_RESTARTS,
-    spares: Annotated[
-        int,
-        typer.Option(
-            parser=count_parser("--spares", zero_ok=True),
-            metavar="N",
-            help="Spare nodes held in the job, each ready to replace a server whose node is "
-            f"lost (0..{contract.ZK_MAX_SPARES}; needs --servers 3 or 5).",
-        ),
-    ] = contract.DEFAULT_ZK_SPARES,
-    timeout: Annotated[
-        float,
-        typer.Option(
-            parser=seconds_parser("--timeout"),
-            metavar="S",
-            help="Seconds the running job may take to serve.",
-        ),
-    ] = contract.DEFAULT_ZK_START_TIMEOUT,
-    allow_preemption: Annotated[
-        bool,
-        typer.Option(
-            "--allow-preemption", help="Start even in a partition that may preempt the job."
-        ),
-    ] = False,
-    wait: Annotated[
-        bool, typer.Option("--wait/--no-wait", help="Return once the ensemble serves.")
-    ] = True,
-    python: Annotated[
-        str | None,
-        typer.Option(metavar="PATH", help="Python on the nodes.", show_default="this one"),
-    ] = None,
-    sbatch_arg: Annotated[
-        list[str] | None,
-        typer.Option(
-            parser=parse_sbatch_arg,
-            metavar="OPTION",
-            help="Any other sbatch option, e.g. '--qos=service'. Repeatable.",
-        ),
-    ] = None,
+    servers: int,
+    partition: str | None,
+    time: str | None,
+    account: str | None,
+    mem: str,
+    data_dir: str,
+    ports: str,
+    restarts: int,
+    spares: int,
+    timeout: float,
+    allow_preemption: bool,
+    wait: bool,
+    python: str | None,
+    sbatch_arg: tuple[str, ...],
 ) -> None:
     """Start a ZooKeeper ensemble as one Slurm job, one server per node, and wait until it
     serves; then submit, doctor, nodes and the Python API use it when no --zk is given.
@@ -183,35 +182,31 @@ def start_command(
         allow_preemption=allow_preemption,
         wait=wait,
         python=python or sys.executable,
-        sbatch_args=tuple(sbatch_arg or ()),
+        sbatch_args=sbatch_arg,
     )
     lifecycle.start(request, files.Layout.of(), _say)
 
 
 @zk_app.command("status")
-def status_command(
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
-) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def status_command(as_json: bool) -> None:
     """Show each server (node, address, leader/follower/down, clients, latency, its Slurm
     step), whether the ensemble is serving or degraded, and which of your jobs use it."""
     from hpc_elastic.ensemble import files, lifecycle  # noqa: PLC0415
 
     view = lifecycle.gather(files.find())
     if as_json:
-        typer.echo(json.dumps(view.to_json(), indent=2))
+        click.echo(json.dumps(view.to_json(), indent=2))
     else:
         for line in lifecycle.render(view):
-            typer.echo(line)
+            click.echo(line)
     for warning in view.warnings:
-        typer.echo(f"warning: {warning}", err=True)
+        click.echo(f"warning: {warning}", err=True)
 
 
 @zk_app.command("stop")
-def stop_command(
-    force: Annotated[
-        bool, typer.Option("--force", help="Stop it even while your jobs still use it.")
-    ] = False,
-) -> None:
+@click.option("--force", is_flag=True, help="Stop it even while your jobs still use it.")
+def stop_command(force: bool) -> None:
     """Stop your ensemble: every server, its Slurm job, its data and its records. Refused
     while a job of yours that Slurm still lists uses it, unless --force."""
     from hpc_elastic.ensemble import files, lifecycle  # noqa: PLC0415
@@ -220,39 +215,33 @@ def stop_command(
 
 
 @zk_app.command("serve")
-def serve_command(
-    *,
-    port: Annotated[
-        int | None,
-        typer.Option(
-            parser=count_parser("--port"),
-            metavar="PORT",
-            help="Client port.",
-            show_default="a free one",
-        ),
-    ] = None,
-    data_dir: Annotated[
-        Path | None,
-        typer.Option(
-            metavar="DIR",
-            help="Data directory, kept across restarts (a service's).",
-            show_default="a private one, removed at exit",
-        ),
-    ] = None,
-    ports: Annotated[
-        str,
-        typer.Option(
-            parser=_checked_ports, metavar="LOW:HIGH", help="Where a free port is picked."
-        ),
-    ] = DEFAULT_PORTS,
-    publish: Annotated[
-        bool,
-        typer.Option(
-            "--publish/--no-publish",
-            help="Write your connect-string file, so that your commands use this server.",
-        ),
-    ] = True,
-) -> None:
+@click.option(
+    "--port",
+    type=Parsed(count_parser("--port")),
+    metavar="PORT",
+    help="Client port.",
+    show_default="a free one",
+)
+@click.option(
+    "--data-dir",
+    type=click.Path(path_type=Path),
+    metavar="DIR",
+    help="Data directory, kept across restarts (a service's).",
+    show_default="a private one, removed at exit",
+)
+@click.option(
+    "--ports",
+    type=Parsed(_checked_ports),
+    default=DEFAULT_PORTS,
+    metavar="LOW:HIGH",
+    help="Where a free port is picked.",
+)
+@click.option(
+    "--publish/--no-publish",
+    default=True,
+    help="Write your connect-string file, so that your commands use this server.",
+)
+def serve_command(*, port: int | None, data_dir: Path | None, ports: str, publish: bool) -> None:
     """Run one ZooKeeper server in the foreground, on a login or service node, until Ctrl-C
     or SIGTERM (a systemd unit: docs/cluster-setup.md).
 
@@ -267,38 +256,46 @@ def serve_command(
         servers=1, java=found.java, classpath=found.classpath, ports=_ports(ports)
     )
     request = server.ServeRequest(record, port, data_dir, publish)
-    raise typer.Exit(server.serve(files.Layout.of(), request, _say))
+    exit_with(server.serve(files.Layout.of(), request, _say))
 
 
-RunDir = Annotated[Path, typer.Option(metavar="DIR", help="The ensemble's run directory.")]
+run_dir_option = click.option(
+    "--run-dir",
+    type=click.Path(path_type=Path),
+    required=True,
+    metavar="DIR",
+    help="The ensemble's run directory.",
+)
+"""``--run-dir DIR`` of the commands the ensemble's Slurm job runs, given as ``run_dir``."""
 
 
 @zk_app.command("supervise", hidden=True)
-def supervise_command(run_dir: RunDir) -> None:
+@run_dir_option
+def supervise_command(run_dir: Path) -> None:
     """The ensemble's Slurm job script: runs, restarts and replaces its servers."""
     from hpc_elastic.ensemble import files, supervisor  # noqa: PLC0415
     from hpc_elastic.logs import configure_from_env  # noqa: PLC0415
 
     configure_from_env()
-    raise typer.Exit(supervisor.run(files.Layout(run_dir.parent)))
+    exit_with(supervisor.run(files.Layout(run_dir.parent)))
 
 
 @zk_app.command("server", hidden=True)
-def server_command(
-    run_dir: RunDir,
-    myid: Annotated[int, typer.Option(metavar="N", help="This server's id, 1..N.")],
-) -> None:
+@run_dir_option
+@click.option("--myid", type=int, required=True, metavar="N", help="This server's id, 1..N.")
+def server_command(run_dir: Path, myid: int) -> None:
     """One server of the ensemble's Slurm job (its script runs this in every step)."""
     from hpc_elastic.ensemble import files, server  # noqa: PLC0415
     from hpc_elastic.logs import configure_from_env  # noqa: PLC0415
 
     configure_from_env()
-    raise typer.Exit(server.run_slurm_server(files.Layout(run_dir.parent), myid))
+    exit_with(server.run_slurm_server(files.Layout(run_dir.parent), myid))
 
 
 @zk_app.command("clean", hidden=True)
-def clean_command(run_dir: RunDir) -> None:
+@run_dir_option
+def clean_command(run_dir: Path) -> None:
     """The job's last step, on every node: remove what a killed server left."""
     from hpc_elastic.ensemble import files, server  # noqa: PLC0415
 
-    raise typer.Exit(server.clean_node(files.Layout(run_dir.parent)))
+    exit_with(server.clean_node(files.Layout(run_dir.parent)))

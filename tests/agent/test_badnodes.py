@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from cluster import Cluster, free_port
-from typer.testing import CliRunner
 
 from hpc_elastic import cli, doctor
 from hpc_elastic.agent import badnodes

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from slurm_fake import FakeSlurm, Reply, mocked_submit
-from typer.testing import CliRunner
 
 from hpc_elastic import __version__, cli
 
@@ -187,7 +187,7 @@ BAD_INPUT = [
     (["--zk", "localhost"], "--zk 'localhost' is not a ZooKeeper address list"),
     (["--template", "missing.j2"], "--template 'missing.j2' cannot be read"),
     (["--job-name", "a/b"], "--job-name 'a/b' is not usable"),
-    (["--no-such-flag"], "No such option: --no-such-flag"),
+    (["--no-such-flag"], "No such option '--no-such-flag'"),
 ]
 
 
@@ -280,6 +280,20 @@ def test_unexpected_errors_are_one_line(workdir: Path, slurm: FakeSlurm) -> None
     assert err.startswith("error: Internal error (RuntimeError: boom); rerun with")
 
 
+def test_ctrl_c_ends_a_command_with_130_and_no_error_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An interrupted command (``logs --follow``, a long ``status``) ends as the shell's Ctrl-C
+    does: exit 128 + SIGINT, no "error: Aborted." for what the user asked for."""
+    from hpc_elastic import api  # noqa: PLC0415
+
+    def interrupted(*_args: object) -> api.Job:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(api.Job, "find", interrupted)
+    code, out, err = invoke("status", "train-1")
+    assert (code, out) == (130, "")
+    assert "error" not in err
+
+
 def _imported_modules(*args: str) -> str:
     """Run the real entry point in a fresh interpreter; return what it imported."""
     result = subprocess.run(
@@ -319,6 +333,33 @@ def test_dry_run_does_not_import_torch(workdir: Path) -> None:
     imported = _imported_modules("submit", "--dry-run", "train.py").split()
     assert "jinja2" in imported
     for heavy in ("torch", "kazoo", "numpy"):
+        assert heavy not in imported
+
+
+EVERYDAY = {
+    "--help": ("--help",),
+    "--version": ("--version",),
+    "render": ("render", "--nodes", "1:4", "train.py"),
+    "submit": ("submit", "--dry-run", "train.py"),
+    "status": ("status", "--log-dir", "runs", "train-1"),
+}
+"""The commands a user types most, which must start at once: no library they do not use."""
+
+
+@pytest.mark.parametrize("args", list(EVERYDAY.values()), ids=list(EVERYDAY))
+def test_the_everyday_commands_import_neither_typer_nor_pydantic_nor_torch(
+    workdir: Path, args: tuple[str, ...]
+) -> None:
+    """typer converted every option's value through pydantic, a tenth of a second before any
+    command ran; the command line is plain click now, and must stay so."""
+    job_dir = workdir / "runs" / "train-1"  # a local run's record, which status reads
+    job_dir.mkdir(parents=True)
+    record = {"run_id": "train-1", "job_id": None, "mode": "local", "zk": "local:/nonexistent"}
+    (job_dir / "job.json").write_text(json.dumps({**record, "spec": {"nodes": "1:2"}}))
+    (job_dir / "job.json").chmod(0o600)
+    imported = _imported_modules(*args).split()
+    assert "click" in imported  # the list is read right
+    for heavy in ("typer", "pydantic", "torch", "kazoo", "numpy"):
         assert heavy not in imported
 
 

@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from cluster import Cluster, free_port, free_port_block
 from slurm_fake import FakeSlurm, Reply, mocked_slurm
-from typer.testing import CliRunner
 
 from hpc_elastic import cli
 from hpc_elastic.doctor import (

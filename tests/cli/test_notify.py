@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 from test_agent import Cluster as AgentCluster
-from typer.testing import CliRunner
 
 from hpc_elastic import cli, events
 from hpc_elastic.agent.api import ExitCode

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from typer.testing import CliRunner
+from click.testing import CliRunner
 
 from hpc_elastic import cli, config, contract, local
 from hpc_elastic.agent import command
@@ -312,6 +312,55 @@ def test_run_without_options_takes_submits_defaults_and_the_scripts_name(
         expected = "train" if row.name == "job_name" else getattr(submitted, row.name)
         assert getattr(run, row.name) == expected, row.name
     assert run == local.LocalRun(script=run.script, job_name="train", python=run.python)
+
+
+def test_every_option_of_run_is_a_field_and_its_own_come_after_the_shared_ones() -> None:
+    names = [row.name for row in RUN_OPTIONS]
+    assert names == [
+        *(row.name for row in local.OPTIONS),
+        *(row.name for row in CHECKPOINT_OPTIONS),
+        *(row.name for row in local.EXTRA_OPTIONS),
+    ]
+    assert [row.name for row in local.EXTRA_OPTIONS] == [
+        field.name for field in dataclasses.fields(local.RunExtras)
+    ]
+
+
+def test_runs_own_options_reach_its_local_run(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    flags = ["--simulate-churn", "--churn-every=5:9", "--churn-downtime=3", "--seed=7"]
+    run = run_given([*flags, "--metrics-port=9100", "--tee", "train.py"], monkeypatch)
+    assert run.churn == local.Churn((5.0, 9.0), 3.0)
+    assert (run.seed, run.metrics_port, run.tee) == (7, 9100, True)
+
+
+def test_run_without_its_own_options_simulates_nothing_and_shows_nothing(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = run_given(["--churn-every=5:9", "train.py"], monkeypatch)  # no --simulate-churn
+    assert (run.churn, run.seed, run.metrics_port, run.tee) == (None, 0, None, False)
+    assert local.RunExtras().run_fields() == {
+        "churn": None,
+        "seed": 0,
+        "metrics_port": None,
+        "tee": False,
+    }
+
+
+@pytest.mark.parametrize(
+    ("flag", "quoted"),
+    [("--churn-every=9:1", "'9:1'"), ("--churn-downtime=-1", "'-1'"), ("--seed=x", "'x'")],
+)
+def test_a_bad_option_of_runs_own_is_one_sentence_quoting_it(
+    workdir: Path, flag: str, quoted: str
+) -> None:
+    """Refused before anything runs, with --simulate-churn or without."""
+    result = runner.invoke(cli.app, ["run", flag, "train.py"])
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: ")
+    assert quoted in result.stderr
+    assert result.stderr.count("\n") == 1
 
 
 def test_local_mode_passes_the_checkpoint_options_to_its_agents() -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import difflib
 import re
 
-from typer.testing import CliRunner
+from click.testing import CliRunner
 
 from hpc_elastic import cli, reference
 

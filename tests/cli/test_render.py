@@ -364,7 +364,7 @@ def test_real_sbatch_reads_escaped_values_and_log_dir_back_verbatim(
 def test_render_from_the_command_line_takes_one_container_runtime_and_refuses_two(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from typer.testing import CliRunner  # noqa: PLC0415
+    from click.testing import CliRunner  # noqa: PLC0415
 
     from hpc_elastic import cli  # noqa: PLC0415
 

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from cluster import REPO
 from slurm_fake import mocked_submit
-from typer.testing import CliRunner
 from unix_users import UnixUser, mallory, shared
 
 from hpc_elastic import cli

@@ -267,7 +267,7 @@ def test_submit_copies_the_project_and_job_json_records_commit_and_dirty(project
 def test_submit_says_which_commit_it_snapshotted_whether_dirty_and_how_big(
     project: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from typer.testing import CliRunner  # noqa: PLC0415
+    from click.testing import CliRunner  # noqa: PLC0415
 
     from hpc_elastic import cli  # noqa: PLC0415
 
@@ -284,7 +284,7 @@ def test_submit_says_which_commit_it_snapshotted_whether_dirty_and_how_big(
 def test_submit_without_a_snapshot_says_the_script_runs_as_it_is_on_disk(
     project: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from typer.testing import CliRunner  # noqa: PLC0415
+    from click.testing import CliRunner  # noqa: PLC0415
 
     from hpc_elastic import cli  # noqa: PLC0415
 
@@ -331,7 +331,7 @@ def test_a_job_json_with_a_forged_snapshot_commit_is_refused(tmp_path: Path) -> 
 def test_the_cli_refuses_a_project_over_the_cap_in_one_line_before_writing_anything(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from typer.testing import CliRunner  # noqa: PLC0415
+    from click.testing import CliRunner  # noqa: PLC0415
 
     from hpc_elastic import cli  # noqa: PLC0415
 
@@ -495,7 +495,7 @@ def test_the_snapshot_root_names_the_directory_to_copy(home: Path, tmp_path: Pat
 def test_through_the_cli_a_home_directory_is_one_error_line_and_nothing_written(
     home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from typer.testing import CliRunner  # noqa: PLC0415
+    from click.testing import CliRunner  # noqa: PLC0415
 
     from hpc_elastic import cli  # noqa: PLC0415
 
@@ -535,7 +535,7 @@ def test_a_plain_directory_of_many_small_files_stops_the_walk_at_the_cap(
 def test_submit_says_what_it_left_out_as_secrets(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from typer.testing import CliRunner  # noqa: PLC0415
+    from click.testing import CliRunner  # noqa: PLC0415
 
     from hpc_elastic import cli  # noqa: PLC0415
 

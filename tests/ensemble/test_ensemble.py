@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from cluster import wait_until
 from slurm_fake import mocked_slurm
-from typer.testing import CliRunner
 from unix_users import UnixUser, mallory, shared
 
 from hpc_elastic import cli, contract, doctor

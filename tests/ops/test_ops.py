@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from slurm_fake import FakeSlurm, Reply, mocked_slurm, squeue_text
-from typer.testing import CliRunner
 
 from hpc_elastic import cli, events
 from hpc_elastic.errors import SlurmError, UsageError

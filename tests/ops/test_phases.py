@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from click.testing import CliRunner
 from test_agent import Cluster
-from typer.testing import CliRunner
 
 from hpc_elastic import cli, events
 from hpc_elastic.agent.api import ExitCode

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from cluster import REPO, Cluster
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from kazoo.client import KazooClient
 from slurm_fake import Reply, mocked_slurm
-from typer.testing import CliRunner
 
 from hpc_elastic import cli
 from hpc_elastic.config import _KEYS as CONFIG_KEYS
@@ -239,7 +239,7 @@ def test_env_values_and_script_arguments_reach_the_job_verbatim(
     # Nearly all get there (30 of 30 on 2026-12-03): only arguments that look like options,
     # and values render refuses, stop short.
     reached.example(0.5, "the rendered script run under bash")
-    assume(not any(arg.startswith("-") for arg in args))  # typer would read them as options
+    assume(not any(arg.startswith("-") for arg in args))  # click would read them as options
     setup = f"echo {jinja!r} > /dev/null" if "\n" not in jinja and "\r" not in jinja else "true"
     # Without the code snapshot the worker's script is ./train.py itself (and no example pays
     # for a copy); tests/cli/test_snapshot.py covers the copy.

@@ -16,12 +16,12 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from cluster import REPO, Cluster, wait_until
 from faults import submit
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoAuthError, NotEmptyError
 from slurm_fake import mocked_submit
-from typer.testing import CliRunner
 
 from hpc_elastic import cli, events
 from hpc_elastic.rendezvous.api import NodeInfo, RendezvousSettings

@@ -10,9 +10,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from slurm_fake import FakeSlurm, Reply, mocked_slurm
 from slurm_fake import array_slot as slot
-from typer.testing import CliRunner
 
 from hpc_elastic import events
 from hpc_elastic.agent import command
