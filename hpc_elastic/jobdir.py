@@ -135,7 +135,7 @@ class JobDir:
 
     def hold_record(self, array_task_id: int | str) -> Path:
         """How often slot ``array_task_id`` was released from a Slurm hold, and at what
-        progress (slurm/elastic.py's no-progress breaker for releases)."""
+        progress (slurm/holds.py's no-progress breaker for releases)."""
         return self.slots / f"{array_task_id}.holds.json"
 
     @property

@@ -25,8 +25,9 @@ from pathlib import Path
 import pytest
 
 from hpc_elastic.slurm import commands
-from hpc_elastic.slurm.elastic import ElasticSlot, SlotLimits
+from hpc_elastic.slurm.elastic import ElasticSlot
 from hpc_elastic.slurm.env import SlurmContext
+from hpc_elastic.slurm.ledger import SlotLimits
 
 INSTALLED = ("sbatch", "srun", "scontrol", "squeue", "sinfo", "scancel")
 VERSION = "slurm 22.05.8"
@@ -160,16 +161,26 @@ def mocked_submit(
         yield fake
 
 
-def array_slot(job_dir: Path, node: str = "n3", limits: SlotLimits | None = None) -> ElasticSlot:
-    """Task 2 of array job 9 (``9_2``), running as Slurm job 12 on ``node``: the slot the
-    agent and Slurm-layer tests drive through the real ``ElasticSlot`` rules."""
+def array_slot(
+    job_dir: Path,
+    node: str = "n3",
+    limits: SlotLimits | None = None,
+    *,
+    task: int = 2,
+    restarts: int = 0,
+) -> ElasticSlot:
+    """Task ``task`` of array job 9 (``9_2`` unless told), running as Slurm job 12 on ``node``
+    after ``restarts`` requeues: the slot the agent and Slurm-layer tests drive through the
+    real ``ElasticSlot`` rules. Its context is fixed at construction (the slot's parts take
+    it), so a test that needs another task builds another slot."""
     context = SlurmContext(
         job_id="12",
         node_name=node,
         node_id=0,
         num_nodes=1,
         nodelist=node,
+        restart_count=restarts,
         array_job_id="9",
-        array_task_id=2,
+        array_task_id=task,
     )
     return ElasticSlot(context, job_dir, limits or SlotLimits())

@@ -36,7 +36,8 @@ from hpc_elastic.rendezvous.api import NodeInfo, RendezvousSettings
 from hpc_elastic.rendezvous.handler import StoreRendezvous, unreachable_sentence
 from hpc_elastic.rendezvous.secret import read_secret_file
 from hpc_elastic.slurm.commands import NodeDrain
-from hpc_elastic.slurm.elastic import ElasticSlot, SlotLimits
+from hpc_elastic.slurm.elastic import ElasticSlot
+from hpc_elastic.slurm.ledger import SlotLimits
 
 if TYPE_CHECKING:
     from hpc_elastic.agent.health import BadNodeStore, Check, Preflight
@@ -112,7 +113,7 @@ def _run_agent(
             code = _preflight(spec, args, array_slot, signals)
             if code is not None:
                 return code
-        if array_slot is not None and (drained := array_slot.drained_here()) is not None:
+        if array_slot is not None and (drained := array_slot.drain.here()) is not None:
             return _leave_drained(array_slot, drained, slot_emit)
         expected = (
             array_slot.expected_nodes(slot_emit) if array_slot is not None else _slurm_node_count
@@ -258,14 +259,14 @@ def _supervise(
     watch = drains = saves = None
     if array_slot is not None:
         observers.append(_bad_node_watch(array_slot, runner, spec))
-        watch = array_slot.watch_departure(spec.grace)
+        watch = array_slot.departure.watch(spec.grace)
         # Leaves a node Slurm drains at the next checkpoint, as a preemption would.
-        drains = array_slot.watch_drains(
+        drains = array_slot.drain.watch(
             lambda: runner.request_stop(spec.preempt_signal),
             _emitter(spec, args.run_id, array_slot, notifier),
         )
         # Times this node's saves against what Slurm leaves after its warning signal.
-        saves = array_slot.watch_grace(
+        saves = array_slot.grace.watch(
             prepared.run.path,
             spec.grace,
             args.grace_action,
@@ -302,7 +303,7 @@ def _beat_the_job(
 
     def beat() -> None:
         while not stop.wait(BEAT_S):
-            if array_slot is not None and not array_slot.elected():
+            if array_slot is not None and not array_slot.arrays.elected():
                 continue
             try:
                 write_beat(job_dir, time.time(), runner.step(), slot)

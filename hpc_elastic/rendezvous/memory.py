@@ -301,7 +301,17 @@ class MemoryServer:
 
 
 class MemoryStore(CachedStore):
-    """One connection to a ``MemoryServer``: a session, and the view its pushes built."""
+    """One connection to a ``MemoryServer``: a session, and the view its pushes built.
+
+    Why 26 methods: it is the ``Store`` interface (eleven, most of them a check that the
+    connection is up and one call of the server), the handles a simulator or a test turns on
+    the connection as faults (``connected``, ``touch``, ``disconnect``, ``reconnect``,
+    ``expire_session``), and the session's life as a kazoo client sees it (heard, expired,
+    replaced) with the pushes that reach it through the server's ``deliver`` hook. The fault
+    handles and the session are one thing, the session this connection holds, so they stay
+    in one class; the job's own state and every session's memberships are
+    ``MemoryServer``'s, the cached view and the subscribers ``CachedStore``'s.
+    """
 
     def __init__(
         self, server: MemoryServer, run_id: str, session_timeout: float = DEFAULT_SESSION_TIMEOUT

@@ -277,6 +277,18 @@ class ZooKeeperStore(CachedStore):
     Subscribers are called on a notifier thread of this store's own, never in kazoo's event
     or connection threads: kazoo forbids blocking there, and a subscriber may well block (the
     agent asks Slurm how many nodes to expect, which can take a minute).
+
+    Why 34 methods: it is the ``Store`` interface on ZooKeeper (eleven methods, and
+    ``session_id`` and ``job_exists`` for tests and ``close_job``), and under each request the
+    one ZooKeeper operation that kazoo's ``retry`` may run twice, written so that a retry
+    after a lost reply finds its own write (nine: the compare-and-set and the transactions
+    that keep a closed job closed among them); the four steps that open a job's nodes and
+    refuse one another user made; kazoo's watch and connection callbacks and the notifier
+    thread that hands them on (five). All of them share one client, one job path and one
+    ACL, which is why they are one class. What needs none of that lives apart: the cached
+    state, members and subscribers (``CachedStore``), the client and its retry and timeouts
+    (``open_client``), the coalesced children watch (``_CoalescedChildrenWatch``), the
+    users' bad-node books (``BadNodeBook``).
     """
 
     def __init__(

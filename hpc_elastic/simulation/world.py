@@ -14,10 +14,10 @@ watches (late, twice), worker processes, one to three per node (a stale lease ma
 and Slurm (start, preempt, requeue).
 
 The world checks the properties of docs/reliability.md as it goes: every state the server
-accepts is compared with the one before it (``World._written``), every round a node starts
-with what the others started (``World.check_start``), every failure report with what it
-must spend (``World.check_report``), and the job's end with the faults that were injected
-(``World._check_end``).
+accepts is compared with the one before it (``Properties.written``), every round a node
+starts with what the others started (``Properties.check_start``), every failure report with
+what it must spend (``Properties.check_report``), and the job's end with the faults that were
+injected (``Properties.check_end``).
 
 One schedule is one seed: ``simulate(seed)`` is reproducible bit for bit, and a violated
 property prints the command that replays it. See docs/reliability.md for the properties.
@@ -257,7 +257,14 @@ class Violation(Exception):
 
 class SimAgent:
     """One agent process (one incarnation) of slot ``slot``: the real agent's decisions
-    (``poll_decision``, ``after_round``), executed in the simulated world."""
+    (``poll_decision``, ``after_round``), executed in the simulated world.
+
+    Why 22 methods: it stands for ``Agent``'s loop, one step method per phase (joining, the
+    exit barrier, an echo's wait, running), for its workers (their start, exit, echo and
+    fencing) and for each way its process ends (done, exit for requeue, crash). Every
+    decision is a production rule; what is left is one small executor per action, and the
+    checks of what it does are ``Properties``'.
+    """
 
     def __init__(self, world: World, slot: int, incarnation: int) -> None:
         self.world = world
@@ -291,7 +298,7 @@ class SimAgent:
         self.ending = RoundEnd(Outcome.SUCCEEDED)
         """The facts of the round being wound up while the exit barrier or an echo waits."""
         self.reported = False
-        """Whether this round's failure was reported (``World.check_reaction``)."""
+        """Whether this round's failure was reported (``Properties.check_reaction``)."""
         self.wait_started = 0.0
         """When an echo's wait for the peer's news began (``rules.echo_deadline``)."""
         self.cut_off_before = 0.0
@@ -332,7 +339,7 @@ class SimAgent:
             # ``Agent._unreachable``: the node leaves for good and its slot is not requeued.
             # No drawn schedule gets here: its longest outage (``_cut_off``: three sessions,
             # 18 s, plus a notification up to 3 s late) is far under the limit
-            # (``give_up_after``: ``min_wait``, 60 s), so ``_check_end`` counts it a violation.
+            # (``give_up_after``: ``min_wait``, 60 s), so ``check_end`` counts it a violation.
             self._finish(UNREACHABLE, str(error))
         except RendezvousError as error:
             self._exit_requeue(f"rendezvous error: {error}")
@@ -347,7 +354,7 @@ class SimAgent:
             view = None if self.handler._stale else (self.store.get_state(), self.store.alive())
             step = self.handler.round_step()
             if view is not None:
-                self.world.check_last_call(self, step.action, *view)
+                self.world.properties.check_last_call(self, step.action, *view)
             if not step.again:
                 break
         else:
@@ -380,7 +387,7 @@ class SimAgent:
         """An echo's wait to hear of the peer that really failed, as ``Agent._wait_for_change``
         waits: until the rendezvous says something changed, a stop signal, or ``echo_wait``."""
         heard = not self.stop_signal and self.handler.changed.is_set()
-        # A freeze here is an outage too (``World.inject``): the handler counts it.
+        # A freeze here is an outage too (``World.fault``): the handler counts it.
         unheard = self.handler.time_cut_off() - self.cut_off_before
         wait_until = rules.echo_deadline(self.wait_started, self.world.settings, unheard)
         if heard or self.stop_signal or self.world.now >= wait_until:
@@ -424,7 +431,7 @@ class SimAgent:
                     f"two groups train at once: {self.node.node_id} starts round {number} while "
                     f"{other.rank_node} still trains round {other.round}"
                 )
-        world.check_start(self, started)
+        world.properties.check_start(self, started)
         nproc = self.node.nproc
         drawn = world.workers_rng.randrange(nproc) if nproc > 1 else 0
         self.workers = []
@@ -543,13 +550,13 @@ class SimAgent:
             end = replace(end, stop_signal=self.stop_signal)
             action = rules.after_round(end)
             self.world.log(f"{self.node.node_id} after the round: {action.value}")
-            self.world.check_reaction(self, end, action)
+            self.world.properties.check_reaction(self, end, action)
             if action in (AfterRound.DRAIN, AfterRound.DRAIN_PREEMPTED, AfterRound.LEAVE):
                 # The simulated stop signal is always the preemption signal: exit 75.
                 self._exit_requeue(f"{action.value} on the preemption signal")
                 return
             if action is AfterRound.DONE:
-                self.world.check_success(self.node.node_id)
+                self.world.properties.check_success(self.node.node_id)
                 self._finish("succeeded", "")
                 return
             if action is AfterRound.REJOIN:
@@ -589,12 +596,12 @@ class SimAgent:
         else:
             assert action is AfterRound.REPORT_FAILURE, action
             node = self.node
-            before = self.world.server_state()
+            before = self.world.properties.server_state()
             self.handler.report_failure(
                 Failure(node.node_id, node.host, 0, 1, None, "boom", self.world.now)
             )
             self.reported = True
-            self.world.check_report(before, self.handler.last_round, node.node_id)
+            self.world.properties.check_report(before, self.handler.last_round, node.node_id)
         return replace(end, reported=True)
 
     # --- endings ---------------------------------------------------------------------------------
@@ -675,12 +682,12 @@ def decoded(data: bytes) -> st.JobState:
 
 def port_of(node: NodeInfo) -> int:
     """The free port a node's host picks for the master: one of its own, so that a port
-    published by any node but rank 0 shows (``World.check_start``)."""
+    published by any node but rank 0 shows (``Properties.check_start``)."""
     return PORT_BASE + int(node.slot)
 
 
 class _Server(MemoryServer):
-    """The in-memory ZooKeeper, showing the world every state it accepts (``World._written``)
+    """The in-memory ZooKeeper, showing the world every state it accepts (``Properties.written``)
     the moment it accepts it, before any watch fires on it: the checks see each write, not
     only what is left once an agent's step is over."""
 
@@ -700,6 +707,18 @@ class _Server(MemoryServer):
 
 
 class World:
+    """One seeded schedule of one job: everything around the real rules (time, Slurm, worker
+    and agent processes, faults; see the module's docstring), and the loop that runs it.
+
+    It owns the event queue (``at``, ``run``, ``tick``), the delivery of watches
+    (``_deliver``), the agents it starts and requeues (``spawn``, ``requeue``), the faults it
+    draws and plants (``plan``, ``fault``, ``buggify``) and what processes do to each other
+    (a dead worker's echo, ``peers_echo``; a link's end, ``links_end``). Every random draw
+    of a schedule is made here or by its ``SimAgent``s, from the generators ``__init__``
+    names, so that one seed is one schedule. Checking the properties is another job,
+    ``Properties`` (``properties``): the world calls it where a check is due.
+    """
+
     def __init__(self, seed: int, faults: tuple[Fault, ...] | None = None) -> None:
         """``faults``, when given, replace the seed's own (which are drawn all the same, so
         that everything else the seed decides stays as close as it can)."""
@@ -736,7 +755,8 @@ class World:
             stop_grace=2.0,
             exit_barrier_timeout=60.0,
         )
-        self.server = _Server(self.clock, self._deliver, self._written)
+        self.properties = Properties(self)
+        self.server = _Server(self.clock, self._deliver, self.properties.written)
         self._queue: list[tuple[float, int, Callable[[], None]]] = []
         self._due: dict[int, float] = {}
         """Per connection: when its latest queued notification arrives (FIFO delivery)."""
@@ -749,22 +769,10 @@ class World:
         self.requeues_left = 6
         self.endings: list[tuple[str, str]] = []
         self.real_failure_rounds: set[int] = set()
-        self.charged: set[int] = set()
-        """Rounds whose failure spent a restart (or, the budget spent, failed the job)."""
+        """Rounds in which a worker really failed: the only ones that may spend a restart."""
         self.injected: list[str] = []
         """The kinds of the faults that hit an agent (a fault on a slot with none is void)."""
-        self.started: dict[int, dict[str, tuple[str, ...]]] = {}
-        """Per round, the members each node that started it was told of."""
         self.last_fault = 0.0
-        self.rounds = 0
-        self.left_before_expiry: list[str] = []
-        """Members of a round whose agent was gone (crashed or exited) and that the next round
-        left out while the store still listed them: the links' doing (agent/links.py)."""
-        self.last_round = 0
-        self.last_members: tuple[str, ...] = ()
-        self.last_state: st.JobState | None = None
-        self.was_closed = False
-        self._checked_token = -2
 
     @property
     def now(self) -> float:
@@ -977,7 +985,7 @@ class World:
     def _beside_stuck(self, agent: SimAgent) -> bool:
         """A hot spare waiting beside a round whose every member is stuck for good: their
         sessions live on, so nothing will ever end that round (only Slurm's time limit)."""
-        state = self.last_state
+        state = self.properties.last_state
         if agent.phase != "joining" or state is None or agent.node in state.members:
             return False
         members = [self.by_id.get(member.node_id) for member in state.members]
@@ -1001,7 +1009,7 @@ class World:
                 except Exception as error:  # a watch or a step of production code failed
                     raise Violation(f"crash: {type(error).__name__}: {error}") from error
                 self._wake_changed()
-                self._check_closure()
+                self.properties.check_closure()
                 if self.agents and self.ended():
                     break
                 if self.now > self.last_fault + LIVENESS_BOUND or self.now > HORIZON:
@@ -1009,11 +1017,12 @@ class World:
                         f"liveness: the job did not end within {LIVENESS_BOUND:g} s of its last "
                         f"fault (t={self.last_fault:.1f})"
                     )
-            self._check_end()
+            self.properties.check_end()
         except Violation as error:
             violation = str(error)
             self.log(f"VIOLATION {violation}")
-        restarts = self.last_state.restarts_used if self.last_state else 0
+        last_state = self.properties.last_state
+        restarts = last_state.restarts_used if last_state else 0
         # "stuck": nothing but agents stuck for good is left; only Slurm's time limit ends it.
         hows = {how for how, _ in self.endings}
         outcome = next((how for how in ("failed", "succeeded", "closed") if how in hows), "stuck")
@@ -1026,8 +1035,8 @@ class World:
             self.now,
             self.faults,
             chosen=self.chosen_faults is not None,
-            cause=self.cause() if outcome == "failed" else None,
-            rounds=self.rounds,
+            cause=self.properties.cause() if outcome == "failed" else None,
+            rounds=self.properties.rounds,
         )
 
     def _wake_changed(self) -> None:
@@ -1041,11 +1050,40 @@ class World:
                 agent.seen_generation = agent.handler.generation
                 self.at(self.now, agent.step)
 
-    # --- the properties --------------------------------------------------------------------------
+
+class Properties:
+    """The properties of docs/reliability.md, checked as the world runs (the simulation's
+    oracle): every state the server accepts against the one before it (``written``), every
+    round a node starts against what the others started (``check_start``), every failure
+    report against what it must spend (``check_report``), every reaction to a round's end
+    (``check_reaction``, ``check_last_call``, ``check_success``), and the job's end against
+    the faults that were injected (``check_end``). Each check raises ``Violation``.
+
+    It keeps what the checks remember (the last state, the rounds formed and charged, what
+    each node was told) and reads the rest from ``world``: the settings, the agents, the
+    server, the faults injected and how the agents ended. It draws no random number and acts
+    on nothing in the world (it only adds to the trace), so a check never shifts a schedule.
+    """
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.charged: set[int] = set()
+        """Rounds whose failure spent a restart (or, the budget spent, failed the job)."""
+        self.started: dict[int, dict[str, tuple[str, ...]]] = {}
+        """Per round, the members each node that started it was told of."""
+        self.rounds = 0
+        self.left_before_expiry: list[str] = []
+        """Members of a round whose agent was gone (crashed or exited) and that the next round
+        left out while the store still listed them: the links' doing (agent/links.py)."""
+        self.last_round = 0
+        self.last_members: tuple[str, ...] = ()
+        self.last_state: st.JobState | None = None
+        self.was_closed = False
+        self._checked_token = -2
 
     def server_state(self) -> st.JobState | None:
         """The state as the server holds it now (None once closed, or before the first)."""
-        data, _ = self.server.state
+        data, _ = self.world.server.state
         return decoded(data) if data is not None else None
 
     def cause(self) -> str:
@@ -1056,9 +1094,9 @@ class World:
                 return cause
         raise Violation(f"cause: the job failed with no known cause: {summary!r}")
 
-    def _check_closure(self) -> None:
-        data, token = self.server.state
-        if self.server.closed:
+    def check_closure(self) -> None:
+        data, token = self.world.server.state
+        if self.world.server.closed:
             self.was_closed = True
         if data is None or (token == self._checked_token and not self.was_closed):
             return
@@ -1066,7 +1104,7 @@ class World:
         if self.was_closed:
             raise Violation("closure: a closed job has a state again")
 
-    def _written(self, data: bytes) -> None:
+    def written(self, data: bytes) -> None:
         """Every state the server accepts, checked against the one before it."""
         raw = json.loads(data)  # before decoding, which refuses a state beyond its budget
         if raw["restarts_used"] > raw["max_restarts"]:
@@ -1076,7 +1114,7 @@ class World:
             )
         new = decoded(data)
         old, self.last_state = self.last_state, new
-        if new.max_restarts != self.settings.max_restarts:
+        if new.max_restarts != self.world.settings.max_restarts:
             raise Violation(f"budget: the state's budget became {new.max_restarts}")
         if old is None:
             if new.round or new.restarts_used or new.failed or new.closed:
@@ -1109,13 +1147,13 @@ class World:
         members = tuple(member.node_id for member in new.members)
         if len(set(members)) != len(members):
             raise Violation(f"ranks: round {new.round} has a member twice: {list(members)}")
-        if not self.nodes.min <= len(members) <= self.nodes.max:
+        if not self.world.nodes.min <= len(members) <= self.world.nodes.max:
             raise Violation(
                 f"ranks: round {new.round} has {len(members)} members {list(members)}, outside "
-                f"{self.nodes.min}:{self.nodes.max}"
+                f"{self.world.nodes.min}:{self.world.nodes.max}"
             )
         for member in new.members:
-            agent = self.by_id.get(member.node_id)
+            agent = self.world.by_id.get(member.node_id)
             if agent is None or member != agent.node:
                 raise Violation(f"ranks: round {new.round} names a node nobody runs: {member}")
         fresh = not (new.succeeded or new.ready or new.master_port is not None)
@@ -1129,12 +1167,12 @@ class World:
             )
         self.rounds += 1
         for node in sorted(set(self.last_members) - set(members)):
-            agent = self.by_id.get(node)
-            if agent is not None and agent.gone and node in self.server.member_ids:
+            agent = self.world.by_id.get(node)
+            if agent is not None and agent.gone and node in self.world.server.member_ids:
                 self.left_before_expiry.append(node)
-                self.log(f"{node} left out before its session expired")
+                self.world.log(f"{node} left out before its session expired")
         self.last_round, self.last_members = new.round, members
-        self.log(f"round {new.round} formed: {list(members)}")
+        self.world.log(f"round {new.round} formed: {list(members)}")
 
     def _same_round(self, old: st.JobState, new: st.JobState) -> None:
         """Within a round, members stay, the port is published once, and who succeeded or
@@ -1180,17 +1218,17 @@ class World:
                 f"budget: round {new.failed_round} charged in round {new.round} "
                 f"(charged before: {sorted(self.charged)})"
             )
-        if new.failed_round not in self.real_failure_rounds:
+        if new.failed_round not in self.world.real_failure_rounds:
             raise Violation(
                 f"budget: round {new.failed_round} spent the budget, but no worker really failed "
-                f"in it (rounds with a real failure: {sorted(self.real_failure_rounds)})"
+                f"in it (rounds with a real failure: {sorted(self.world.real_failure_rounds)})"
             )
         self.charged.add(new.failed_round)
 
     def _succeeded(self, old: st.JobState, new: st.JobState) -> None:
         """A node counts as done only when every one of its workers exited 0."""
         for node in set(new.succeeded) - set(old.succeeded):
-            agent = self.by_id.get(node)
+            agent = self.world.by_id.get(node)
             if agent is None:
                 raise Violation(f"success: {node}, which no agent runs, recorded a success")
             codes = [
@@ -1288,13 +1326,13 @@ class World:
         back = set(state.ready)
         waited_for = (members & present) - back
         here = present - waited_for
-        full = len(here) >= self.nodes.max
+        full = len(here) >= self.world.nodes.max
         shrink = state.round > 0 and not waited_for and not alive & excluded and here <= members
-        at_once = full or (shrink and len(here) >= self.nodes.min)
+        at_once = full or (shrink and len(here) >= self.world.nodes.min)
         if (action is st.Action.LAST_CALL) == at_once:
             raise Violation(
                 f"speed: {agent.node.node_id} decided {action.value} in round {state.round} with "
-                f"{sorted(here)} ready of MAX {self.nodes.max}, members {sorted(members)}"
+                f"{sorted(here)} ready of MAX {self.world.nodes.max}, members {sorted(members)}"
             )
 
     def check_report(self, before: st.JobState | None, number: int, node: str) -> None:
@@ -1343,7 +1381,7 @@ class World:
         succeeded (the last one closes the job, which only a success does here). A node that
         exits 0 while the others rerun is never requeued, and the job runs on without it."""
         state = self.server_state()
-        if self.server.closed or (state is not None and everyone_succeeded(state)):
+        if self.world.server.closed or (state is not None and everyone_succeeded(state)):
             return
         round_number = state.round if state is not None else 0
         raise Violation(
@@ -1351,13 +1389,13 @@ class World:
             "succeeded on every member"
         )
 
-    def _check_end(self) -> None:
-        if not self.ended():
+    def check_end(self) -> None:
+        if not self.world.ended():
             raise Violation("liveness: agents still wait with nothing left to happen")
-        if not self.endings and not any(agent.stuck for agent in self.agents):
+        if not self.world.endings and not any(agent.stuck for agent in self.world.agents):
             raise Violation("liveness: every agent left for requeue and none ever came back")
-        hows = {how for how, _ in self.endings}
-        for how, reason in self.endings:
+        hows = {how for how, _ in self.world.endings}
+        for how, reason in self.world.endings:
             if how == "failed" and not reason:
                 raise Violation("liveness: the job failed without a reason")
             if how == UNREACHABLE:
@@ -1366,13 +1404,13 @@ class World:
                 )
         if {"succeeded", "failed"} <= hows:
             raise Violation("success: one node succeeded and another failed the same job")
-        if "succeeded" in hows and not self.server.closed:
+        if "succeeded" in hows and not self.world.server.closed:
             raise Violation("success: a node exited 0 and the job never closed")
         self._check_explained(hows)
 
     def _check_explained(self, hows: set[str]) -> None:
         """Every way a job ends is explained by the faults injected into it."""
-        injected = set(self.injected)
+        injected = set(self.world.injected)
         restarts = self.last_state.restarts_used if self.last_state is not None else 0
         # Without faults every node succeeds; one that came after the end finds it closed.
         if not injected and (hows - {"closed"} != {"succeeded"} or restarts):
@@ -1386,12 +1424,12 @@ class World:
                     f"cause: the job failed ({cause}) but no fault that explains it hit it: "
                     f"{sorted(injected)}"
                 )
-            if cause == "budget" and len(self.charged) <= self.settings.max_restarts:
+            if cause == "budget" and len(self.charged) <= self.world.settings.max_restarts:
                 raise Violation(
-                    f"cause: the job failed for its budget of {self.settings.max_restarts} "
+                    f"cause: the job failed for its budget of {self.world.settings.max_restarts} "
                     f"after {len(self.charged)} charged rounds"
                 )
-        if not self.endings and "stuck" not in injected:
+        if not self.world.endings and "stuck" not in injected:
             raise Violation("cause: only stuck agents are left, but no agent was stuck")
 
 

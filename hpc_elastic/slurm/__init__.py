@@ -4,8 +4,11 @@
   ``scontrol``), through one subprocess call, their text and failures turned into values and
   one-sentence ``SlurmError``s;
 - ``env``: what Slurm tells a process (its ``SLURM_*`` variables), read once;
-- ``elastic``: a slot's life as an array task: who is coming, who leaves and why, requeues,
-  ``ExcNodeList``, held tasks, the job's arrays;
+- ``elastic``: ``ElasticSlot``, a slot's life as an array task (its ledger, its requeues and
+  ``ExcNodeList``), the one object its agent holds; its parts, one job each: ``arrays`` (the
+  job's arrays and the last squeue answer), ``holds`` (held sibling tasks), ``departure`` (why
+  a stop came), ``watches`` (drains and the grace time), ``ending`` (the end of the job); and
+  under them ``ledger`` (the slot's record) and ``task`` (scontrol on the slot's own task);
 - ``queue``: pure readings of squeue's listing of a job (which tasks run, start, pend or are
   held) and the cached slot count, shared by the agent and the operator's commands;
 - ``drain``: drained and failing nodes, asked by one agent per job and left at the next

@@ -7,10 +7,11 @@ tasks Slurm holds and why, and which running slot speaks for the job. ``ComingSl
 cached, rate-limited squeue behind that slot count, and ``poll`` asks it on a timer.
 
 They are apart from ``slurm/elastic.py`` because more than the agent reads the same listing:
-the agent's slot (``ElasticSlot``) decides and acts on them (requeues, excludes, releases,
-hold records, the end of the job), and ``ops/status.py`` (``hpc-elastic status`` and the
-Python API's ``Job.state``) tells a job whose every task is held. Reading the queue needs none
-of the agent's actions or ledgers, and those stay in ``elastic.py``.
+the agent's slot (``ElasticSlot`` and its parts) decides and acts on them (requeues, excludes,
+releases and hold records in ``holds.py``, the end of the job in ``ending.py``), and
+``ops/status.py`` (``hpc-elastic status`` and the Python API's ``Job.state``) tells a job whose
+every task is held. Reading the queue needs none of the agent's actions or ledgers, and those
+stay with the slot.
 """
 
 from __future__ import annotations

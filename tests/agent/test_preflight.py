@@ -19,7 +19,6 @@ from hpc_elastic.agent.health import Check, Result, Status
 from hpc_elastic.rendezvous.badnode import BadNode
 from hpc_elastic.slurm import commands
 from hpc_elastic.slurm.elastic import ElasticSlot
-from hpc_elastic.slurm.env import SlurmContext
 
 NOW_RECORD_UNTIL = 4e9
 """An expiry far in the future: the remembered node is still bad whenever the test runs."""
@@ -202,14 +201,13 @@ def test_a_hang_blamed_elsewhere_or_on_nobody_never_counts_against_this_node(
 def test_a_task_slurm_holds_raises_one_alert_from_the_lowest_running_slot(
     tmp_path: Path,
 ) -> None:
-    # An admin's hold: only reported (a JobHoldMaxRequeue hold is released, test_elastic.py).
+    # An admin's hold: only reported (a JobHoldMaxRequeue hold is released, test_holds.py).
     held = commands.parse_squeue("9|1|REQUEUE_HOLD|JobHeldAdmin|\n9|0,2|RUNNING|None|n1\n")
-    lowest = array_slot(tmp_path)
-    lowest.context = SlurmContext("12", "n1", 0, 1, "n1", array_job_id="9", array_task_id=0)
+    lowest = array_slot(tmp_path, node="n1", task=0)
     other = array_slot(tmp_path)
     said: list[tuple[str, dict[str, object]]] = []
-    on_lowest = lowest.watch_held(lambda kind, **details: said.append((kind, details)))
-    on_other = other.watch_held(lambda kind, **details: said.append((kind, details)))
+    on_lowest = lowest.holds.watch(lambda kind, **details: said.append((kind, details)))
+    on_other = other.holds.watch(lambda kind, **details: said.append((kind, details)))
     for _ in range(3):
         on_lowest(held)
         on_other(held)

@@ -25,15 +25,9 @@ from hpc_elastic import events
 from hpc_elastic.errors import AgentError, EventsError, RendezvousError, SlurmError
 from hpc_elastic.events import DETAILS, Event, Kind
 from hpc_elastic.rendezvous.badnode import BADNODE_FIELDS, BadNode, check_host
-from hpc_elastic.slurm.elastic import (
-    HOLD_RECORD_FIELDS,
-    LEDGER_FIELDS,
-    Departure,
-    HoldRecord,
-    SlotLedger,
-    decode_hold_record,
-    decode_ledger,
-)
+from hpc_elastic.slurm.departure import Departure
+from hpc_elastic.slurm.holds import HOLD_RECORD_FIELDS, HoldRecord, decode_hold_record
+from hpc_elastic.slurm.ledger import LEDGER_FIELDS, SlotLedger, decode_ledger
 from hpc_elastic.train.assignment import (
     ROUND_KEYS,
     Assignment,
@@ -221,7 +215,7 @@ def test_a_slot_file_of_an_older_version_with_fewer_fields_still_reads() -> None
 def test_an_unreadable_hold_record_starts_afresh_with_one_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from hpc_elastic.slurm.elastic import load_hold_record  # noqa: PLC0415
+    from hpc_elastic.slurm.holds import load_hold_record  # noqa: PLC0415
 
     path = tmp_path / "0.hold.json"
     path.write_text('{"releases": true}')

@@ -39,7 +39,9 @@ from hpc_elastic import events
 from hpc_elastic.errors import SlurmError
 from hpc_elastic.jobdir import JobDir
 from hpc_elastic.slurm import commands
-from hpc_elastic.slurm.elastic import HoldRecord, parse_duration, save_json
+from hpc_elastic.slurm.departure import parse_duration
+from hpc_elastic.slurm.holds import HoldRecord
+from hpc_elastic.slurm.ledger import save_json
 from hpc_elastic.slurm.queue import CHURN_HOLD
 
 pytestmark = pytest.mark.integration

@@ -703,7 +703,7 @@ def test_any_slot_ledger_is_a_ledger_or_one_slurm_error(reached: Reached, data: 
     # them loaded as a ledger in five runs on 2026-12-03; a tenth of 100 must.
     reached.example(0.1, "a ledger that loaded, its fields checked")
     from hpc_elastic.errors import SlurmError  # noqa: PLC0415
-    from hpc_elastic.slurm.elastic import load_ledger  # noqa: PLC0415
+    from hpc_elastic.slurm.ledger import load_ledger  # noqa: PLC0415
 
     path = fresh_log_dir() / "ledger.json"
     path.write_bytes(data)
@@ -763,7 +763,7 @@ def test_a_slot_ledger_whose_fields_are_no_names_or_counts_is_one_slurm_error(le
     """Found once the fuzzing named the ledger's fields: ``running_on: ["n1"]`` loaded, and
     the next start crashed on it (unhashable); "n1" as ``excluded`` read as three nodes."""
     from hpc_elastic.errors import SlurmError  # noqa: PLC0415
-    from hpc_elastic.slurm.elastic import load_ledger  # noqa: PLC0415
+    from hpc_elastic.slurm.ledger import load_ledger  # noqa: PLC0415
 
     path = fresh_log_dir() / "ledger.json"
     path.write_text(ledger)

@@ -457,5 +457,5 @@ def test_a_crashed_node_is_left_out_before_its_session_expires() -> None:
         crashed = world.World(seed, (world.Fault(15.0, "crash", 0),))
         result = crashed.run()
         assert result.violation is None, result.summary()
-        left += crashed.left_before_expiry
+        left += crashed.properties.left_before_expiry
     assert left, "no crash was noticed before its session expired"

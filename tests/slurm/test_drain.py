@@ -15,7 +15,7 @@ from hpc_elastic.events import Event, Kind
 from hpc_elastic.jobdir import JobDir
 from hpc_elastic.slurm import drain
 from hpc_elastic.slurm.commands import NodeDrain, parse_drains, parse_squeue
-from hpc_elastic.slurm.elastic import Departure
+from hpc_elastic.slurm.departure import Departure
 
 SINFO = (
     "n2|drained|2026-12-03T07:18:34|root|disk replacement | ticket 42\n"
@@ -153,12 +153,12 @@ QUEUE = parse_squeue("9|0|RUNNING|None|n1\n9|2|RUNNING|None|n3\n9|3|PENDING|Reso
 
 def test_the_lowest_running_slot_is_the_one_elected_to_ask(tmp_path: Path) -> None:
     slot = array_slot(tmp_path)  # task 2
-    assert not slot.elected()  # no squeue answer yet
-    observe = slot.watch_held(lambda kind, **details: None)
+    assert not slot.arrays.elected()  # no squeue answer yet
+    observe = slot.holds.watch(lambda kind, **details: None)
     observe(QUEUE)
-    assert not slot.elected()  # task 0 runs
+    assert not slot.arrays.elected()  # task 0 runs
     observe(parse_squeue("9|2|RUNNING|None|n3\n"))
-    assert slot.elected()
+    assert slot.arrays.elected()
 
 
 def test_a_slot_that_left_for_a_drain_requeues_for_it_away_from_drained_nodes(
@@ -176,7 +176,7 @@ def test_a_slot_that_left_for_a_drain_requeues_for_it_away_from_drained_nodes(
         slurm.answer("scontrol", "update")
         slot = array_slot(tmp_path)
         slot.arrive()
-        slot._drained = N3  # what the watch's leave() sets before it stops the agent
+        slot.drain.left_for = N3  # what the watch's leave() sets before it stops the agent
         assert slot.settle(75, 30.0, lambda kind, **d: said.append((kind, d))) == 75
     assert ["scontrol", "requeue", "9_2"] in slurm.calls
     assert ["scontrol", "update", "JobId=9_2", "ExcNodeList=n3"] in slurm.calls
@@ -193,9 +193,9 @@ def test_a_slot_granted_a_node_drained_meanwhile_leaves_before_joining(tmp_path:
         slurm.answer("scontrol", "requeue")
         slurm.answer("scontrol", "update")
         slot = array_slot(tmp_path)
-        found = slot.drained_here()
+        found = slot.drain.here()
         assert found == N3
         assert slot.leave_drained(found, lambda kind, **d: said.append((kind, d))) == 75
     assert [kind for kind, _ in said] == [Kind.DRAIN, Kind.REQUEUE]
     assert said[0][1]["action"] == "leaving before joining"
-    assert array_slot(tmp_path, node="n1").drained_here() is None
+    assert array_slot(tmp_path, node="n1").drain.here() is None

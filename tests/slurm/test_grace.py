@@ -17,7 +17,7 @@ from hpc_elastic.jobdir import JobDir
 from hpc_elastic.ops.status import save_warning
 from hpc_elastic.slurm import grace
 from hpc_elastic.slurm.commands import parse_qos_table
-from hpc_elastic.slurm.elastic import Departure, departure
+from hpc_elastic.slurm.departure import Departure, departure
 from hpc_elastic.train.local_tier import local_first_requested
 
 CONFIG = {"PreemptType": "preempt/partition_prio", "PreemptMode": "REQUEUE"}
@@ -150,7 +150,7 @@ def test_only_the_first_agent_of_the_job_writes_the_grace_event(tmp_path: Path) 
         for node in ("n1", "n2"):
             run_dir = tmp_path / node
             run_dir.mkdir()
-            watch = array_slot(tmp_path, node=node).watch_grace(
+            watch = array_slot(tmp_path, node=node).grace.watch(
                 run_dir, 15.0, "warn", lambda: None, emit
             )
             watch.stop()
@@ -206,8 +206,8 @@ def test_a_moved_lead_stops_the_slot_before_its_end_and_is_read_as_the_time_limi
             stdout=f"JobId=12 JobState=RUNNING TimeLimit=00:30:00 EndTime={soon}\n",
         )  # fmt: skip
         slot = array_slot(tmp_path)
-        slot.moved_lead = 34.0
-        slot._stop_before_the_end(
+        slot.grace.moved_lead = 34.0
+        slot.grace._stop_before_the_end(
             34.0, lambda: stopped.append("stop"), lambda kind, **d: said.append((kind, d))
         )
     assert stopped == ["stop"], "20 s before the end is within the moved lead of 34 s"
@@ -216,7 +216,7 @@ def test_a_moved_lead_stops_the_slot_before_its_end_and_is_read_as_the_time_limi
     ]
     job = {"JobState": "RUNNING", "PreemptTime": "None", "RunTime": "00:29:40"}
     job["TimeLimit"] = "00:30:00"
-    assert departure(job, max(15.0, slot.moved_lead)) is Departure.TIME_LIMIT
+    assert departure(job, max(15.0, slot.grace.moved_lead)) is Departure.TIME_LIMIT
 
 
 def test_a_job_without_a_time_limit_never_moves_its_lead(tmp_path: Path) -> None:
@@ -226,7 +226,7 @@ def test_a_job_without_a_time_limit_never_moves_its_lead(tmp_path: Path) -> None
             "scontrol", "-o", "show", "job",
             stdout="JobId=12 JobState=RUNNING TimeLimit=UNLIMITED EndTime=Unknown\n",
         )  # fmt: skip
-        array_slot(tmp_path)._stop_before_the_end(34.0, lambda: stopped.append("stop"), print)
+        array_slot(tmp_path).grace._stop_before_the_end(34.0, lambda: stopped.append("stop"), print)
     assert stopped == []
 
 
@@ -246,7 +246,7 @@ def test_with_grace_action_local_a_save_that_outgrows_the_gracetime_sends_stop_s
         run_dir = tmp_path / "n1"
         run_dir.mkdir()
         stops: list[str] = []
-        watch = array_slot(tmp_path).watch_grace(
+        watch = array_slot(tmp_path).grace.watch(
             run_dir, 15.0, action, lambda: stops.append("stop"), lambda k, **d: said.append((k, d))
         )
         watch.stop()

@@ -18,9 +18,12 @@ from hpc_elastic.events import Event, Kind
 from hpc_elastic.jobdir import JobRecord
 from hpc_elastic.ops import cancel, status
 from hpc_elastic.render import RenderContext, render, render_growth
-from hpc_elastic.slurm import elastic, queue
+from hpc_elastic.slurm import queue
 from hpc_elastic.slurm.commands import JobStatus, SlurmJobId, parse_squeue
+from hpc_elastic.slurm.departure import Departure, departure
+from hpc_elastic.slurm.elastic import ElasticSlot
 from hpc_elastic.slurm.env import SlurmContext
+from hpc_elastic.slurm.ledger import SlotLedger, save_ledger
 from hpc_elastic.spec import ArrayPart, JobSpec, NodeRange
 
 RUN_ID = "train-20261203-101500-beef"
@@ -191,7 +194,7 @@ def write_record(job_dir: Path, grow_job_id: str | None = "10") -> None:
     ).write()
 
 
-def slot_of(job_dir: Path, array: str, task: int, node: str) -> elastic.ElasticSlot:
+def slot_of(job_dir: Path, array: str, task: int, node: str) -> ElasticSlot:
     context = SlurmContext(
         job_id=str(100 + task),
         node_name=node,
@@ -201,7 +204,7 @@ def slot_of(job_dir: Path, array: str, task: int, node: str) -> elastic.ElasticS
         array_job_id=array,
         array_task_id=task,
     )
-    return elastic.ElasticSlot(context, job_dir)
+    return ElasticSlot(context, job_dir)
 
 
 QUEUE = "\n".join(
@@ -220,10 +223,10 @@ def test_a_slot_finds_the_other_array_in_the_job_record_once_submit_wrote_it(
 ) -> None:
     write_record(tmp_path, grow_job_id=None)
     core = slot_of(tmp_path, "9", 0, "n1")
-    assert core.arrays() == ["9"]  # submit has not written the growth array's id yet
+    assert core.arrays.ids() == ["9"]  # submit has not written the growth array's id yet
     write_record(tmp_path)
-    assert core.arrays() == ["9", "10"]
-    assert slot_of(tmp_path, "10", 2, "n3").arrays() == ["10", "9"]
+    assert core.arrays.ids() == ["9", "10"]
+    assert slot_of(tmp_path, "10", 2, "n3").arrays.ids() == ["10", "9"]
 
 
 def test_the_end_of_the_job_cancels_the_siblings_of_both_arrays_each_by_its_own_id(
@@ -232,7 +235,7 @@ def test_the_end_of_the_job_cancels_the_siblings_of_both_arrays_each_by_its_own_
     write_record(tmp_path)
     said: list[tuple[str, dict[str, object]]] = []
     # Task 0's ledger says its agent left cleanly: it is never cancelled.
-    elastic.save_ledger(tmp_path / "slots" / "0.json", elastic.SlotLedger())
+    save_ledger(tmp_path / "slots" / "0.json", SlotLedger())
     with mocked_slurm() as slurm:
         slurm.answer("squeue", stdout=QUEUE)
         slurm.answer("scancel")
@@ -273,9 +276,9 @@ def test_a_hold_in_the_other_array_is_released_by_its_own_job_id(tmp_path: Path)
     )
     with mocked_slurm() as slurm:
         slurm.answer("scontrol", "release")
-        slot_of(tmp_path, "10", 2, "n3").watch_held(lambda kind, **details: None)(held)
+        slot_of(tmp_path, "10", 2, "n3").holds.watch(lambda kind, **details: None)(held)
         assert slurm.calls == []  # the lowest running slot (0) releases, not slot 2
-        slot_of(tmp_path, "9", 0, "n1").watch_held(lambda kind, **details: None)(held)
+        slot_of(tmp_path, "9", 0, "n1").holds.watch(lambda kind, **details: None)(held)
     assert slurm.ran("scontrol") == [["scontrol", "release", "10_3"]]
 
 
@@ -302,9 +305,9 @@ def test_a_backfill_slots_time_limit_requeues_it_for_the_next_hole_without_spend
 ):
     job = {"JobState": "RUNNING", "PreemptTime": "None", "RunTime": "00:29:10"}
     job |= {"TimeLimit": "00:30:00", "TimeMin": "00:30:00"}
-    assert elastic.departure(job, 90.0) is elastic.Departure.BACKFILL_END
-    assert elastic.departure({**job, "TimeMin": "N/A"}, 90.0) is elastic.Departure.TIME_LIMIT
-    ledger = elastic.SlotLedger().requeued(elastic.Departure.BACKFILL_END)
+    assert departure(job, 90.0) is Departure.BACKFILL_END
+    assert departure({**job, "TimeMin": "N/A"}, 90.0) is Departure.TIME_LIMIT
+    ledger = SlotLedger().requeued(Departure.BACKFILL_END)
     assert (ledger.time_limits, ledger.preemptions) == (0, 0)
 
 

@@ -8,7 +8,8 @@ from collections.abc import Callable, Sequence
 
 import pytest
 from cluster import wait_until
-from test_elastic import ADMIN_HELD, AFTER_PREEMPTION, CHURN_HELD, RELEASED_STILL_SHOWN, statuses
+from test_elastic import AFTER_PREEMPTION, statuses
+from test_holds import ADMIN_HELD, CHURN_HELD, RELEASED_STILL_SHOWN
 
 from hpc_elastic.errors import SlurmError
 from hpc_elastic.slurm import commands, queue
