@@ -15,12 +15,15 @@ does I/O; it is the generic part of the state's decoder (``rendezvous/state.py``
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import MISSING, fields, is_dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar, cast
 
 from hpc_elastic.errors import one_line
+
+Decoded = TypeVar("Decoded")
 
 
 class MalformedError(ValueError):
@@ -150,6 +153,34 @@ def record(
         return cls(**{name: table[name](value[name], prefix + name) for name in given})
 
     return convert
+
+
+class JsonRecord(Generic[Decoded]):
+    """A record read from JSON bytes: ``table``'s checks (``record``), and for a malformed one
+    the reader's own error with one sentence. ``sentence`` has ``{subject}`` (where the bytes
+    were read, quoted, else their first 40 bytes) and ``{why}`` (a field's ``MalformedError``,
+    or JSON's own error), and says what to do."""
+
+    def __init__(
+        self,
+        cls: type[Decoded],
+        table: Mapping[str, Check],
+        error: Callable[[str], Exception],
+        sentence: str,
+        *,
+        defaults: bool = False,
+    ) -> None:
+        self._check = record(cls, table, defaults=defaults)
+        self._error = error
+        self._sentence = sentence
+
+    def decode(self, data: bytes, where: str = "") -> Decoded:
+        """The record in ``data`` (read from ``where``), each field of its type, or the error."""
+        try:
+            return cast(Decoded, self._check(json.loads(data), ""))
+        except (ValueError, RecursionError) as error:  # MalformedError and JSON's errors
+            subject = f"'{where}'" if where else repr(data[:40])
+            raise self._error(self._sentence.format(subject=subject, why=error)) from error
 
 
 def _defaulted(cls: Callable[..., Any]) -> frozenset[str]:

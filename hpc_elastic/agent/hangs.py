@@ -29,10 +29,11 @@ import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, cast
+from typing import Any
 
 from hpc_elastic.decoding import (
     Check,
+    JsonRecord,
     flag,
     mapping_of,
     one_of,
@@ -233,13 +234,7 @@ class NodeEvidence:
     def parse(cls, data: bytes) -> NodeEvidence:
         """The evidence in ``data``, each field of its type (``EVIDENCE_FIELDS``), or one
         ``AgentError`` sentence naming the field and its value."""
-        try:
-            return cast(NodeEvidence, _EVIDENCE(json.loads(data), ""))
-        except (ValueError, RecursionError) as error:  # MalformedError and JSON's errors
-            raise AgentError(
-                f"The hang evidence {data[:40]!r} is not what this agent shares ({error}); "
-                "run the same hpc-elastic version on every node."
-            ) from error
+        return _EVIDENCE.decode(data)
 
     @classmethod
     def decode(cls, data: bytes, where: str = "a hang note") -> NodeEvidence | None:
@@ -295,13 +290,7 @@ class Verdict:
     def parse(cls, data: bytes) -> Verdict:
         """The verdict in ``data``, each field of its type (``VERDICT_FIELDS``), or one
         ``AgentError`` sentence naming the field and its value."""
-        try:
-            return cast(Verdict, _VERDICT(json.loads(data), ""))
-        except (ValueError, RecursionError) as error:  # MalformedError and JSON's errors
-            raise AgentError(
-                f"The hang verdict {data[:40]!r} is not one this agent agrees on ({error}); "
-                "run the same hpc-elastic version on every node."
-            ) from error
+        return _VERDICT.decode(data)
 
     @classmethod
     def decode(cls, data: bytes, where: str = "a hang verdict") -> Verdict | None:
@@ -370,8 +359,22 @@ VERDICT_FIELDS: dict[str, Check] = {
     "evidence": mapping_of(text()),
 }
 
-_EVIDENCE = record(NodeEvidence, EVIDENCE_FIELDS, defaults=True)
-_VERDICT = record(Verdict, VERDICT_FIELDS, defaults=True)
+_EVIDENCE = JsonRecord(
+    NodeEvidence,
+    EVIDENCE_FIELDS,
+    AgentError,
+    "The hang evidence {subject} is not what this agent shares ({why}); run the same "
+    "hpc-elastic version on every node.",
+    defaults=True,
+)
+_VERDICT = JsonRecord(
+    Verdict,
+    VERDICT_FIELDS,
+    AgentError,
+    "The hang verdict {subject} is not one this agent agrees on ({why}); run the same "
+    "hpc-elastic version on every node.",
+    defaults=True,
+)
 
 WARNED_KEPT = 64
 """Malformed notes remembered, so each is warned about once: an agent reads the same note at

@@ -8,6 +8,7 @@ from typing import cast
 import click
 
 from hpc_elastic.clicktools import Parsed, exit_with
+from hpc_elastic.commands._job import seconds_option
 from hpc_elastic.config import load_config
 from hpc_elastic.contract import (
     DEFAULT_PREEMPT_SIGNAL,
@@ -18,7 +19,7 @@ from hpc_elastic.contract import (
 from hpc_elastic.doctor import TEST_SAVE_BYTES, Level, SavePlan, diagnose, is_url
 from hpc_elastic.ensemble.choice import choose_zk
 from hpc_elastic.errors import UsageError
-from hpc_elastic.spec import PreemptSignal, parse_mem, parse_zk, seconds_parser
+from hpc_elastic.spec import PreemptSignal, parse_mem, parse_zk
 
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
@@ -60,11 +61,9 @@ def _local_dir(text: str) -> Path:
     metavar="SIG[@SECONDS]",
     help="The --signal your jobs will have: its lead must hold a save.",
 )
-@click.option(
+@seconds_option(
     "--save-seconds",
-    type=Parsed(seconds_parser("--save-seconds")),
-    metavar="S",
-    help="How long one checkpoint save takes (status shows the agents' figure); default: "
+    "How long one checkpoint save takes (status shows the agents' figure); default: "
     "time a test save.",
 )
 @click.option(

@@ -13,15 +13,15 @@ from pathlib import Path
 
 import click
 
-from hpc_elastic.clicktools import Parsed, exit_with
-from hpc_elastic.commands._job import job_argument, log_dir_of, log_dir_option
+from hpc_elastic.clicktools import exit_with
+from hpc_elastic.commands._job import job_argument, log_dir_of, log_dir_option, seconds_option
 from hpc_elastic.errors import SlurmError, UsageError, one_line
 from hpc_elastic.events import Event
 from hpc_elastic.jobdir import JobRecord
 from hpc_elastic.ops import drill, jobs
 from hpc_elastic.slurm import commands
 from hpc_elastic.slurm.commands import JobStatus
-from hpc_elastic.spec import PreemptSignal, seconds_parser
+from hpc_elastic.spec import PreemptSignal
 
 POLL_S = 2.0
 """Seconds between two looks at the job's events while the drill waits."""
@@ -40,12 +40,10 @@ signal lead and this margin, as Slurm does after GraceTime."""
     metavar="FILE",
     help="The job's step log (lines 'step=N ...'), checked for a missing or repeated step.",
 )
-@click.option(
+@seconds_option(
     "--timeout",
-    type=Parsed(seconds_parser("--timeout")),
+    "How long to wait for the job to train at full size again.",
     default=900.0,
-    metavar="S",
-    help="How long to wait for the job to train at full size again.",
 )
 @click.option("--seed", type=int, metavar="N", help="Pick the slot with this seed.")
 @click.option("--json", "json_output", is_flag=True, help="Print the figures as JSON.")

@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from hpc_elastic.clicktools import Parsed
-from hpc_elastic.commands._job import log_dir_of, log_dir_option
+from hpc_elastic.commands._job import log_dir_of, log_dir_option, seconds_option
 from hpc_elastic.contract import NOTIFY_URL_ENV
 from hpc_elastic.errors import UsageError, one_line
 from hpc_elastic.jobdir import JobRecord
@@ -25,7 +24,6 @@ from hpc_elastic.ops import goodput as lost_time
 from hpc_elastic.ops import jobs, status, timeline
 from hpc_elastic.ops import watch as rules
 from hpc_elastic.slurm import commands
-from hpc_elastic.spec import seconds_parser
 
 if TYPE_CHECKING:
     from hpc_elastic.notify import Notifier
@@ -37,19 +35,15 @@ END = "# hpc-elastic watch: end"
 
 @click.command("watch")
 @log_dir_option
-@click.option(
+@seconds_option(
     "--dead-after",
-    type=Parsed(seconds_parser("--dead-after")),
+    "Alert when no slot of a job has run for this long.",
     default=rules.DEAD_AFTER,
-    metavar="S",
-    help="Alert when no slot of a job has run for this long.",
 )
-@click.option(
+@seconds_option(
     "--heartbeat-after",
-    type=Parsed(seconds_parser("--heartbeat-after")),
+    "Alert when a running job's heartbeat or training step has not moved for this long.",
     default=rules.HEARTBEAT_AFTER,
-    metavar="S",
-    help="Alert when a running job's heartbeat or training step has not moved for this long.",
 )
 @click.option(
     "--min-goodput",
@@ -58,12 +52,10 @@ END = "# hpc-elastic watch: end"
     metavar="RATIO",
     help="Alert when a job's goodput falls under this.",
 )
-@click.option(
+@seconds_option(
     "--goodput-after",
-    type=Parsed(seconds_parser("--goodput-after")),
+    "Judge goodput only after a job has run this long.",
     default=rules.GOODPUT_AFTER,
-    metavar="S",
-    help="Judge goodput only after a job has run this long.",
 )
 @click.option(
     "--notify",

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import click
 
 from hpc_elastic import contract
 from hpc_elastic.clicktools import Group, Parsed, exit_with
+from hpc_elastic.commands._job import Decorated, count_option, seconds_option
 from hpc_elastic.errors import UsageError
 from hpc_elastic.spec import (
     count_parser,
@@ -22,7 +24,6 @@ from hpc_elastic.spec import (
     parse_sbatch_arg,
     parse_sbatch_value,
     parse_time,
-    seconds_parser,
 )
 
 zk_app = Group(
@@ -59,6 +60,13 @@ def _say(text: str) -> None:
 
 
 DEFAULT_PORTS = f"{contract.DEFAULT_ZK_PORTS[0]}:{contract.DEFAULT_ZK_PORTS[1]}"
+
+
+def ports_option(help: str) -> Callable[[Decorated], Decorated]:
+    """``--ports LOW:HIGH``, the range a server picks its ports from (``start`` and ``serve``)."""
+    return click.option(
+        "--ports", type=Parsed(_checked_ports), default=DEFAULT_PORTS, metavar="LOW:HIGH", help=help
+    )
 
 
 @zk_app.command("start")
@@ -98,34 +106,24 @@ DEFAULT_PORTS = f"{contract.DEFAULT_ZK_PORTS[0]}:{contract.DEFAULT_ZK_PORTS[1]}"
     help="Node-local directory for each server's data and transaction logs.",
     show_default="$TMPDIR, else /tmp",
 )
-@click.option(
-    "--ports",
-    type=Parsed(_checked_ports),
-    default=DEFAULT_PORTS,
-    metavar="LOW:HIGH",
-    help="Where servers pick their ports.",
-)
-@click.option(
+@ports_option("Where servers pick their ports.")
+@count_option(
     "--restarts",
-    type=Parsed(count_parser("--restarts", zero_ok=True)),
+    "Times a server whose step died starts again in place.",
     default=contract.DEFAULT_ZK_RESTARTS,
-    metavar="N",
-    help="Times a server whose step died starts again in place.",
+    zero_ok=True,
 )
-@click.option(
+@count_option(
     "--spares",
-    type=Parsed(count_parser("--spares", zero_ok=True)),
-    default=contract.DEFAULT_ZK_SPARES,
-    metavar="N",
-    help="Spare nodes held in the job, each ready to replace a server whose node is lost "
+    "Spare nodes held in the job, each ready to replace a server whose node is lost "
     f"(0..{contract.ZK_MAX_SPARES}; needs --servers 3 or 5).",
+    default=contract.DEFAULT_ZK_SPARES,
+    zero_ok=True,
 )
-@click.option(
+@seconds_option(
     "--timeout",
-    type=Parsed(seconds_parser("--timeout")),
+    "Seconds the running job may take to serve.",
     default=contract.DEFAULT_ZK_START_TIMEOUT,
-    metavar="S",
-    help="Seconds the running job may take to serve.",
 )
 @click.option(
     "--allow-preemption",
@@ -229,13 +227,7 @@ def stop_command(force: bool) -> None:
     help="Data directory, kept across restarts (a service's).",
     show_default="a private one, removed at exit",
 )
-@click.option(
-    "--ports",
-    type=Parsed(_checked_ports),
-    default=DEFAULT_PORTS,
-    metavar="LOW:HIGH",
-    help="Where a free port is picked.",
-)
+@ports_option("Where a free port is picked.")
 @click.option(
     "--publish/--no-publish",
     default=True,

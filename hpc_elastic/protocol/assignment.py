@@ -16,10 +16,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
 
 from hpc_elastic import contract
-from hpc_elastic.decoding import Check, record, text, whole
+from hpc_elastic.decoding import Check, JsonRecord, record, text, whole
 from hpc_elastic.errors import AgentError
 
 log = logging.getLogger(__name__)
@@ -69,19 +68,19 @@ ASSIGNMENT_FIELDS: dict[str, Check] = {
 """What ``write_assignment`` writes (``hpc_elastic.decoding``): a round number (never ``true``
 or ``2.0``) and exactly the variables of ``ROUND_KEYS``, as text: only the round's own
 variables may change under a running worker."""
-_ASSIGNMENT = record(Assignment, ASSIGNMENT_FIELDS)
+_ASSIGNMENT = JsonRecord(
+    Assignment,
+    ASSIGNMENT_FIELDS,
+    AgentError,
+    "The round assignment {subject} is not one this agent writes ({why}); check that the "
+    "agent and the workers run the same hpc-elastic version.",
+)
 
 
 def decode_assignment(data: bytes) -> Assignment:
     """The assignment in ``data``, each field of its type, or one ``AgentError`` sentence
     naming the field and its value."""
-    try:
-        return cast(Assignment, _ASSIGNMENT(json.loads(data), ""))
-    except (ValueError, RecursionError) as error:  # MalformedError and JSON's errors
-        raise AgentError(
-            f"The round assignment {data[:40]!r} is not one this agent writes ({error}); "
-            "check that the agent and the workers run the same hpc-elastic version."
-        ) from error
+    return _ASSIGNMENT.decode(data)
 
 
 def read_assignment(path: Path) -> Assignment | None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import asdict, dataclass
-from typing import cast
 
 from hpc_elastic import decoding
 from hpc_elastic.decoding import Check, MalformedError, seconds, shown, text
@@ -37,13 +36,7 @@ class BadNode:
     def parse(cls, data: bytes) -> BadNode:
         """The record in ``data``, each field of its type (``BADNODE_FIELDS``), or one
         ``RendezvousError`` sentence naming the field and its value."""
-        try:
-            return cast(BadNode, _BADNODE(json.loads(data), ""))
-        except (ValueError, RecursionError) as error:  # MalformedError and JSON's errors
-            raise RendezvousError(
-                f"The bad-node record {data[:40]!r} is not one hpc-elastic writes ({error}); "
-                "clear it with 'hpc-elastic nodes clear NODE'."
-            ) from error
+        return _BADNODE.decode(data)
 
     @classmethod
     def decode(cls, data: bytes) -> BadNode | None:
@@ -76,7 +69,14 @@ BADNODE_FIELDS: dict[str, Check] = {
 """``BadNode``'s fields (``hpc_elastic.decoding``): a host of ``["x"]`` is no node (``str()``
 made it ``"['x']"``), a time is finite (NaN never expires); ``job`` may be missing (older
 records)."""
-_BADNODE = decoding.record(BadNode, BADNODE_FIELDS, defaults=True)
+_BADNODE = decoding.JsonRecord(
+    BadNode,
+    BADNODE_FIELDS,
+    RendezvousError,
+    "The bad-node record {subject} is not one hpc-elastic writes ({why}); clear it with "
+    "'hpc-elastic nodes clear NODE'.",
+    defaults=True,
+)
 
 
 def check_host(host: str) -> str:

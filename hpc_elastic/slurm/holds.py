@@ -13,15 +13,13 @@ itself before it leaves (``HeldTasks.announce_own``). The counts live in the job
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import cast
 
 from hpc_elastic import events
-from hpc_elastic.decoding import Check, optional, record, whole
+from hpc_elastic.decoding import Check, JsonRecord, optional, whole
 from hpc_elastic.errors import SlurmError
 from hpc_elastic.events import CheckpointDetails, Event, Kind
 from hpc_elastic.jobdir import JobDir
@@ -97,19 +95,19 @@ HOLD_RECORD_FIELDS: dict[str, Check] = {
 }
 """``HoldRecord``'s fields (``decoding``): counts, and the checkpoint step of the last release;
 a field missing (an older record) takes its default."""
-_HOLD_RECORD = record(HoldRecord, HOLD_RECORD_FIELDS, defaults=True)
+_HOLD_RECORD = JsonRecord(
+    HoldRecord,
+    HOLD_RECORD_FIELDS,
+    SlurmError,
+    "{subject} is not a hold record hpc-elastic writes ({why}); delete it if this keeps happening.",
+    defaults=True,
+)
 
 
 def decode_hold_record(data: bytes, where: str) -> HoldRecord:
     """The hold record in ``data`` (read from ``where``), each field of its type, or one
     ``SlurmError`` sentence naming the field and its value."""
-    try:
-        return cast(HoldRecord, _HOLD_RECORD(json.loads(data), ""))
-    except (ValueError, RecursionError) as error:  # MalformedError and JSON's errors
-        raise SlurmError(
-            f"'{where}' is not a hold record hpc-elastic writes ({error}); delete it if this "
-            "keeps happening."
-        ) from error
+    return _HOLD_RECORD.decode(data, where)
 
 
 def load_hold_record(path: Path) -> HoldRecord:

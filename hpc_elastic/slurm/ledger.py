@@ -15,15 +15,14 @@ import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import cast
 
 from hpc_elastic import contract
 from hpc_elastic.decoding import (
     Check,
+    JsonRecord,
     mapping_of,
     one_of,
     optional,
-    record,
     text,
     tuple_of,
     whole,
@@ -141,19 +140,20 @@ LEDGER_FIELDS: dict[str, Check] = {
 """``SlotLedger``'s fields (``decoding``): a node name is text (a list there once made the next
 start crash, unhashable, and ``str()`` of it named no node), a count a whole number (never
 ``true`` or ``2.9``); a field missing (an older ledger) takes its default."""
-_LEDGER = record(SlotLedger, LEDGER_FIELDS, defaults=True)
+_LEDGER = JsonRecord(
+    SlotLedger,
+    LEDGER_FIELDS,
+    SlurmError,
+    "{subject} is not a readable slot record ({why}); its counts start afresh, delete it if "
+    "this keeps happening.",
+    defaults=True,
+)
 
 
 def decode_ledger(data: bytes, where: str) -> SlotLedger:
     """The slot ledger in ``data`` (read from ``where``), each field of its type, or one
     ``SlurmError`` sentence naming the field and its value."""
-    try:
-        return cast(SlotLedger, _LEDGER(json.loads(data), ""))
-    except (ValueError, RecursionError) as error:  # MalformedError and JSON's errors
-        raise SlurmError(
-            f"'{where}' is not a readable slot record ({error}); "
-            "its counts start afresh, delete it if this keeps happening."
-        ) from error
+    return _LEDGER.decode(data, where)
 
 
 def load_ledger(path: Path) -> SlotLedger:
