@@ -2,7 +2,8 @@
 
 The commands themselves live in ``hpc_elastic.commands``, one module each. Every error, ours or
 click's, leaves as one ``error: <sentence>`` line on stderr with exit code 2 (usage) or 1
-(runtime); no traceback reaches the user. Importing this module must stay cheap: no torch,
+(runtime); no traceback reaches the user. Ctrl-C ends a command with exit code 130 and no
+error line. Importing this module must stay cheap: no torch,
 kazoo or jinja2 here, so ``--help`` answers at once and the agent starts fast.
 
 Every command is listed in ``LAZY_COMMANDS`` and its module is imported only when it runs (or
@@ -49,7 +50,8 @@ LAZY_COMMANDS: dict[str, Lazy] = {
         "submit_command",
         "Render the sbatch script for SCRIPT and submit it with sbatch.",
     ),
-    # ``submit`` and ``render`` are one command under two names (render prints, submits nothing).
+    # ``submit`` and ``render`` share one callback and one set of options (render prints,
+    # submits nothing).
     "render": Lazy(
         "hpc_elastic.commands.submit",
         "render_command",

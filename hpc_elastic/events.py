@@ -125,8 +125,9 @@ class Kind(enum.StrEnum):
     NODE_FAILURE = "node_failure"
     KILLED_LEAVING = "killed_leaving"
     WARNING = "warning"
-    """An elastic slot's decisions (slurm/elastic.py, agent/command.py): a node excluded,
-    pending slots cancelled, the job found cancelled, the last incarnation's end judged."""
+    """An elastic slot's decisions (slurm/elastic.py, slurm/ending.py, agent/command.py): a
+    node excluded, pending slots cancelled, the job found cancelled, the last incarnation's end
+    judged."""
     CANCEL = "cancel"
     """``hpc-elastic cancel`` stopped the job."""
     DRAIN = "drain"

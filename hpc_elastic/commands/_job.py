@@ -43,14 +43,21 @@ def seconds_option(
 
 
 def count_option(
-    flag: str, help: str, *, default: int | None = None, zero_ok: bool = False, metavar: str = "N"
+    flag: str,
+    help: str,
+    *,
+    default: int | None = None,
+    zero_ok: bool = False,
+    metavar: str = "N",
+    shown: str | None = None,
 ) -> Callable[[Decorated], Decorated]:
     """A flag that takes a whole number, at least 1 (or 0 with ``zero_ok``), checked as every
-    count flag is (``count_parser``)."""
+    count flag is (``count_parser``); ``shown`` says in ``--help`` what no value means."""
     return click.option(
         flag,
         type=Parsed(count_parser(flag, zero_ok=zero_ok)),
         default=default,
         metavar=metavar,
         help=help,
+        show_default=shown,
     )

@@ -11,7 +11,6 @@ from __future__ import annotations
 import enum
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -63,8 +62,15 @@ class Action(enum.Enum):
 @click.option(
     "--json", "as_json", is_flag=True, help="Print a JSON list (or what was cleared) instead."
 )
+@click.pass_context
 def nodes_command(
-    action: str, node: tuple[str, ...], zk: str | None, user_secret_file: Path, as_json: bool
+    ctx: click.Context,
+    action: str,
+    node: tuple[str, ...],
+    *,
+    zk: str | None,
+    user_secret_file: Path,
+    as_json: bool,
 ) -> None:
     """List the nodes your jobs keep away from since their health check failed, or clear them.
 
@@ -82,7 +88,9 @@ def nodes_command(
             f"forget nodes, run 'hpc-elastic nodes clear {' '.join(hosts)}'."
         )
     config = load_config(Path.cwd())
-    typed = None if zk == os.environ.get(ZK_ENV) else zk  # click fills --zk from the variable
+    # click fills --zk from $HPC_ELASTIC_ZK too; only a typed --zk is the flag's (the
+    # variable is the config's, and choose_zk names it as such).
+    typed = zk if ctx.get_parameter_source("zk") is click.ParameterSource.COMMANDLINE else None
     choice = choose_zk(typed, config.values, config.path)
     with badnodes.open_book(choice.address, user_secret_file) as book:
         if chosen is Action.LIST:

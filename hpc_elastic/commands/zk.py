@@ -19,7 +19,6 @@ from hpc_elastic.clicktools import Group, Parsed, exit_with
 from hpc_elastic.commands._job import Decorated, count_option, seconds_option
 from hpc_elastic.errors import UsageError
 from hpc_elastic.spec import (
-    count_parser,
     parse_mem,
     parse_sbatch_arg,
     parse_sbatch_value,
@@ -213,13 +212,7 @@ def stop_command(force: bool) -> None:
 
 
 @zk_app.command("serve")
-@click.option(
-    "--port",
-    type=Parsed(count_parser("--port")),
-    metavar="PORT",
-    help="Client port.",
-    show_default="a free one",
-)
+@count_option("--port", "Client port.", metavar="PORT", shown="a free one")
 @click.option(
     "--data-dir",
     type=click.Path(path_type=Path),

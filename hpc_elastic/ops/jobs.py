@@ -33,7 +33,7 @@ def log_dir(given: Path | str | None = None) -> Path:
     and ``zk status`` all look there."""
     if given is not None:
         return Path(given)
-    from hpc_elastic.config import load_config  # noqa: PLC0415 (the option table: only without a --log-dir)
+    from hpc_elastic.config import load_config  # noqa: PLC0415 (the config file's reader and its option table: only without a --log-dir)
 
     configured = load_config(Path.cwd()).values.get("log_dir")
     return Path(str(configured)) if configured else DEFAULT_LOG_DIR

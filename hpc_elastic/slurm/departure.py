@@ -152,8 +152,8 @@ class StopInquiry:
     One job: the answer to "why". ``watch`` starts the thread that asks the moment a stop
     signal arrives; ``recorded`` is what it heard (waiting as long as its tries may take);
     ``ask`` asks now, for a stop that sent no signal (the workers' own exit 75, the bad-node
-    watch) or one Slurm did not answer at the time. Each answer is handed to ``note`` as soon
-    as it comes, before any drain: the slot's ledger keeps it in case Slurm SIGKILLs the slot
+    watch) or one Slurm did not answer at the time. The watch's answer is handed to ``note`` as
+    soon as it comes, before any drain: the slot's ledger keeps it in case Slurm SIGKILLs the slot
     before it leaves (``SlotLedger.leaving_for``).
     """
 

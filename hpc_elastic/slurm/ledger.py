@@ -140,12 +140,16 @@ LEDGER_FIELDS: dict[str, Check] = {
 """``SlotLedger``'s fields (``decoding``): a node name is text (a list there once made the next
 start crash, unhashable, and ``str()`` of it named no node), a count a whole number (never
 ``true`` or ``2.9``); a field missing (an older ledger) takes its default."""
+UNREADABLE_LEDGER = (
+    "{subject} is not a readable slot record ({why}); its counts start afresh, delete it if "
+    "this keeps happening."
+)
+"""What a slot says of a ledger it cannot read or decode."""
 _LEDGER = JsonRecord(
     SlotLedger,
     LEDGER_FIELDS,
     SlurmError,
-    "{subject} is not a readable slot record ({why}); its counts start afresh, delete it if "
-    "this keeps happening.",
+    UNREADABLE_LEDGER,
     defaults=True,
 )
 
@@ -164,8 +168,7 @@ def load_ledger(path: Path) -> SlotLedger:
         return SlotLedger()
     except OSError as error:
         raise SlurmError(
-            f"'{path}' is not a readable slot record ({error.strerror}); "
-            "its counts start afresh, delete it if this keeps happening."
+            UNREADABLE_LEDGER.format(subject=f"'{path}'", why=error.strerror)
         ) from error
     return decode_ledger(data, str(path))
 
