@@ -218,32 +218,15 @@ class ElasticSlot:
         Slurm refused)."""
         emit(Kind.DRAIN, **asdict(found), action="leaving before joining")
         self.drain.left_for = found
-        refused = self.requeue(Departure.DRAIN, emit)
-        if refused is not None:
-            emit(Kind.LEAVE, reason=f"slot {self.context.array_task_id} is not requeued: {refused}")
-            return 1
-        emit(
-            Kind.REQUEUE,
-            cause=Departure.DRAIN.value,
-            slurm_job=self.job_id,
-            excluded=self.excluded(),
-        )
-        return PREEMPTED_EXIT_CODE
+        return self._requeued(Departure.DRAIN, emit)
 
     def move_away(self, cause: str, emit: Callable[..., None], **details: object) -> int:
         """Leave this node for good and requeue the slot elsewhere, before or instead of
         running: the health preflight failed here (``cause`` "unhealthy"), or a rank here
         straggles. Returns the slot's exit code: 75 once requeued, 1 if Slurm refused."""
-        emit("exclude", node=self.node, cause=cause, **details)
-        refused = self.requeue(Departure.BAD_NODE, emit)
-        if refused is not None:
-            emit("leave", reason=f"slot {self.context.array_task_id} is not requeued: {refused}")
-            return 1
-        emit("requeue", cause=cause, slurm_job=self.job_id, excluded=self.excluded())
-        log.debug(
-            "slot %s leaves %s (%s), excluding %s", self.job_id, self.node, cause, self.excluded()
-        )
-        return PREEMPTED_EXIT_CODE
+        emit(Kind.EXCLUDE, node=self.node, cause=cause, **details)
+        log.debug("slot %s leaves %s (%s)", self.job_id, self.node, cause)
+        return self._requeued(Departure.BAD_NODE, emit, cause=cause)
 
     def mark_bad(self) -> None:
         """This node must not host the slot again (a straggler here): the next settle sees
@@ -267,24 +250,32 @@ class ElasticSlot:
                 emit(
                     Kind.EXCLUDE, node=self.node, failures=self._ledger.node_failures.get(self.node)
                 )
-            refused = self.requeue(why, emit)
-            if refused is None:
-                emit(
-                    Kind.REQUEUE,
-                    cause=why.value,
-                    slurm=evidence,
-                    slurm_job=self.job_id,
-                    excluded=self.excluded(),
-                )
-                return exit_code
-            emit(Kind.LEAVE, reason=f"slot {self.context.array_task_id} is not requeued: {refused}")
-            return 1
+            return self._requeued(why, emit, slurm=evidence)
         if why is Departure.CANCELLED:
             emit(Kind.CANCELLED, slurm=evidence, slurm_job=self.job_id)
         self.leave()  # First: a sibling ending the job reads it, and never cancels this task.
         if exit_code in (0, 1):
             self.job_end.end_siblings(exit_code, warning_s, emit)
         return exit_code
+
+    def _requeued(
+        self, why: Departure, emit: Callable[..., None], cause: str = "", **details: object
+    ) -> int:
+        """Requeue the slot for ``why`` and say so (a ``requeue`` event, its cause ``cause`` or
+        ``why``'s), or, when Slurm refuses, say that the slot leaves. The slot's exit code: 75
+        once requeued, 1 if Slurm refused."""
+        refused = self.requeue(why, emit)
+        if refused is not None:
+            emit(Kind.LEAVE, reason=f"slot {self.context.array_task_id} is not requeued: {refused}")
+            return 1
+        emit(
+            Kind.REQUEUE,
+            cause=cause or why.value,
+            **details,
+            slurm_job=self.job_id,
+            excluded=self.excluded(),
+        )
+        return PREEMPTED_EXIT_CODE
 
     def _save(self, ledger: SlotLedger) -> None:
         self._ledger = ledger
