@@ -375,6 +375,11 @@ def round_events(job_dir: Path) -> dict[int, events.Event]:
     return seen
 
 
+def departures(job_dir: Path) -> list[events.Event]:
+    """The job's ``departed`` events so far: a node's links seen closed."""
+    return [e for e in events.read(job_dir / "events.jsonl") if e.kind == "departed"]
+
+
 def test_a_crashed_node_whose_links_closed_is_not_waited_for_while_slurm_still_counts_its_slot(
     cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -411,6 +416,11 @@ def test_a_crashed_node_whose_links_closed_is_not_waited_for_while_slurm_still_c
                 cluster, job_dir, log
             )
             still_running = (f"{job}_2", "RUNNING") in cluster.squeue()
+            # Read before the cancel: it stops the survivors one by one, and each one's
+            # links close too, reported departed in the survivors' round. The crash's own
+            # report may be written just after the round it let form.
+            assert wait_until(lambda: bool(departures(job_dir)), 60), story(cluster, job_dir, log)
+            departed = departures(job_dir)
         finally:
             cancelled = hpc_elastic(
                 cluster, tmp_path, "cancel", job, "--log-dir", str(job_dir.parent)
@@ -423,7 +433,6 @@ def test_a_crashed_node_whose_links_closed_is_not_waited_for_while_slurm_still_c
     survivors = round_events(job_dir)[full + 1]
     assert survivors.details["world_size"] == 4, story(cluster, job_dir, log)
     assert "2" not in survivors.details["members"], survivors.details
-    departed = [e for e in events.read(job_dir / "events.jsonl") if e.kind == "departed"]
     assert {(e.round, e.details["node"], e.details["cause"]) for e in departed} == {
         (full, "2", "connection closed")
     }, departed
