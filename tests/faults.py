@@ -360,9 +360,21 @@ class Fault:
 
 def _signal_worker(sig: signal.Signals, task: int = 1) -> Inject:
     def inject(run: Run) -> None:
-        confirm(lambda: bool(run.workers(task)), f"slot {task} has no worker to signal")
-        worker = run.workers(task)[0]
-        os.kill(worker, sig)
+        signalled: list[int] = []
+
+        def signal_one() -> bool:
+            # One listing, then the signal: during a re-rendezvous a worker listed a moment
+            # ago may have ended since, so a listing is never read twice.
+            for worker in run.workers(task)[:1]:
+                try:
+                    os.kill(worker, sig)
+                except ProcessLookupError:  # ended between the listing and the signal
+                    return False
+                signalled.append(worker)
+            return bool(signalled)
+
+        confirm(signal_one, f"slot {task} has no worker to signal")
+        worker = signalled[0]
         if sig == signal.SIGKILL:
             confirm(lambda: gone(worker), f"worker {worker} of slot {task} outlived SIGKILL")
         elif sig == signal.SIGSTOP:
