@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shlex
 import shutil
 import signal
@@ -270,12 +271,35 @@ def free_port() -> int:
 
 
 def free_port_block(count: int) -> int:
-    """The first of ``count`` consecutive ports that are free on every interface (for slurmd)."""
-    for _ in range(100):
-        base = free_port()
-        if base + count < 65536 and all(_is_free(base + i) for i in range(count)):
+    """The first of ``count`` consecutive ports that are free on every interface, below the
+    kernel's ephemeral range: for daemons that each bind ``base + i`` (slurmd, local mode's
+    metrics), some of them seconds later or again after a restart.
+
+    Inside the ephemeral range a port free now can be the source port of anyone's next
+    outgoing connection, and Linux gives connections even ports and ``bind(0)`` odd ones, so
+    ``base + 1`` after a ``bind(0)`` base is the likeliest of all to go. Below the range only
+    an explicit bind takes a port."""
+    low = _ephemeral_ports()[0]
+    # SystemRandom, not the module's generator: a test may have seeded that one, and the
+    # suite's parallel runs would then all try the same blocks in the same order.
+    pick = random.SystemRandom()
+    for _ in range(200):
+        base = pick.randrange(_FIRST_UNPRIVILEGED, low - count)
+        if all(_is_free(base + i) for i in range(count)):
             return base
-    raise ClusterError(f"found no {count} consecutive free TCP ports; free some ports.")
+    raise ClusterError(
+        f"found no {count} consecutive free TCP ports below {low}; free some ports."
+    )
+
+
+_FIRST_UNPRIVILEGED = 10000
+"""Where ``free_port_block`` starts looking: above the well-known and most registered ports."""
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of ports for ``bind(0)`` and outgoing connections."""
+    low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+    return int(low), int(high)
 
 
 def _is_free(port: int) -> bool:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster import free_port
+from cluster import free_port_block
 
 from hpc_elastic.local import LocalRun, run_local
 from hpc_elastic.spec import NodeRange
@@ -177,7 +177,7 @@ def assert_serves_the_job_gauges(run: Run, ports: list[int]) -> None:
 
 
 def test_churn_kills_and_adds_nodes_while_training_goes_on(tmp_path: Path, runs: list[Run]) -> None:
-    port = free_port()
+    port = free_port_block(3)
     run = Run(
         tmp_path,
         "--nodes=1:3",
