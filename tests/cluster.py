@@ -287,9 +287,7 @@ def free_port_block(count: int) -> int:
         base = pick.randrange(_FIRST_UNPRIVILEGED, low - count)
         if all(_is_free(base + i) for i in range(count)):
             return base
-    raise ClusterError(
-        f"found no {count} consecutive free TCP ports below {low}; free some ports."
-    )
+    raise ClusterError(f"found no {count} consecutive free TCP ports below {low}; free some ports.")
 
 
 _FIRST_UNPRIVILEGED = 10000
