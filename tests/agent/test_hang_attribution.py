@@ -130,6 +130,9 @@ def run_job(tmp_path: Path, hang: str = "", during: Callable[[Run], None] | None
     )
     run = Run(job_dir, out, {}, [])
     threads = []
+    # Ranks follow join order, so each agent starts once the one before it has joined: n0
+    # holds ranks 0 and 1 however the machine schedules the agents' threads.
+    watcher = local_store.LocalStore(server.path, "hang-job")
     try:
         for index in range(NODES):
             node = NodeInfo(f"node{index}-id", "127.0.0.1", NPROC, f"n{index}")
@@ -142,12 +145,18 @@ def run_job(tmp_path: Path, hang: str = "", during: Callable[[Run], None] | None
             thread = threading.Thread(target=go, daemon=True)
             thread.start()
             threads.append(thread)
+
+            def joined(member: str = node.node_id) -> bool:
+                return member in watcher.alive()
+
+            wait_for(run, joined, 120.0, f"{node.node_id} join")
         if during is not None:
             during(run)
         for thread in threads:
             thread.join(600.0)
             assert not thread.is_alive(), f"an agent did not finish: {run.said[-20:]}"
     finally:
+        watcher.release()
         server.stop()
     return run
 
