@@ -491,7 +491,8 @@ class ZooKeeperStore(CachedStore):
                 transaction.delete(path, stat.version)
             transaction.create(path, b"", acl=self._acl, ephemeral=kind.ephemeral)
             results = transaction.commit()
-            # The operation that failed reports why; the others report RolledBackError.
+            # The operation that failed reports why (the others: RolledBackError or
+            # RuntimeInconsistency), so the check and the create each say what went wrong.
             check, created = results[0], results[-1]
             if not any(isinstance(result, Exception) for result in results):
                 return True
