@@ -33,6 +33,41 @@ def check_note_key(key: str) -> str:
     return key
 
 
+def check_node_id(node_id: str) -> str:
+    """``node_id`` if it can name a member's mark on every store (one znode name), else a
+    RendezvousError that quotes it."""
+    if not _NOTE_KEY.fullmatch(node_id):
+        raise RendezvousError(
+            f"Node id {node_id[:80]!r} cannot name a mark; node ids are 1 to 200 letters, "
+            "digits or '_.@=+:-' (as `NodeInfo.new` makes them)."
+        )
+    return node_id
+
+
+class Mark(enum.Enum):
+    """What a member records about itself in one round, as a small record of its own beside
+    the state instead of a field inside it.
+
+    Inside the state, each member's mark is a compare-and-set of the whole state, which all
+    the members race and every agent reads again: O(N) versions of an O(N) state a round. As
+    records of their own, marks never change the state's token, so N marks are N writes that
+    race nobody, and only whoever decides the round needs to read them
+    (docs/rendezvous.md, "A layout for thousands of nodes").
+    """
+
+    BACK = "back"
+    """"I am back in ``next_round`` after this round" (the state's ``ready``). It vanishes
+    with its writer's session, as a membership does: a mark of a dead agent must not count."""
+    DONE = "done"
+    """"My workers of this round all succeeded" (the state's ``succeeded``). It stays: the
+    round may end after its writer's session does."""
+
+    @property
+    def ephemeral(self) -> bool:
+        """Whether the mark vanishes with the session that wrote it."""
+        return self is Mark.BACK
+
+
 class ConnectionState(enum.Enum):
     """What a connection knows about its session, as ZooKeeper's clients report it.
 
@@ -131,6 +166,28 @@ class Store(ABC):
     def note_keys(self) -> frozenset[str]:
         """The keys of every note, as last pushed by the store: no request, so it may be
         called at every poll."""
+
+    @abstractmethod
+    def mark(self, kind: Mark, round_number: int, node_id: str, token: int) -> bool:
+        """Record ``node_id``'s mark ``kind`` for round ``round_number`` if, and only if, the
+        state still has ``token``: the fence that ``set_state`` applies, so that a mark
+        decided on a state that has moved on is refused and decided again. Return whether the
+        mark is there (also when it was already: marking is idempotent, and a retry after a
+        lost connection finds its own mark). ``ABSENT`` fences nothing, so it is refused.
+
+        A mark never changes the state's token, and marks are never pushed: they are read
+        with ``marks``. A ``Mark.BACK`` mark made from another connection is replaced, so
+        that it dies with the session that is alive. Raises RendezvousClosedError once the
+        job is closed, RendezvousError for a node id ``check_node_id`` refuses."""
+
+    @abstractmethod
+    def marks(self, kind: Mark, round_number: int) -> frozenset[str]:
+        """The ids of the nodes marked ``kind`` in round ``round_number``, as the server holds
+        them now (empty once the job is closed)."""
+
+    @abstractmethod
+    def forget_marks(self, before_round: int) -> None:
+        """Remove every mark of every round before ``before_round``; idempotent."""
 
     @abstractmethod
     def is_closed(self) -> bool:

@@ -31,7 +31,14 @@ from typing import Any
 from hpc_elastic.errors import RendezvousClosedError, RendezvousError
 from hpc_elastic.rendezvous import state as st
 from hpc_elastic.rendezvous.api import NodeInfo, RendezvousSettings
-from hpc_elastic.rendezvous.backend import ABSENT, CachedStore, ConnectionState, check_note_key
+from hpc_elastic.rendezvous.backend import (
+    ABSENT,
+    CachedStore,
+    ConnectionState,
+    Mark,
+    check_node_id,
+    check_note_key,
+)
 from hpc_elastic.rendezvous.handler import StoreRendezvous
 
 SCHEME = "local:"
@@ -92,6 +99,8 @@ class LocalStoreServer:
         self._version = ABSENT
         self._members: dict[str, _Member] = {}
         self._notes: dict[str, bytes] = {}
+        self._marks: dict[tuple[Mark, int], dict[str, _Connection]] = {}
+        """Each round's marks of each kind: node id -> the connection that wrote it."""
         self._order = itertools.count()
         self._views = itertools.count(1)
         self._closed = False
@@ -159,6 +168,10 @@ class LocalStoreServer:
             gone = [node for node, m in self._members.items() if m.connection is connection]
             for node in gone:
                 del self._members[node]
+            for (kind, _), marked in self._marks.items():
+                if kind.ephemeral:
+                    for node in [node for node, owner in marked.items() if owner is connection]:
+                        del marked[node]
         connection.sock.close()
         if gone:
             self._broadcast()
@@ -195,6 +208,8 @@ class LocalStoreServer:
                 prefix = request["prefix"]
                 matching = {k: _b64(v) for k, v in self._notes.items() if k.startswith(prefix)}
                 return {"ok": True, "notes": matching}, False
+            if op in ("mark", "marks", "forget_marks"):
+                return self._marks_request(op, request, connection), False
             if op == "is_closed":
                 return {"ok": True, "closed": self._closed}, False
             if op == "close_job":
@@ -208,6 +223,7 @@ class LocalStoreServer:
                 self._state, self._version = None, ABSENT
                 self._members.clear()
                 self._notes.clear()
+                self._marks.clear()
                 return {"ok": True}, changed
         return {"ok": False, "error": f"unknown operation '{op}'"}, False
 
@@ -219,6 +235,31 @@ class LocalStoreServer:
         if new or op == "put_note":
             self._notes[key] = data
         return {"ok": True, "data": _b64(self._notes[key])}, new
+
+    def _marks_request(
+        self, op: str, request: dict[str, Any], connection: _Connection
+    ) -> dict[str, Any]:
+        """``Store.mark``, ``marks`` and ``forget_marks``; marks are never pushed."""
+        if op == "forget_marks":
+            for key in [key for key in self._marks if key[1] < request["before"]]:
+                del self._marks[key]
+            return {"ok": True}
+        kind = Mark(request["kind"])
+        marked = self._marks.get((kind, request["round"]), {})
+        if op == "marks":
+            return {"ok": True, "nodes": sorted(marked)}
+        if self._closed:
+            return {"ok": False, "closed": True}
+        node, token = request["node"], request["token"]
+        owner = marked.get(node)
+        if owner is not None and (owner is connection or not kind.ephemeral):
+            return {"ok": True, "marked": True}  # Idempotent: the mark is there.
+        if token == ABSENT or self._state is None or token != self._version:
+            return {"ok": True, "marked": False}
+        # Fenced by the state's version, which a mark leaves as it is. A BACK mark of another
+        # connection is replaced, as a membership is.
+        self._marks.setdefault((kind, request["round"]), marked)[node] = connection
+        return {"ok": True, "marked": True}
 
     def _compare_and_set(self, data: bytes, token: int) -> tuple[dict[str, Any], bool]:
         # A closed job is never reopened, as on ZooKeeper: an agent that checked is_closed
@@ -321,6 +362,21 @@ class LocalStore(CachedStore):
     def notes(self, prefix: str) -> dict[str, bytes]:
         found = self._call("notes", prefix=prefix)["notes"]
         return {key: base64.b64decode(data) for key, data in found.items()}
+
+    def mark(self, kind: Mark, round_number: int, node_id: str, token: int) -> bool:
+        node = check_node_id(node_id)
+        reply = self._call("mark", kind=kind.value, round=round_number, node=node, token=token)
+        if not reply["ok"]:
+            raise RendezvousClosedError(
+                f"Job '{self._run_id}' is closed (finished or cancelled); no mark can be written."
+            )
+        return bool(reply["marked"])
+
+    def marks(self, kind: Mark, round_number: int) -> frozenset[str]:
+        return frozenset(self._call("marks", kind=kind.value, round=round_number)["nodes"])
+
+    def forget_marks(self, before_round: int) -> None:
+        self._call("forget_marks", before=before_round)
 
     def is_closed(self) -> bool:
         return bool(self._call("is_closed")["closed"])

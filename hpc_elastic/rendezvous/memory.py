@@ -11,7 +11,9 @@ a time, like a kazoo client. What the ``Store`` protocol promises holds as on Zo
 * every change is pushed to every connected session, and the connection reports
   SUSPENDED / CONNECTED / LOST as kazoo does;
 * ``close_job`` leaves a tombstone; joining afterwards raises RendezvousClosedError;
-* notes (``put_note``, ``claim_note``) outlive their writer's session and go with the job.
+* notes (``put_note``, ``claim_note``) outlive their writer's session and go with the job;
+* marks (``mark``) are fenced by the state's version without changing it; a ``Mark.BACK``
+  mark vanishes with its session, as a membership does.
 
 Nothing here runs on its own: time is whatever the injected clock says, and sessions expire
 only when ``tick()`` looks at that clock. Every notification goes through the server's
@@ -32,7 +34,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from hpc_elastic.errors import RendezvousAccessError, RendezvousClosedError, RendezvousError
-from hpc_elastic.rendezvous.backend import ABSENT, CachedStore, ConnectionState, check_note_key
+from hpc_elastic.rendezvous.backend import (
+    ABSENT,
+    CachedStore,
+    ConnectionState,
+    Mark,
+    check_node_id,
+    check_note_key,
+)
 from hpc_elastic.rendezvous.badnode import BadNode, check_host
 
 logger = logging.getLogger(__name__)
@@ -108,6 +117,8 @@ class MemoryServer:
         self._version = ABSENT
         self._members: dict[str, _Member] = {}
         self._notes: dict[str, bytes] = {}
+        self._marks: dict[tuple[Mark, int], dict[str, _Session]] = {}
+        """Each round's marks of each kind: node id -> the session that wrote it."""
         self._closed = False
         self._order = itertools.count()
         self._seq = 0
@@ -182,6 +193,10 @@ class MemoryServer:
             gone = [node for node, member in self._members.items() if member.session is session]
             for node in gone:
                 del self._members[node]
+            for (kind, _), marked in self._marks.items():
+                if kind.ephemeral:
+                    for node in [node for node, owner in marked.items() if owner is session]:
+                        del marked[node]
             if gone:
                 logger.debug("memory store: session %d ended; %s left", session.number, gone)
                 self._changed()
@@ -273,6 +288,41 @@ class MemoryServer:
         self._push_pending()
         return current
 
+    def _mark(
+        self,
+        session: _Session,
+        kind: Mark,
+        round_number: int,
+        node_id: str,
+        token: int,
+        *,
+        run_id: str,
+    ) -> bool:
+        with self._lock:
+            if self._closed:
+                raise RendezvousClosedError(
+                    f"Job '{run_id}' is closed (finished or cancelled); no mark can be written."
+                )
+            marked = self._marks.setdefault((kind, round_number), {})
+            owner = marked.get(node_id)
+            if owner is not None and (owner is session or not kind.ephemeral):
+                return True  # Idempotent: the mark is there, whatever the state did since.
+            if token == ABSENT or self._state is None or token != self._version:
+                return False
+            # A BACK mark of another (older) session is replaced, as a membership is.
+            marked[node_id] = session
+            logger.debug("memory store: %s marked %s in round %d", node_id, kind, round_number)
+            return True
+
+    def _read_marks(self, kind: Mark, round_number: int) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._marks.get((kind, round_number), ()))
+
+    def _forget_marks(self, before_round: int) -> None:
+        with self._lock:
+            for key in [key for key in self._marks if key[1] < before_round]:
+                del self._marks[key]
+
     def _read_notes(self, prefix: str) -> dict[str, bytes]:
         with self._lock:
             return {key: data for key, data in self._notes.items() if key.startswith(prefix)}
@@ -294,6 +344,7 @@ class MemoryServer:
             self._state, self._version = None, ABSENT
             self._members.clear()
             self._notes.clear()
+            self._marks.clear()
             if changed:
                 logger.debug("memory store: job closed")
                 self._changed()
@@ -303,7 +354,7 @@ class MemoryServer:
 class MemoryStore(CachedStore):
     """One connection to a ``MemoryServer``: a session, and the view its pushes built.
 
-    Why 26 methods: it is the ``Store`` interface (eleven, most of them a check that the
+    Why 29 methods: it is the ``Store`` interface (fourteen, most of them a check that the
     connection is up and one call of the server), the handles a simulator or a test turns on
     the connection as faults (``connected``, ``touch``, ``disconnect``, ``reconnect``,
     ``expire_session``), and the session's life as a kazoo client sees it (heard, expired,
@@ -363,6 +414,20 @@ class MemoryStore(CachedStore):
     def notes(self, prefix: str) -> dict[str, bytes]:
         self._heard()
         return self.server._read_notes(prefix)
+
+    def mark(self, kind: Mark, round_number: int, node_id: str, token: int) -> bool:
+        check_node_id(node_id)
+        self._heard()
+        session = self._session
+        return self.server._mark(session, kind, round_number, node_id, token, run_id=self.run_id)
+
+    def marks(self, kind: Mark, round_number: int) -> frozenset[str]:
+        self._heard()
+        return self.server._read_marks(kind, round_number)
+
+    def forget_marks(self, before_round: int) -> None:
+        self._heard()
+        self.server._forget_marks(before_round)
 
     def is_closed(self) -> bool:
         self._heard()

@@ -7,6 +7,8 @@ Layout of one job, under an optional chroot::
         state                        JSON JobState; its znode version is the CAS token
         members/<node_id>            ephemeral, one per live agent; data = NodeInfo JSON
         notes/<key>                  persistent notes (``Store.put_note``): a hang's evidence
+        back/<round>/<node_id>       ephemeral marks (``Store.mark``, ``Mark.BACK``), empty
+        done/<round>/<node_id>       persistent marks (``Mark.DONE``), empty
         closed                       tombstone left by close_job; everything else is removed
     /hpc-elastic/.clock-<n>          ephemeral, world READ: ``probe`` reads the server's time
     /hpc-elastic/@users              world: CREATE only, like the prefix ('@' is never in a run id)
@@ -58,7 +60,14 @@ from kazoo.security import ACL, OPEN_ACL_UNSAFE, Id, Permissions, make_digest_ac
 from hpc_elastic.errors import RendezvousAccessError, RendezvousClosedError, RendezvousError
 from hpc_elastic.rendezvous import state as st
 from hpc_elastic.rendezvous.api import NodeInfo, RendezvousSettings
-from hpc_elastic.rendezvous.backend import ABSENT, CachedStore, ConnectionState, check_note_key
+from hpc_elastic.rendezvous.backend import (
+    ABSENT,
+    CachedStore,
+    ConnectionState,
+    Mark,
+    check_node_id,
+    check_note_key,
+)
 from hpc_elastic.rendezvous.badnode import BadNode, check_host
 from hpc_elastic.rendezvous.handler import StoreRendezvous
 from hpc_elastic.rendezvous.secret import require_secret
@@ -278,13 +287,13 @@ class ZooKeeperStore(CachedStore):
     or connection threads: kazoo forbids blocking there, and a subscriber may well block (the
     agent asks Slurm how many nodes to expect, which can take a minute).
 
-    Why 34 methods: it is the ``Store`` interface on ZooKeeper (eleven methods, and
+    Why 38 methods: it is the ``Store`` interface on ZooKeeper (fourteen methods, and
     ``session_id`` and ``job_exists`` for tests and ``close_job``), and under each request the
     one ZooKeeper operation that kazoo's ``retry`` may run twice, written so that a retry
-    after a lost reply finds its own write (nine: the compare-and-set and the transactions
-    that keep a closed job closed among them); the four steps that open a job's nodes and
-    refuse one another user made; kazoo's watch and connection callbacks and the notifier
-    thread that hands them on (five). All of them share one client, one job path and one
+    after a lost reply finds its own write (ten: the compare-and-set, the fenced mark and the
+    transactions that keep a closed job closed among them); the four steps that open a job's
+    nodes and refuse one another user made; kazoo's watch and connection callbacks and the
+    notifier thread that hands them on (five). All of them share one client, one job path and one
     ACL, which is why they are one class. What needs none of that lives apart: the cached
     state, members and subscribers (``CachedStore``), the client and its retry and timeouts
     (``open_client``), the coalesced children watch (``_CoalescedChildrenWatch``), the
@@ -420,6 +429,33 @@ class ZooKeeperStore(CachedStore):
                 found[key] = data
         return found
 
+    def mark(self, kind: Mark, round_number: int, node_id: str, token: int) -> bool:
+        if token == ABSENT:
+            return False  # A check of version -1 passes any version: it would fence nothing.
+        path = self._path(kind.value, str(round_number), check_node_id(node_id))
+        with self._converted():
+            marked: bool = self._client.retry(self._mark, kind, path, token)
+        return marked
+
+    def marks(self, kind: Mark, round_number: int) -> frozenset[str]:
+        path = self._path(kind.value, str(round_number))
+        with self._converted():
+            try:
+                return frozenset(self._client.retry(self._client.get_children, path))
+            except NoNodeError:
+                return frozenset()
+
+    def forget_marks(self, before_round: int) -> None:
+        with self._converted():
+            for kind in Mark:
+                try:
+                    rounds = self._client.retry(self._client.get_children, self._path(kind.value))
+                except NoNodeError:
+                    continue
+                for name in rounds:
+                    if int(name) < before_round:
+                        self._client.retry(self._delete, self._path(kind.value, name), True)
+
     def _write_note(self, path: str, data: bytes, claim: bool) -> bytes:
         """Create the note; an existing one is replaced, or with ``claim`` kept and returned.
         Idempotent: a retry after a lost reply finds our own note (a claim returns it, a put
@@ -435,22 +471,62 @@ class ZooKeeperStore(CachedStore):
                 self._client.set(path, data)
                 return data
             except NoNodeError:
-                self._ensure_notes_node()  # a job made before notes existed: make its node
+                # A job made before notes existed: make its node.
+                self._create_while_open(self._path("notes"), "no note can be written")
         raise NoNodeError(path)
 
-    def _ensure_notes_node(self) -> None:
-        """The ``notes`` node, only while the job is open: created in one transaction with a
-        ``check`` of ``members``, which ``close_job`` removes, so a late note can never
-        recreate a closed job's nodes."""
-        closed = RendezvousClosedError(
-            f"Job '{self._run_id}' is closed (finished or cancelled); no note can be written."
+    def _mark(self, kind: Mark, path: str, token: int) -> bool:
+        """One fenced mark: ``multi(check(state, token), create(path))``. Idempotent: a retry
+        after a lost reply finds the mark there, and ours (ephemeral: this session owns it;
+        persistent: nobody else writes a node's own mark), so it is a success whatever the
+        state did since. A BACK mark of another session is deleted in the same fenced
+        transaction and made again, so that it dies with the session that is alive."""
+        for _ in range(3):
+            stat = self._client.exists(path)
+            if stat is not None and stat.ephemeralOwner in (0, self._client.client_id[0]):
+                return True
+            transaction = self._client.transaction()
+            transaction.check(self._path("state"), token)
+            if stat is not None:
+                transaction.delete(path, stat.version)
+            transaction.create(path, b"", acl=self._acl, ephemeral=kind.ephemeral)
+            results = transaction.commit()
+            # The operation that failed reports why (the others: RolledBackError or
+            # RuntimeInconsistency), so the check and the create each say what went wrong.
+            check, created = results[0], results[-1]
+            if not any(isinstance(result, Exception) for result in results):
+                return True
+            if isinstance(check, NoNodeError) and self._client.exists(self._path("closed")):
+                raise RendezvousClosedError(
+                    f"Job '{self._run_id}' is closed (finished or cancelled); no mark can be "
+                    "written."
+                )
+            if isinstance(check, (BadVersionError, NoNodeError)):
+                return False  # The state moved on (or does not exist): refused, not an error.
+            if isinstance(created, NoNodeError):
+                # The round's node (or its kind's) is missing: make them, then mark again.
+                round_path = path.rsplit("/", 1)[0]
+                for node in (round_path.rsplit("/", 1)[0], round_path):
+                    self._create_while_open(node, "no mark can be written")
+            # NodeExistsError: another try of ours (or of this id) got there first; look again.
+        raise RendezvousError(
+            f"The mark '{path}' on ZooKeeper at '{self._address}' kept changing under three "
+            "tries; another agent runs with this node id: give each agent its own."
         )
+
+    def _create_while_open(self, path: str, refused: str) -> None:
+        """Create the persistent ``path`` only while the job is open: in one transaction with a
+        ``check`` of ``members``, which ``close_job`` removes, so a late write can never
+        recreate a closed job's nodes. An existing ``path`` is kept."""
         transaction = self._client.transaction()
         transaction.check(self._path("members"), -1)
-        transaction.create(self._path("notes"), b"", acl=self._acl)
-        errors = [result for result in transaction.commit() if isinstance(result, Exception)]
-        if any(isinstance(error, NoNodeError) for error in errors):
-            raise closed
+        transaction.create(path, b"", acl=self._acl)
+        results = transaction.commit()
+        errors = [result for result in results if isinstance(result, Exception)]
+        if isinstance(results[0], NoNodeError):
+            raise RendezvousClosedError(
+                f"Job '{self._run_id}' is closed (finished or cancelled); {refused}."
+            )
         if errors and not any(isinstance(error, NodeExistsError) for error in errors):
             raise errors[0]
 
@@ -478,6 +554,8 @@ class ZooKeeperStore(CachedStore):
             self._client.retry(self._create, self._path("closed"), b"", False)
             self._client.retry(self._delete, self._path("members"), True)
             self._client.retry(self._delete, self._path("notes"), True)
+            for kind in Mark:
+                self._client.retry(self._delete, self._path(kind.value), True)
             self._client.retry(self._delete, self._path("state"))
         logger.debug("zookeeper: job %s closed", self._run_id)
 

@@ -18,7 +18,7 @@ from hpc_elastic.errors import (
 )
 from hpc_elastic.rendezvous import state as st
 from hpc_elastic.rendezvous.api import Failure, JobFailedError, NodeInfo, RendezvousSettings, Round
-from hpc_elastic.rendezvous.backend import ABSENT, Store
+from hpc_elastic.rendezvous.backend import ABSENT, Mark, Store
 from hpc_elastic.rendezvous.handler import Step, StoreRendezvous
 from hpc_elastic.rendezvous.memory import ManualClock, MemoryServer, MemoryStore
 from hpc_elastic.spec import NodeRange
@@ -86,6 +86,15 @@ class FakeStore(Store):
 
     def note_keys(self) -> frozenset[str]:
         return frozenset()
+
+    def mark(self, kind: Mark, round_number: int, node_id: str, token: int) -> bool:
+        raise NotImplementedError("the handler writes no marks yet")
+
+    def marks(self, kind: Mark, round_number: int) -> frozenset[str]:
+        raise NotImplementedError("the handler reads no marks yet")
+
+    def forget_marks(self, before_round: int) -> None:
+        raise NotImplementedError("the handler writes no marks yet")
 
     def is_closed(self) -> bool:
         return self._closed

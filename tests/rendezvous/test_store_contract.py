@@ -27,7 +27,7 @@ import pytest
 from hpc_elastic.errors import RendezvousClosedError, RendezvousError
 from hpc_elastic.rendezvous import testing
 from hpc_elastic.rendezvous.api import NodeInfo, RendezvousSettings
-from hpc_elastic.rendezvous.backend import ABSENT, ConnectionState, Store
+from hpc_elastic.rendezvous.backend import ABSENT, ConnectionState, Mark, Store
 from hpc_elastic.rendezvous.handler import StoreRendezvous
 from hpc_elastic.rendezvous.local_store import LocalStore, LocalStoreServer
 from hpc_elastic.rendezvous.memory import ManualClock, MemoryServer, MemoryStore
@@ -381,6 +381,101 @@ def test_a_note_key_no_store_can_hold_is_refused_with_the_key(harness: Harness, 
         store.put_note(key, b"x")
     with pytest.raises(RendezvousError, match=sentence):
         store.claim_note(key, b"x")
+
+
+# --- marks ---------------------------------------------------------------------------------
+
+
+def test_a_mark_fenced_by_the_current_token_is_kept_and_leaves_the_token_as_it_was(
+    harness: Harness,
+) -> None:
+    store, other = harness.connect(), harness.connect()
+    _, token, _ = store.set_state(b"round 1", ABSENT)
+    assert store.mark(Mark.BACK, 1, "n1", token)
+    assert other.mark(Mark.BACK, 1, "n2", token), "marks of one round never race each other"
+    assert store.mark(Mark.BACK, 1, "n1", token), "marking again changes nothing"
+    assert other.marks(Mark.BACK, 1) == {"n1", "n2"}
+    assert other.marks(Mark.DONE, 1) == frozenset()
+    assert other.marks(Mark.BACK, 2) == frozenset()
+    assert store.set_state(b"round 2", token)[2], "the marks left the token as it was"
+
+
+def test_a_mark_fenced_by_a_token_the_state_has_moved_past_is_refused(harness: Harness) -> None:
+    store, other = harness.connect(), harness.connect()
+    _, stale, _ = store.set_state(b"round 1", ABSENT)
+    _, token, _ = other.set_state(b"round 2", stale)
+    assert not store.mark(Mark.BACK, 1, "n1", stale)
+    assert not store.mark(Mark.DONE, 1, "n1", stale)
+    assert not store.mark(Mark.BACK, 1, "n1", ABSENT), "ABSENT fences nothing"
+    assert other.marks(Mark.BACK, 1) == frozenset()
+    assert other.marks(Mark.DONE, 1) == frozenset()
+    assert store.mark(Mark.DONE, 2, "n1", token)
+
+
+def test_no_mark_is_written_before_the_state_exists(harness: Harness) -> None:
+    store = harness.connect()
+    assert not store.mark(Mark.BACK, 0, "n1", ABSENT)
+    assert not store.mark(Mark.BACK, 0, "n1", 0)
+    assert store.marks(Mark.BACK, 0) == frozenset()
+
+
+def test_a_back_mark_dies_with_its_connection_and_a_done_mark_stays(harness: Harness) -> None:
+    mortal, other = harness.connect(), harness.connect()
+    _, token, _ = other.set_state(b"round 1", ABSENT)
+    assert mortal.mark(Mark.BACK, 1, "mortal", token)
+    assert mortal.mark(Mark.DONE, 1, "mortal", token)
+    assert other.mark(Mark.BACK, 1, "survivor", token)
+    mortal.release()
+    eventually(lambda: other.marks(Mark.BACK, 1) == {"survivor"}, "the released back mark go")
+    assert other.marks(Mark.DONE, 1) == {"mortal"}
+
+
+def test_a_back_mark_of_an_older_connection_is_taken_over_under_the_fence(
+    harness: Harness,
+) -> None:
+    old, new = harness.connect(), harness.connect()
+    _, stale, _ = old.set_state(b"round 1", ABSENT)
+    assert old.mark(Mark.BACK, 1, "n1", stale)
+    _, token, _ = new.set_state(b"round 2", stale)
+    assert not new.mark(Mark.BACK, 1, "n1", stale), "taken over only under the fence"
+    assert new.mark(Mark.BACK, 1, "n1", token)
+    old.release()
+    # The mark is the new connection's now: it outlives the old one.
+    assert new.marks(Mark.BACK, 1) == {"n1"}
+
+
+def test_forgotten_rounds_lose_their_marks_and_later_rounds_keep_theirs(
+    harness: Harness,
+) -> None:
+    store = harness.connect()
+    _, token, _ = store.set_state(b"state", ABSENT)
+    for round_number in (1, 2, 3):
+        assert store.mark(Mark.BACK, round_number, "n1", token)
+        assert store.mark(Mark.DONE, round_number, "n1", token)
+    store.forget_marks(3)
+    store.forget_marks(3)
+    for kind in Mark:
+        assert [store.marks(kind, r) for r in (1, 2, 3)] == [set(), set(), {"n1"}]
+
+
+def test_marks_go_with_the_closed_job_and_none_is_written_after(harness: Harness) -> None:
+    store, other = harness.connect(), harness.connect()
+    _, token, _ = store.set_state(b"state", ABSENT)
+    assert store.mark(Mark.DONE, 1, "n1", token)
+    store.close_job()
+    assert other.marks(Mark.DONE, 1) == frozenset()
+    for kind in Mark:
+        with pytest.raises(RendezvousClosedError, match="'job' is closed"):
+            other.mark(kind, 1, "n2", token)
+    other.forget_marks(5)
+
+
+@pytest.mark.parametrize("node_id", ["", "a/b", ".", "..", "x" * 201])
+def test_a_node_id_no_store_can_mark_is_refused_with_the_id(harness: Harness, node_id: str) -> None:
+    store = harness.connect()
+    _, token, _ = store.set_state(b"state", ABSENT)
+    with pytest.raises(RendezvousError, match=re.escape(f"Node id {node_id[:80]!r} cannot")):
+        store.mark(Mark.BACK, 1, node_id, token)
 
 
 # --- the in-memory store's controls, which the simulator drives ----------------------------
