@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -158,6 +159,7 @@ def run_job(tmp_path: Path, hang: str = "", during: Callable[[Run], None] | None
     finally:
         watcher.release()
         server.stop()
+        shutil.rmtree(socket_dir, ignore_errors=True)
     return run
 
 
