@@ -13,6 +13,7 @@ import re
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 from hpc_elastic.errors import RendezvousError
 
@@ -66,6 +67,25 @@ class Mark(enum.Enum):
     def ephemeral(self) -> bool:
         """Whether the mark vanishes with the session that wrote it."""
         return self is Mark.BACK
+
+
+Owner = TypeVar("Owner")
+
+
+def place_mark(
+    marked: dict[str, Owner], kind: Mark, node_id: str, writer: Owner, *, fenced: bool
+) -> bool:
+    """``Store.mark``'s rule, for a store that keeps a round's marks of one kind in ``marked``
+    (node id -> the session or connection that wrote it): a mark that is there stays, and
+    counts as written; otherwise it is written only under the fence (``fenced``: the state
+    exists and still has the caller's token). A ``BACK`` mark of another writer is taken over
+    only under the fence, as ZooKeeper's ``multi(check, delete, create)`` does."""
+    owner = marked.get(node_id)
+    if owner is not None and (owner is writer or not kind.ephemeral):
+        return True  # Idempotent: the mark is there, whatever the state did since.
+    if fenced:
+        marked[node_id] = writer
+    return fenced
 
 
 class ConnectionState(enum.Enum):

@@ -38,6 +38,7 @@ from hpc_elastic.rendezvous.backend import (
     Mark,
     check_node_id,
     check_note_key,
+    place_mark,
 )
 from hpc_elastic.rendezvous.handler import StoreRendezvous
 
@@ -250,16 +251,11 @@ class LocalStoreServer:
             return {"ok": True, "nodes": sorted(marked)}
         if self._closed:
             return {"ok": False, "closed": True}
-        node, token = request["node"], request["token"]
-        owner = marked.get(node)
-        if owner is not None and (owner is connection or not kind.ephemeral):
-            return {"ok": True, "marked": True}  # Idempotent: the mark is there.
-        if token == ABSENT or self._state is None or token != self._version:
-            return {"ok": True, "marked": False}
-        # Fenced by the state's version, which a mark leaves as it is. A BACK mark of another
-        # connection is replaced, as a membership is.
-        self._marks.setdefault((kind, request["round"]), marked)[node] = connection
-        return {"ok": True, "marked": True}
+        # No state, no fence: its version is ABSENT then, and ABSENT fences nothing.
+        fenced = request["token"] != ABSENT and request["token"] == self._version
+        marked = self._marks.setdefault((kind, request["round"]), marked)
+        written = place_mark(marked, kind, request["node"], connection, fenced=fenced)
+        return {"ok": True, "marked": written}
 
     def _compare_and_set(self, data: bytes, token: int) -> tuple[dict[str, Any], bool]:
         # A closed job is never reopened, as on ZooKeeper: an agent that checked is_closed

@@ -41,6 +41,7 @@ from hpc_elastic.rendezvous.backend import (
     Mark,
     check_node_id,
     check_note_key,
+    place_mark,
 )
 from hpc_elastic.rendezvous.badnode import BadNode, check_host
 
@@ -304,15 +305,13 @@ class MemoryServer:
                     f"Job '{run_id}' is closed (finished or cancelled); no mark can be written."
                 )
             marked = self._marks.setdefault((kind, round_number), {})
-            owner = marked.get(node_id)
-            if owner is not None and (owner is session or not kind.ephemeral):
-                return True  # Idempotent: the mark is there, whatever the state did since.
-            if token == ABSENT or self._state is None or token != self._version:
-                return False
-            # A BACK mark of another (older) session is replaced, as a membership is.
-            marked[node_id] = session
-            logger.debug("memory store: %s marked %s in round %d", node_id, kind, round_number)
-            return True
+            # No state, no fence: its version is ABSENT then, and ABSENT fences nothing.
+            fenced = token != ABSENT and token == self._version
+            written = place_mark(marked, kind, node_id, session, fenced=fenced)
+            logger.debug(
+                "memory store: %s of %s, round %d: %s", kind, node_id, round_number, written
+            )
+            return written
 
     def _read_marks(self, kind: Mark, round_number: int) -> frozenset[str]:
         with self._lock:
