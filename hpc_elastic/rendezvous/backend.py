@@ -9,6 +9,7 @@ benchmark multiplexes hundreds of simulated nodes over a few connections).
 from __future__ import annotations
 
 import enum
+import hashlib
 import re
 import threading
 from abc import ABC, abstractmethod
@@ -67,6 +68,11 @@ class Mark(enum.Enum):
     def ephemeral(self) -> bool:
         """Whether the mark vanishes with the session that wrote it."""
         return self is Mark.BACK
+
+
+def table_digest(table: bytes) -> str:
+    """The name of a round's table (``Store.put_table``): its sha256, in hex."""
+    return hashlib.sha256(table).hexdigest()
 
 
 Owner = TypeVar("Owner")
@@ -206,8 +212,27 @@ class Store(ABC):
         them now (empty once the job is closed)."""
 
     @abstractmethod
-    def forget_marks(self, before_round: int) -> None:
-        """Remove every mark of every round before ``before_round``; idempotent."""
+    def put_table(self, round_number: int, table: bytes) -> str:
+        """Keep ``table`` (a round's members in rank order, of any size) for round
+        ``round_number`` and return its name, ``table_digest(table)``: the state that commits
+        the round names its table by that digest. Content-addressed, so it is idempotent and
+        two proposers of one round never overwrite each other: each table is its own record,
+        and only the one the committed state names is ever read. It is written before the
+        state that names it (a table may pass ZooKeeper's 1 MB limit on one request, so it
+        cannot ride in the commit's transaction); a proposer that loses the commit leaves a
+        table nobody names, which ``forget_rounds`` removes. Raises RendezvousClosedError
+        once the job is closed."""
+
+    @abstractmethod
+    def table(self, round_number: int, digest: str) -> bytes | None:
+        """The table of round ``round_number`` named ``digest``, or None if there is none
+        (never written, only partly written by a proposer that died, forgotten, or the job
+        closed): what is returned always has that digest."""
+
+    @abstractmethod
+    def forget_rounds(self, before_round: int) -> None:
+        """Remove every mark and every table of every round before ``before_round``;
+        idempotent."""
 
     @abstractmethod
     def is_closed(self) -> bool:

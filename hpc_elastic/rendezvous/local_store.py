@@ -39,6 +39,7 @@ from hpc_elastic.rendezvous.backend import (
     check_node_id,
     check_note_key,
     place_mark,
+    table_digest,
 )
 from hpc_elastic.rendezvous.handler import StoreRendezvous
 
@@ -102,6 +103,8 @@ class LocalStoreServer:
         self._notes: dict[str, bytes] = {}
         self._marks: dict[tuple[Mark, int], dict[str, _Connection]] = {}
         """Each round's marks of each kind: node id -> the connection that wrote it."""
+        self._tables: dict[tuple[int, str], bytes] = {}
+        """Each round's tables by digest."""
         self._order = itertools.count()
         self._views = itertools.count(1)
         self._closed = False
@@ -209,8 +212,8 @@ class LocalStoreServer:
                 prefix = request["prefix"]
                 matching = {k: _b64(v) for k, v in self._notes.items() if k.startswith(prefix)}
                 return {"ok": True, "notes": matching}, False
-            if op in ("mark", "marks", "forget_marks"):
-                return self._marks_request(op, request, connection), False
+            if op in ("mark", "marks", "put_table", "table", "forget_rounds"):
+                return self._round_request(op, request, connection), False
             if op == "is_closed":
                 return {"ok": True, "closed": self._closed}, False
             if op == "close_job":
@@ -225,6 +228,7 @@ class LocalStoreServer:
                 self._members.clear()
                 self._notes.clear()
                 self._marks.clear()
+                self._tables.clear()
                 return {"ok": True}, changed
         return {"ok": False, "error": f"unknown operation '{op}'"}, False
 
@@ -237,23 +241,33 @@ class LocalStoreServer:
             self._notes[key] = data
         return {"ok": True, "data": _b64(self._notes[key])}, new
 
-    def _marks_request(
+    def _round_request(
         self, op: str, request: dict[str, Any], connection: _Connection
     ) -> dict[str, Any]:
-        """``Store.mark``, ``marks`` and ``forget_marks``; marks are never pushed."""
-        if op == "forget_marks":
+        """``Store.mark``, ``marks``, ``put_table``, ``table`` and ``forget_rounds``: records
+        of a round beside the state, never pushed."""
+        round_number = request.get("round", 0)
+        if op == "forget_rounds":
             for key in [key for key in self._marks if key[1] < request["before"]]:
                 del self._marks[key]
+            for done in [key for key in self._tables if key[0] < request["before"]]:
+                del self._tables[done]
             return {"ok": True}
-        kind = Mark(request["kind"])
-        marked = self._marks.get((kind, request["round"]), {})
+        if op == "table":
+            return {"ok": True, "data": _b64(self._tables.get((round_number, request["digest"])))}
+        kind = Mark(request.get("kind", Mark.BACK.value))
+        marked = self._marks.get((kind, round_number), {})
         if op == "marks":
             return {"ok": True, "nodes": sorted(marked)}
         if self._closed:
             return {"ok": False, "closed": True}
+        if op == "put_table":
+            table = _unb64(request["data"]) or b""
+            self._tables[round_number, table_digest(table)] = table
+            return {"ok": True, "digest": table_digest(table)}
         # No state, no fence: its version is ABSENT then, and ABSENT fences nothing.
         fenced = request["token"] != ABSENT and request["token"] == self._version
-        marked = self._marks.setdefault((kind, request["round"]), marked)
+        marked = self._marks.setdefault((kind, round_number), marked)
         written = place_mark(marked, kind, request["node"], connection, fenced=fenced)
         return {"ok": True, "marked": written}
 
@@ -371,8 +385,19 @@ class LocalStore(CachedStore):
     def marks(self, kind: Mark, round_number: int) -> frozenset[str]:
         return frozenset(self._call("marks", kind=kind.value, round=round_number)["nodes"])
 
-    def forget_marks(self, before_round: int) -> None:
-        self._call("forget_marks", before=before_round)
+    def put_table(self, round_number: int, table: bytes) -> str:
+        reply = self._call("put_table", round=round_number, data=_b64(table))
+        if not reply["ok"]:
+            raise RendezvousClosedError(
+                f"Job '{self._run_id}' is closed (finished or cancelled); no table can be written."
+            )
+        return str(reply["digest"])
+
+    def table(self, round_number: int, digest: str) -> bytes | None:
+        return _unb64(self._call("table", round=round_number, digest=digest)["data"])
+
+    def forget_rounds(self, before_round: int) -> None:
+        self._call("forget_rounds", before=before_round)
 
     def is_closed(self) -> bool:
         return bool(self._call("is_closed")["closed"])

@@ -42,6 +42,7 @@ from hpc_elastic.rendezvous.backend import (
     check_node_id,
     check_note_key,
     place_mark,
+    table_digest,
 )
 from hpc_elastic.rendezvous.badnode import BadNode, check_host
 
@@ -120,6 +121,8 @@ class MemoryServer:
         self._notes: dict[str, bytes] = {}
         self._marks: dict[tuple[Mark, int], dict[str, _Session]] = {}
         """Each round's marks of each kind: node id -> the session that wrote it."""
+        self._tables: dict[tuple[int, str], bytes] = {}
+        """Each round's tables by digest."""
         self._closed = False
         self._order = itertools.count()
         self._seq = 0
@@ -317,10 +320,26 @@ class MemoryServer:
         with self._lock:
             return frozenset(self._marks.get((kind, round_number), ()))
 
-    def _forget_marks(self, before_round: int) -> None:
+    def _put_table(self, round_number: int, table: bytes, run_id: str) -> str:
+        with self._lock:
+            if self._closed:
+                raise RendezvousClosedError(
+                    f"Job '{run_id}' is closed (finished or cancelled); no table can be written."
+                )
+            digest = table_digest(table)
+            self._tables[round_number, digest] = table
+            return digest
+
+    def _read_table(self, round_number: int, digest: str) -> bytes | None:
+        with self._lock:
+            return self._tables.get((round_number, digest))
+
+    def _forget_rounds(self, before_round: int) -> None:
         with self._lock:
             for key in [key for key in self._marks if key[1] < before_round]:
                 del self._marks[key]
+            for done in [key for key in self._tables if key[0] < before_round]:
+                del self._tables[done]
 
     def _read_notes(self, prefix: str) -> dict[str, bytes]:
         with self._lock:
@@ -344,6 +363,7 @@ class MemoryServer:
             self._members.clear()
             self._notes.clear()
             self._marks.clear()
+            self._tables.clear()
             if changed:
                 logger.debug("memory store: job closed")
                 self._changed()
@@ -353,7 +373,7 @@ class MemoryServer:
 class MemoryStore(CachedStore):
     """One connection to a ``MemoryServer``: a session, and the view its pushes built.
 
-    Why 29 methods: it is the ``Store`` interface (fourteen, most of them a check that the
+    Why 31 methods: it is the ``Store`` interface (sixteen, most of them a check that the
     connection is up and one call of the server), the handles a simulator or a test turns on
     the connection as faults (``connected``, ``touch``, ``disconnect``, ``reconnect``,
     ``expire_session``), and the session's life as a kazoo client sees it (heard, expired,
@@ -424,9 +444,17 @@ class MemoryStore(CachedStore):
         self._heard()
         return self.server._read_marks(kind, round_number)
 
-    def forget_marks(self, before_round: int) -> None:
+    def put_table(self, round_number: int, table: bytes) -> str:
         self._heard()
-        self.server._forget_marks(before_round)
+        return self.server._put_table(round_number, table, self.run_id)
+
+    def table(self, round_number: int, digest: str) -> bytes | None:
+        self._heard()
+        return self.server._read_table(round_number, digest)
+
+    def forget_rounds(self, before_round: int) -> None:
+        self._heard()
+        self.server._forget_rounds(before_round)
 
     def is_closed(self) -> bool:
         self._heard()

@@ -9,6 +9,7 @@ Layout of one job, under an optional chroot::
         notes/<key>                  persistent notes (``Store.put_note``): a hang's evidence
         back/<round>/<node_id>       ephemeral marks (``Store.mark``, ``Mark.BACK``), empty
         done/<round>/<node_id>       persistent marks (``Mark.DONE``), empty
+        rounds/<round>/<digest>/<i>  a round's table (``Store.put_table``), in chunks
         closed                       tombstone left by close_job; everything else is removed
     /hpc-elastic/.clock-<n>          ephemeral, world READ: ``probe`` reads the server's time
     /hpc-elastic/@users              world: CREATE only, like the prefix ('@' is never in a run id)
@@ -32,6 +33,7 @@ from __future__ import annotations
 import atexit
 import logging
 import queue
+import re
 import socket
 import threading
 import time
@@ -67,6 +69,7 @@ from hpc_elastic.rendezvous.backend import (
     Mark,
     check_node_id,
     check_note_key,
+    table_digest,
 )
 from hpc_elastic.rendezvous.badnode import BadNode, check_host
 from hpc_elastic.rendezvous.handler import StoreRendezvous
@@ -84,6 +87,12 @@ COALESCE = 0.02
 """Seconds a membership change waits for others before the member list is fetched again."""
 ANSWER_WAIT = 2.0
 """Seconds a connect attempt first waits for the server's answer (``answer_wait``)."""
+
+TABLE_CHUNK = 512 * 1024
+"""Bytes of a round's table in one znode: half of ``jute.maxbuffer`` (1 MB by default), which
+bounds every request, so a table of any size goes as several."""
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+"""A table's name (``table_digest``); anything else names no table."""
 
 _SHARED_ACL = [ACL(Permissions.CREATE, Id("world", "anyone"))]
 """For the common prefix (and the chroot above it) when we are the ones to create it: anyone
@@ -287,10 +296,10 @@ class ZooKeeperStore(CachedStore):
     or connection threads: kazoo forbids blocking there, and a subscriber may well block (the
     agent asks Slurm how many nodes to expect, which can take a minute).
 
-    Why 38 methods: it is the ``Store`` interface on ZooKeeper (fourteen methods, and
+    Why 41 methods: it is the ``Store`` interface on ZooKeeper (sixteen methods, and
     ``session_id`` and ``job_exists`` for tests and ``close_job``), and under each request the
     one ZooKeeper operation that kazoo's ``retry`` may run twice, written so that a retry
-    after a lost reply finds its own write (ten: the compare-and-set, the fenced mark and the
+    after a lost reply finds its own write (eleven: the compare-and-set, the fenced mark and the
     transactions that keep a closed job closed among them); the four steps that open a job's
     nodes and refuse one another user made; kazoo's watch and connection callbacks and the
     notifier thread that hands them on (five). All of them share one client, one job path and one
@@ -445,16 +454,38 @@ class ZooKeeperStore(CachedStore):
             except NoNodeError:
                 return frozenset()
 
-    def forget_marks(self, before_round: int) -> None:
+    def put_table(self, round_number: int, table: bytes) -> str:
+        digest = table_digest(table)
         with self._converted():
-            for kind in Mark:
+            self._client.retry(
+                self._put_table, self._path("rounds", str(round_number), digest), table
+            )
+        return digest
+
+    def table(self, round_number: int, digest: str) -> bytes | None:
+        """Every chunk in flight at once; a table only partly written reads as none."""
+        if not _DIGEST.fullmatch(digest):
+            return None
+        path = self._path("rounds", str(round_number), digest)
+        with self._converted():
+            try:
+                names = sorted(self._client.retry(self._client.get_children, path))
+                pending = [self._client.get_async(f"{path}/{name}") for name in names]
+                table = b"".join(result.get(timeout=RETRY_DEADLINE)[0] for result in pending)
+            except NoNodeError:
+                return None  # forgotten, or the job closed, since the listing
+        return table if table_digest(table) == digest else None
+
+    def forget_rounds(self, before_round: int) -> None:
+        with self._converted():
+            for kind in (*(mark.value for mark in Mark), "rounds"):
                 try:
-                    rounds = self._client.retry(self._client.get_children, self._path(kind.value))
+                    rounds = self._client.retry(self._client.get_children, self._path(kind))
                 except NoNodeError:
                     continue
                 for name in rounds:
                     if int(name) < before_round:
-                        self._client.retry(self._delete, self._path(kind.value, name), True)
+                        self._client.retry(self._delete, self._path(kind, name), True)
 
     def _write_note(self, path: str, data: bytes, claim: bool) -> bytes:
         """Create the note; an existing one is replaced, or with ``claim`` kept and returned.
@@ -514,6 +545,23 @@ class ZooKeeperStore(CachedStore):
             "tries; another agent runs with this node id: give each agent its own."
         )
 
+    def _put_table(self, path: str, table: bytes) -> None:
+        """Each chunk ``path/<i>`` created unless it is there. The path is the table's digest,
+        so a retry after a lost reply, or a second proposer of the same table, only fills in
+        what is missing, and a chunk that is there already holds these very bytes."""
+        round_path = path.rsplit("/", 1)[0]
+        for node in (round_path.rsplit("/", 1)[0], round_path, path):
+            self._create_while_open(node, "no table can be written")
+        chunks = [table[at : at + TABLE_CHUNK] for at in range(0, len(table), TABLE_CHUNK)]
+        for index, chunk in enumerate(chunks or [b""]):
+            try:
+                self._create(f"{path}/{index:06d}", chunk, False)
+            except NoNodeError as error:
+                raise RendezvousClosedError(
+                    f"Job '{self._run_id}' is closed (finished or cancelled); no table can be "
+                    "written."
+                ) from error  # close_job removed the table's nodes since they were made
+
     def _create_while_open(self, path: str, refused: str) -> None:
         """Create the persistent ``path`` only while the job is open: in one transaction with a
         ``check`` of ``members``, which ``close_job`` removes, so a late write can never
@@ -554,8 +602,8 @@ class ZooKeeperStore(CachedStore):
             self._client.retry(self._create, self._path("closed"), b"", False)
             self._client.retry(self._delete, self._path("members"), True)
             self._client.retry(self._delete, self._path("notes"), True)
-            for kind in Mark:
-                self._client.retry(self._delete, self._path(kind.value), True)
+            for records in (*(mark.value for mark in Mark), "rounds"):
+                self._client.retry(self._delete, self._path(records), True)
             self._client.retry(self._delete, self._path("state"))
         logger.debug("zookeeper: job %s closed", self._run_id)
 

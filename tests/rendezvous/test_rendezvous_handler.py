@@ -93,7 +93,13 @@ class FakeStore(Store):
     def marks(self, kind: Mark, round_number: int) -> frozenset[str]:
         raise NotImplementedError("the handler reads no marks yet")
 
-    def forget_marks(self, before_round: int) -> None:
+    def put_table(self, round_number: int, table: bytes) -> str:
+        raise NotImplementedError("the handler writes no tables yet")
+
+    def table(self, round_number: int, digest: str) -> bytes | None:
+        raise NotImplementedError("the handler reads no tables yet")
+
+    def forget_rounds(self, before_round: int) -> None:
         raise NotImplementedError("the handler writes no marks yet")
 
     def is_closed(self) -> bool:

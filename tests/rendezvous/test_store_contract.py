@@ -11,6 +11,7 @@ waits for the event it expects, with a generous deadline, and never sleeps.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import socket
 import threading
@@ -444,18 +445,25 @@ def test_a_back_mark_of_an_older_connection_is_taken_over_under_the_fence(
     assert new.marks(Mark.BACK, 1) == {"n1"}
 
 
-def test_forgotten_rounds_lose_their_marks_and_later_rounds_keep_theirs(
+def test_forgotten_rounds_lose_their_marks_and_tables_and_later_rounds_keep_theirs(
     harness: Harness,
 ) -> None:
     store = harness.connect()
     _, token, _ = store.set_state(b"state", ABSENT)
+    digests = []
     for round_number in (1, 2, 3):
         assert store.mark(Mark.BACK, round_number, "n1", token)
         assert store.mark(Mark.DONE, round_number, "n1", token)
-    store.forget_marks(3)
-    store.forget_marks(3)
+        digests.append(store.put_table(round_number, b"n1"))
+    store.forget_rounds(3)
+    store.forget_rounds(3)
     for kind in Mark:
         assert [store.marks(kind, r) for r in (1, 2, 3)] == [set(), set(), {"n1"}]
+    assert [store.table(r, digest) for r, digest in zip((1, 2, 3), digests, strict=True)] == [
+        None,
+        None,
+        b"n1",
+    ]
 
 
 def test_marks_go_with_the_closed_job_and_none_is_written_after(harness: Harness) -> None:
@@ -467,7 +475,49 @@ def test_marks_go_with_the_closed_job_and_none_is_written_after(harness: Harness
     for kind in Mark:
         with pytest.raises(RendezvousClosedError, match="'job' is closed"):
             other.mark(kind, 1, "n2", token)
-    other.forget_marks(5)
+    other.forget_rounds(5)
+
+
+# --- round tables --------------------------------------------------------------------------
+
+
+def test_a_table_is_named_by_its_digest_and_read_by_every_connection(harness: Harness) -> None:
+    writer, reader = harness.connect(), harness.connect()
+    table = b"n3,n1,n2"
+    digest = writer.put_table(7, table)
+    assert digest == hashlib.sha256(table).hexdigest()
+    assert reader.table(7, digest) == table
+    assert reader.table(8, digest) is None, "a table belongs to its round"
+    assert reader.table(7, hashlib.sha256(b"other").hexdigest()) is None
+    assert reader.table(7, "../../state") is None, "a digest names nothing else"
+    writer.release()
+    assert reader.table(7, digest) == table, "a table outlives its writer"
+
+
+def test_two_proposers_of_one_round_keep_two_tables_and_a_repeat_changes_nothing(
+    harness: Harness,
+) -> None:
+    one, two = harness.connect(), harness.connect()
+    first, second = one.put_table(3, b"a,b"), two.put_table(3, b"b,a")
+    assert one.put_table(3, b"a,b") == first
+    assert (two.table(3, first), one.table(3, second)) == (b"a,b", b"b,a")
+
+
+def test_a_table_larger_than_one_zookeeper_request_reads_back_whole(harness: Harness) -> None:
+    """16,384 members of ~150 bytes each: past the 1 MB that one ZooKeeper request may carry."""
+    table = b",".join(f"node-{index:05d}-{'x' * 140}".encode() for index in range(16_384))
+    assert len(table) > 2**21
+    digest = harness.connect().put_table(1, table)
+    assert harness.connect().table(1, digest) == table
+
+
+def test_tables_go_with_the_closed_job_and_none_is_written_after(harness: Harness) -> None:
+    store, other = harness.connect(), harness.connect()
+    digest = store.put_table(1, b"n1")
+    store.close_job()
+    assert other.table(1, digest) is None
+    with pytest.raises(RendezvousClosedError, match="'job' is closed"):
+        other.put_table(2, b"n1")
 
 
 @pytest.mark.parametrize("node_id", ["", "a/b", ".", "..", "x" * 201])
