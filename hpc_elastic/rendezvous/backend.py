@@ -212,6 +212,13 @@ class Store(ABC):
         them now (empty once the job is closed)."""
 
     @abstractmethod
+    def follow_marks(self, kind: Mark, round_number: int) -> None:
+        """From now on, call every subscriber's ``on_change`` when a mark ``kind`` of round
+        ``round_number`` comes or goes (a burst of them may cost one call): what a round's
+        proposer waits on, so that nobody polls. A connection follows one round's marks at a
+        time; following another stops following the last."""
+
+    @abstractmethod
     def put_table(self, round_number: int, table: bytes) -> str:
         """Keep ``table`` (a round's members in rank order, of any size) for round
         ``round_number`` and return its name, ``table_digest(table)``: the state that commits

@@ -84,6 +84,8 @@ class _Member:
 class _Connection:
     sock: socket.socket
     lock: threading.Lock = field(default_factory=threading.Lock)
+    following: tuple[Mark, int] | None = None
+    """The round whose marks this connection follows (``Store.follow_marks``)."""
 
     def send(self, message: dict[str, Any]) -> None:
         line = (json.dumps(message) + "\n").encode()
@@ -160,6 +162,8 @@ class LocalStoreServer:
                     connection.send({"id": request["id"], **reply})
                     if changed:
                         self._broadcast()
+                    if reply.get("marked_anew"):
+                        self._tell_followers(Mark(request["kind"]), request["round"])
         except (OSError, ValueError, KeyError):
             pass
         finally:
@@ -172,13 +176,18 @@ class LocalStoreServer:
             gone = [node for node, m in self._members.items() if m.connection is connection]
             for node in gone:
                 del self._members[node]
-            for (kind, _), marked in self._marks.items():
-                if kind.ephemeral:
-                    for node in [node for node, owner in marked.items() if owner is connection]:
+            unmarked = []
+            for (kind, round_number), marked in self._marks.items():
+                mine = [node for node, owner in marked.items() if owner is connection]
+                if kind.ephemeral and mine:
+                    for node in mine:
                         del marked[node]
+                    unmarked.append((kind, round_number))
         connection.sock.close()
         if gone:
             self._broadcast()
+        for kind, round_number in unmarked:
+            self._tell_followers(kind, round_number)
 
     def _handle(
         self, request: dict[str, Any], connection: _Connection
@@ -212,7 +221,7 @@ class LocalStoreServer:
                 prefix = request["prefix"]
                 matching = {k: _b64(v) for k, v in self._notes.items() if k.startswith(prefix)}
                 return {"ok": True, "notes": matching}, False
-            if op in ("mark", "marks", "put_table", "table", "forget_rounds"):
+            if op in ("mark", "marks", "follow_marks", "put_table", "table", "forget_rounds"):
                 return self._round_request(op, request, connection), False
             if op == "is_closed":
                 return {"ok": True, "closed": self._closed}, False
@@ -244,8 +253,8 @@ class LocalStoreServer:
     def _round_request(
         self, op: str, request: dict[str, Any], connection: _Connection
     ) -> dict[str, Any]:
-        """``Store.mark``, ``marks``, ``put_table``, ``table`` and ``forget_rounds``: records
-        of a round beside the state, never pushed."""
+        """``Store.mark``, ``marks``, ``follow_marks``, ``put_table``, ``table`` and
+        ``forget_rounds``: records of a round beside the state, pushed only to followers."""
         round_number = request.get("round", 0)
         if op == "forget_rounds":
             for key in [key for key in self._marks if key[1] < request["before"]]:
@@ -259,6 +268,9 @@ class LocalStoreServer:
         marked = self._marks.get((kind, round_number), {})
         if op == "marks":
             return {"ok": True, "nodes": sorted(marked)}
+        if op == "follow_marks":
+            connection.following = (kind, round_number)
+            return {"ok": True}
         if self._closed:
             return {"ok": False, "closed": True}
         if op == "put_table":
@@ -268,8 +280,9 @@ class LocalStoreServer:
         # No state, no fence: its version is ABSENT then, and ABSENT fences nothing.
         fenced = request["token"] != ABSENT and request["token"] == self._version
         marked = self._marks.setdefault((kind, round_number), marked)
+        new = request["node"] not in marked
         written = place_mark(marked, kind, request["node"], connection, fenced=fenced)
-        return {"ok": True, "marked": written}
+        return {"ok": True, "marked": written, "marked_anew": written and new}
 
     def _compare_and_set(self, data: bytes, token: int) -> tuple[dict[str, Any], bool]:
         # A closed job is never reopened, as on ZooKeeper: an agent that checked is_closed
@@ -292,6 +305,16 @@ class LocalStoreServer:
             "notes": sorted(self._notes),
             "seq": next(self._views),
         }
+
+    def _tell_followers(self, kind: Mark, round_number: int) -> None:
+        """A push of the current view to the connections that follow these marks: their
+        subscribers are called, as for any other change."""
+        with self._broadcasting:
+            with self._lock:
+                message = {"push": True, **self._view()}
+                followers = [c for c in self._connections if c.following == (kind, round_number)]
+            for connection in followers:
+                connection.send(message)
 
     def _broadcast(self) -> None:
         with self._broadcasting:
@@ -384,6 +407,9 @@ class LocalStore(CachedStore):
 
     def marks(self, kind: Mark, round_number: int) -> frozenset[str]:
         return frozenset(self._call("marks", kind=kind.value, round=round_number)["nodes"])
+
+    def follow_marks(self, kind: Mark, round_number: int) -> None:
+        self._call("follow_marks", kind=kind.value, round=round_number)
 
     def put_table(self, round_number: int, table: bytes) -> str:
         reply = self._call("put_table", round=round_number, data=_b64(table))

@@ -123,6 +123,8 @@ class MemoryServer:
         """Each round's marks of each kind: node id -> the session that wrote it."""
         self._tables: dict[tuple[int, str], bytes] = {}
         """Each round's tables by digest."""
+        self._following: dict[MemoryStore, tuple[Mark, int]] = {}
+        """The round whose marks each connection follows (``Store.follow_marks``)."""
         self._closed = False
         self._order = itertools.count()
         self._seq = 0
@@ -197,10 +199,13 @@ class MemoryServer:
             gone = [node for node, member in self._members.items() if member.session is session]
             for node in gone:
                 del self._members[node]
-            for (kind, _), marked in self._marks.items():
+            for (kind, round_number), marked in self._marks.items():
                 if kind.ephemeral:
-                    for node in [node for node, owner in marked.items() if owner is session]:
+                    mine = [node for node, owner in marked.items() if owner is session]
+                    for node in mine:
                         del marked[node]
+                    if mine:
+                        self._marks_changed(kind, round_number)
             if gone:
                 logger.debug("memory store: session %d ended; %s left", session.number, gone)
                 self._changed()
@@ -310,11 +315,28 @@ class MemoryServer:
             marked = self._marks.setdefault((kind, round_number), {})
             # No state, no fence: its version is ABSENT then, and ABSENT fences nothing.
             fenced = token != ABSENT and token == self._version
+            new = node_id not in marked
             written = place_mark(marked, kind, node_id, session, fenced=fenced)
+            if written and new:
+                self._marks_changed(kind, round_number)
             logger.debug(
                 "memory store: %s of %s, round %d: %s", kind, node_id, round_number, written
             )
-            return written
+        self._push_pending()
+        return written
+
+    def _follow_marks(self, store: MemoryStore, kind: Mark, round_number: int) -> None:
+        with self._lock:
+            self._following[store] = (kind, round_number)
+
+    def _marks_changed(self, kind: Mark, round_number: int) -> None:
+        """Tell the connections that follow these marks (under the lock, as ``_changed``)."""
+        view = self._view()
+        self._pending.extend(
+            (store, view)
+            for store, followed in self._following.items()
+            if followed == (kind, round_number)
+        )
 
     def _read_marks(self, kind: Mark, round_number: int) -> frozenset[str]:
         with self._lock:
@@ -373,7 +395,7 @@ class MemoryServer:
 class MemoryStore(CachedStore):
     """One connection to a ``MemoryServer``: a session, and the view its pushes built.
 
-    Why 31 methods: it is the ``Store`` interface (sixteen, most of them a check that the
+    Why 32 methods: it is the ``Store`` interface (seventeen, most of them a check that the
     connection is up and one call of the server), the handles a simulator or a test turns on
     the connection as faults (``connected``, ``touch``, ``disconnect``, ``reconnect``,
     ``expire_session``), and the session's life as a kazoo client sees it (heard, expired,
@@ -443,6 +465,10 @@ class MemoryStore(CachedStore):
     def marks(self, kind: Mark, round_number: int) -> frozenset[str]:
         self._heard()
         return self.server._read_marks(kind, round_number)
+
+    def follow_marks(self, kind: Mark, round_number: int) -> None:
+        self._heard()
+        self.server._follow_marks(self, kind, round_number)
 
     def put_table(self, round_number: int, table: bytes) -> str:
         self._heard()

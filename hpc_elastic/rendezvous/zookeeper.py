@@ -296,17 +296,17 @@ class ZooKeeperStore(CachedStore):
     or connection threads: kazoo forbids blocking there, and a subscriber may well block (the
     agent asks Slurm how many nodes to expect, which can take a minute).
 
-    Why 41 methods: it is the ``Store`` interface on ZooKeeper (sixteen methods, and
+    Why 44 methods: it is the ``Store`` interface on ZooKeeper (seventeen methods, and
     ``session_id`` and ``job_exists`` for tests and ``close_job``), and under each request the
-    one ZooKeeper operation that kazoo's ``retry`` may run twice, written so that a retry
-    after a lost reply finds its own write (eleven: the compare-and-set, the fenced mark and the
+    one ZooKeeper operation that kazoo's ``retry`` may run twice, written so that a retry after
+    a lost reply finds its own write (eleven: the compare-and-set, the fenced mark and the
     transactions that keep a closed job closed among them); the four steps that open a job's
-    nodes and refuse one another user made; kazoo's watch and connection callbacks and the
-    notifier thread that hands them on (five). All of them share one client, one job path and one
-    ACL, which is why they are one class. What needs none of that lives apart: the cached
-    state, members and subscribers (``CachedStore``), the client and its retry and timeouts
-    (``open_client``), the coalesced children watch (``_CoalescedChildrenWatch``), the
-    users' bad-node books (``BadNodeBook``).
+    nodes and refuse one another user made, and the one that makes a round's nodes; kazoo's
+    watch and connection callbacks and the notifier thread that hands them on (six). All of them
+    share one client, one job path and one ACL, which is why they are one class. What needs none
+    of that lives apart: the cached state, members and subscribers (``CachedStore``), the client
+    and its retry and timeouts (``open_client``), the coalesced children watch
+    (``_CoalescedChildrenWatch``), the users' bad-node books (``BadNodeBook``).
     """
 
     def __init__(
@@ -332,6 +332,8 @@ class ZooKeeperStore(CachedStore):
         """Member records by node id, with their creation order (czxid)."""
         self._fetching = threading.Lock()
         """One fetch of member records at a time, so handlers sharing this store share it."""
+        self._marks_watch: _CoalescedChildrenWatch | None = None
+        """The watch on the marks this connection follows (``follow_marks``)."""
         self._notices: queue.SimpleQueue[_Notice] = queue.SimpleQueue()
         self._notifier = threading.Thread(
             target=self._deliver, name=f"zk-notify-{run_id}", daemon=True
@@ -454,6 +456,18 @@ class ZooKeeperStore(CachedStore):
             except NoNodeError:
                 return frozenset()
 
+    def follow_marks(self, kind: Mark, round_number: int) -> None:
+        path = self._path(kind.value, str(round_number))
+        with self._converted():
+            # A children watch needs its node: made now (while the job is open) if no mark
+            # has made it yet.
+            self._client.retry(self._ensure_round, path, "no mark can be followed")
+            watch = _CoalescedChildrenWatch(self._client, path, self._on_marks)
+        with self._lock:
+            previous, self._marks_watch = self._marks_watch, watch
+        if previous is not None:
+            previous.stop()
+
     def put_table(self, round_number: int, table: bytes) -> str:
         digest = table_digest(table)
         with self._converted():
@@ -536,9 +550,7 @@ class ZooKeeperStore(CachedStore):
                 return False  # The state moved on (or does not exist): refused, not an error.
             if isinstance(created, NoNodeError):
                 # The round's node (or its kind's) is missing: make them, then mark again.
-                round_path = path.rsplit("/", 1)[0]
-                for node in (round_path.rsplit("/", 1)[0], round_path):
-                    self._create_while_open(node, "no mark can be written")
+                self._ensure_round(path.rsplit("/", 1)[0], "no mark can be written")
             # NodeExistsError: another try of ours (or of this id) got there first; look again.
         raise RendezvousError(
             f"The mark '{path}' on ZooKeeper at '{self._address}' kept changing under three "
@@ -549,9 +561,8 @@ class ZooKeeperStore(CachedStore):
         """Each chunk ``path/<i>`` created unless it is there. The path is the table's digest,
         so a retry after a lost reply, or a second proposer of the same table, only fills in
         what is missing, and a chunk that is there already holds these very bytes."""
-        round_path = path.rsplit("/", 1)[0]
-        for node in (round_path.rsplit("/", 1)[0], round_path, path):
-            self._create_while_open(node, "no table can be written")
+        self._ensure_round(path.rsplit("/", 1)[0], "no table can be written")
+        self._create_while_open(path, "no table can be written")
         chunks = [table[at : at + TABLE_CHUNK] for at in range(0, len(table), TABLE_CHUNK)]
         for index, chunk in enumerate(chunks or [b""]):
             try:
@@ -561,6 +572,12 @@ class ZooKeeperStore(CachedStore):
                     f"Job '{self._run_id}' is closed (finished or cancelled); no table can be "
                     "written."
                 ) from error  # close_job removed the table's nodes since they were made
+
+    def _ensure_round(self, round_path: str, refused: str) -> None:
+        """A round's node under its kind's (``back/7`` under ``back``), each made unless it is
+        there, and only while the job is open."""
+        for node in (round_path.rsplit("/", 1)[0], round_path):
+            self._create_while_open(node, refused)
 
     def _create_while_open(self, path: str, refused: str) -> None:
         """Create the persistent ``path`` only while the job is open: in one transaction with a
@@ -756,6 +773,10 @@ class ZooKeeperStore(CachedStore):
                 del self._records[gone]
         self._notices.put(_CHANGED)
 
+    def _on_marks(self, children: list[str]) -> None:
+        del children  # read with marks(): the followers only need waking
+        self._notices.put(_CHANGED)
+
     def _on_notes(self, children: list[str]) -> None:
         with self._lock:
             self._note_keys = frozenset(children)
@@ -825,9 +846,16 @@ class _CoalescedChildrenWatch:
         """One fetch and callback at a time, so a newer list is never overwritten by an older."""
         self._scheduled = False
         self._established = False
+        self._stopped = False
         client.add_listener(self._on_session)
         with self._fetching:
             self._fetch_once()
+
+    def stop(self) -> None:
+        """Call back no more. ZooKeeper cannot take back a watch it has set: it fires once
+        more, and nobody hears it."""
+        self._stopped = True
+        self._client.remove_listener(self._on_session)
 
     def _on_event(self, event: WatchedEvent) -> None:
         self._schedule()
@@ -857,13 +885,16 @@ class _CoalescedChildrenWatch:
                 self._fetch_once()
 
     def _fetch_once(self) -> None:
+        if self._stopped:
+            return
         try:
             children = self._client.retry(
                 self._client.get_children, self._path, watch=self._on_event
             )
         except NoNodeError:
             # Only close_job removes the members node: the job is closed and nobody is left
-            # (a member whose deletion fired this watch must not linger in alive()).
+            # (a member whose deletion fired this watch must not linger in alive()). A
+            # round's marks go with forget_rounds, and then none is left either.
             children = []
         self._established = True
         self._on_children(children)

@@ -93,6 +93,9 @@ class FakeStore(Store):
     def marks(self, kind: Mark, round_number: int) -> frozenset[str]:
         raise NotImplementedError("the handler reads no marks yet")
 
+    def follow_marks(self, kind: Mark, round_number: int) -> None:
+        raise NotImplementedError("the handler follows no marks yet")
+
     def put_table(self, round_number: int, table: bytes) -> str:
         raise NotImplementedError("the handler writes no tables yet")
 

@@ -445,6 +445,51 @@ def test_a_back_mark_of_an_older_connection_is_taken_over_under_the_fence(
     assert new.marks(Mark.BACK, 1) == {"n1"}
 
 
+class MarksRecorder:
+    """A subscriber that reads the marks it follows each time it is called: seeing a set of
+    marks proves a call that came after the change that made it."""
+
+    def __init__(self, store: Store, kind: Mark, round_number: int) -> None:
+        self.store, self.kind, self.round_number = store, kind, round_number
+        self.heard = threading.Condition()
+        self.seen: list[frozenset[str]] = []
+        store.subscribe(self.on_change, lambda: None)
+        store.follow_marks(kind, round_number)
+
+    def on_change(self) -> None:
+        marks = self.store.marks(self.kind, self.round_number)
+        with self.heard:
+            self.seen.append(marks)
+            self.heard.notify_all()
+
+    def was_told(self, marks: set[str]) -> bool:
+        with self.heard:
+            return self.heard.wait_for(lambda: marks in self.seen, DEADLINE)
+
+
+def test_a_follower_of_a_rounds_marks_is_told_as_they_come_and_go(harness: Harness) -> None:
+    proposer, mortal, other = harness.connect(), harness.connect(), harness.connect()
+    _, token, _ = proposer.set_state(b"round 1", ABSENT)
+    recorder = MarksRecorder(proposer, Mark.BACK, 1)
+    assert mortal.mark(Mark.BACK, 1, "mortal", token)
+    assert recorder.was_told({"mortal"})
+    assert other.mark(Mark.BACK, 1, "n2", token)
+    assert recorder.was_told({"mortal", "n2"})
+    mortal.release()
+    assert recorder.was_told({"n2"}), "the mark that died with its connection"
+
+
+def test_a_follower_of_the_next_round_is_told_of_its_marks(harness: Harness) -> None:
+    proposer, other = harness.connect(), harness.connect()
+    _, token, _ = proposer.set_state(b"round 1", ABSENT)
+    MarksRecorder(proposer, Mark.DONE, 1)
+    recorder = MarksRecorder(proposer, Mark.DONE, 2)
+    assert other.mark(Mark.DONE, 2, "n1", token)
+    assert recorder.was_told({"n1"})
+    assert other.mark(Mark.DONE, 2, "n2", token)
+    assert recorder.was_told({"n1", "n2"})
+
+
 def test_forgotten_rounds_lose_their_marks_and_tables_and_later_rounds_keep_theirs(
     harness: Harness,
 ) -> None:
