@@ -84,17 +84,28 @@ def torchrun_ok(
     return result.stdout
 
 
-GLOO_END = """
+LEAVE = """
+import os as _os, sys as _sys
+_sys.stdout.flush()
+_sys.stderr.flush()
+_os._exit(0)
+"""
+"""The last lines of a rank script after ``destroy_process_group()``: leave without the
+interpreter's finalization. There, gloo's threads and the tensors they still hold can abort
+the process ("terminate called without an active exception", SIGABRT; seen in loaded CI runs
+after every rank had printed its last line; pytorch/pytorch#179291 describes the mechanism):
+a teardown race of torch's, not a behaviour these tests check."""
+
+GLOO_END = (
+    """
 dist.barrier()
 print(f"rank={rank} done", flush=True)
 dist.destroy_process_group()
-os._exit(0)
 """
-"""The end of a ``GLOO_RANKS`` script: each rank says it got past the last barrier, and leaves
-without the interpreter's finalization. There, gloo's threads and the tensors they still
-hold can abort the process ("terminate called without an active exception", SIGABRT; seen
-once in a loaded CI run after both ranks had printed "done"; pytorch/pytorch#179291 describes
-the mechanism): a teardown race of torch's, not a checkpoint behaviour these tests check."""
+    + LEAVE
+)
+"""The end of a ``GLOO_RANKS`` script: each rank says it got past the last barrier, and
+it then leaves as ``LEAVE`` does."""
 
 
 def run_on_gloo_ranks(tmp_path_factory: pytest.TempPathFactory, name: str, body: str) -> str:

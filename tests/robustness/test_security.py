@@ -21,6 +21,7 @@ from cluster import REPO, Cluster, wait_until
 from faults import submit
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoAuthError, NotEmptyError
+from ranks import LEAVE
 from slurm_fake import mocked_submit
 
 from hpc_elastic import cli, events
@@ -284,7 +285,8 @@ def test_what_a_forged_rank_0_sends_is_refused_never_run(tmp_path: Path, payload
     assert not canary.exists()
 
 
-TWO_RANKS = """
+TWO_RANKS = (
+    """
 import sys, random, torch, torch.distributed as dist
 from pathlib import Path
 from hpc_elastic.train import _dist, rng
@@ -298,6 +300,8 @@ print("rank", dist.get_rank(), chosen, [s["python"][1][0] for s in states],
       [int(s["torch"].sum()) for s in states], raw.hex(), flush=True)
 dist.destroy_process_group()
 """
+    + LEAVE
+)
 
 
 def test_two_ranks_exchange_paths_and_rng_states_without_pickle(tmp_path: Path) -> None:

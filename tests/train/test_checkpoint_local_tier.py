@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ranks import lines, torchrun, torchrun_ok
+from ranks import LEAVE, lines, torchrun, torchrun_ok
 
 from hpc_elastic import contract
 from hpc_elastic.errors import CheckpointError
@@ -61,7 +61,8 @@ def test_persist_every_below_one_is_refused_in_one_sentence(tmp_path: Path) -> N
         Checkpointer(tmp_path, persist_every=0)
 
 
-SCRIPT = """
+SCRIPT = (
+    """
 import datetime, shutil, sys, torch, torch.distributed as dist
 from pathlib import Path
 import hpc_elastic.train as elastic
@@ -101,6 +102,8 @@ print(f"rank={rank} loaded: {restored.step} {same}", flush=True)
 dist.barrier()
 dist.destroy_process_group()
 """
+    + LEAVE
+)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -159,7 +162,8 @@ def test_each_shard_is_read_from_its_own_rank_else_a_peer_copy_else_the_shared_t
     assert choose_shard_sources(holdings, shared_step) == expected
 
 
-SHARDED_SCRIPT = """
+SHARDED_SCRIPT = (
+    """
 import datetime, shutil, sys, torch, torch.distributed as dist
 from pathlib import Path
 from torch.distributed.device_mesh import init_device_mesh
@@ -222,6 +226,8 @@ dist.barrier()
 resume("all lost")
 dist.destroy_process_group()
 """
+    + LEAVE
+)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -315,7 +321,8 @@ def test_status_says_which_tier_each_restart_loaded_from(
     ) in shown
 
 
-SAVE_TWO_SHARDS = """
+SAVE_TWO_SHARDS = (
+    """
 import datetime, torch, torch.distributed as dist
 from pathlib import Path
 from torch.distributed.device_mesh import init_device_mesh
@@ -334,8 +341,11 @@ for step in (1, 2, 3):
     elastic.save_sharded({"weight": weight}, step, checkpointer=saver)
 dist.destroy_process_group()
 """
+    + LEAVE
+)
 
-LOAD_ON_ONE_RANK = """
+LOAD_ON_ONE_RANK = (
+    """
 import torch, torch.distributed as dist
 from pathlib import Path
 from torch.distributed.device_mesh import init_device_mesh
@@ -352,6 +362,8 @@ loaded = elastic.load_sharded(
 print("loaded", loaded.name, torch.equal(state["weight"].full_tensor(), torch.full((8, 3), 2.0)))
 dist.destroy_process_group()
 """
+    + LEAVE
+)
 
 
 def test_a_local_shard_written_at_another_world_size_is_passed_over_for_the_shared_tier(

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ranks import torchrun_ok
+from ranks import LEAVE, torchrun_ok
 
-SCRIPT = """
+SCRIPT = (
+    """
 import sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -25,6 +26,8 @@ else:
 dist.barrier()
 dist.destroy_process_group()
 """
+    + LEAVE
+)
 
 
 def torchrun(nproc: int, mode: str, cwd: Path) -> str:
