@@ -5,6 +5,7 @@ Each test runs under a fresh chroot (``zk_root``), so tests never see each other
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -77,6 +78,13 @@ def zk(cluster: Cluster, zk_root: str) -> Iterator[str]:
         client.close()
 
 
+@pytest.fixture(autouse=True)
+def rendezvous_story(caplog: pytest.LogCaptureFixture) -> None:
+    """Every transition of the handlers and stores, shown with a failure: a round that does
+    not form is then told step by step (they log each one at DEBUG)."""
+    caplog.set_level(logging.DEBUG, logger="hpc_elastic.rendezvous")
+
+
 @pytest.fixture
 def pool() -> Iterator[ThreadPoolExecutor]:
     with ThreadPoolExecutor(8) as executor:
@@ -84,8 +92,9 @@ def pool() -> Iterator[ThreadPoolExecutor]:
 
 
 @pytest.fixture
-def agents(zk: str) -> Iterator[list[StoreRendezvous]]:
-    """Three agents with their own connections; they leave after the test."""
+def agents(zk: str, pool: ThreadPoolExecutor) -> Iterator[list[StoreRendezvous]]:
+    """Three agents with their own connections; they leave after the test, before ``pool``
+    waits for what they still run (a round that never formed waits for them to go)."""
     made = [
         connect(zk, settings(), NodeInfo(name, "127.0.0.1", 1), secret=SECRET) for name in "abc"
     ]
