@@ -13,7 +13,9 @@ a time, like a kazoo client. What the ``Store`` protocol promises holds as on Zo
 * ``close_job`` leaves a tombstone; joining afterwards raises RendezvousClosedError;
 * notes (``put_note``, ``claim_note``) outlive their writer's session and go with the job;
 * marks (``mark``) are fenced by the state's version without changing it; a ``Mark.BACK``
-  mark vanishes with its session, as a membership does.
+  mark vanishes with its session, as a membership does, and only the connections that
+  ``follow_marks`` of a round hear of its marks; round tables (``put_table``) are kept by
+  digest, and both go with ``forget_rounds`` and with the job.
 
 Nothing here runs on its own: time is whatever the injected clock says, and sessions expire
 only when ``tick()`` looks at that clock. Every notification goes through the server's
