@@ -441,9 +441,9 @@ class ZooKeeperStore(CachedStore):
         return found
 
     def mark(self, kind: Mark, round_number: int, node_id: str, token: int) -> bool:
+        path = self._path(kind.value, str(round_number), check_node_id(node_id))
         if token == ABSENT:
             return False  # A check of version -1 passes any version: it would fence nothing.
-        path = self._path(kind.value, str(round_number), check_node_id(node_id))
         with self._converted():
             marked: bool = self._client.retry(self._mark, kind, path, token)
         return marked
