@@ -211,6 +211,15 @@ class Store(ABC):
         """The ids of the nodes marked ``kind`` in round ``round_number``, as the server holds
         them now (empty once the job is closed)."""
 
+    def seen_marks(self, kind: Mark, round_number: int) -> frozenset[str]:
+        """The ids marked ``kind`` in round ``round_number`` as this connection knows them,
+        following those marks from now on (``follow_marks``): what a waiting agent decides
+        on at every step. Its own marks are in it as soon as ``mark`` returns them written;
+        another connection's, by the time ``on_change`` tells of them. This default asks the
+        server every time; a store that keeps the followed marks answers from memory."""
+        self.follow_marks(kind, round_number)
+        return self.marks(kind, round_number)
+
     @abstractmethod
     def follow_marks(self, kind: Mark, round_number: int) -> None:
         """From now on, call every subscriber's ``on_change`` when a mark ``kind`` of round

@@ -32,7 +32,7 @@ from hpc_elastic.rendezvous.api import (
     RendezvousSettings,
     Round,
 )
-from hpc_elastic.rendezvous.backend import ABSENT, ConnectionState, Store
+from hpc_elastic.rendezvous.backend import ABSENT, ConnectionState, Mark, Store
 from hpc_elastic.rendezvous.deadlines import Deadlines
 from hpc_elastic.spec import MASTER_PORTS_ENV, parse_port_range
 
@@ -114,7 +114,7 @@ class Step:
     """The exit barrier's result: True when the job finished, False to rejoin."""
 
 
-_WRITES = frozenset({st.Action.PUBLISH_PORT, st.Action.MARK_READY, st.Action.READMIT})
+_WRITES = frozenset({st.Action.PUBLISH_PORT, st.Action.READMIT})
 """Actions that write one new state and look again (``StoreRendezvous._written``)."""
 
 
@@ -230,7 +230,7 @@ class StoreRendezvous(Rendezvous):
         if data is None:
             self._create_state()
             return Step(st.Action.WAIT, again=True)
-        state = self._usable(st.decode(data))
+        state = self._usable(self._decided_on(data))
         alive = self._store.alive()
         now = self._clock()
         if self._expected_nodes is not None:
@@ -283,6 +283,9 @@ class StoreRendezvous(Rendezvous):
         if action in _WRITES:
             self._store.set_state(st.encode(self._written(action, state)), token)
             return Step(action, again=True)
+        if action is st.Action.MARK_READY:
+            self._mark_back(state, token)
+            return Step(action, again=True)
         if action is st.Action.BELOW_MIN:
             min_wait_ends = self._deadlines.below_min(now)
             if min_wait_ends is None:
@@ -314,9 +317,30 @@ class StoreRendezvous(Rendezvous):
         if action is st.Action.PUBLISH_PORT:
             pick = self.pick_master_port or self._pick_port
             return st.publish_master(state, state.round, pick())
-        if action is st.Action.MARK_READY:
-            return st.mark_ready(state, self.node.node_id)
         return st.readmit(state, self.node.node_id)
+
+    def _mark_back(self, state: st.JobState, token: int) -> None:
+        """Say that this member is back from ``state``'s round: a ``Mark.BACK`` of its own,
+        fenced by ``token`` (refused, and decided again, if the state moved on). The first
+        member back in a round that had not ended otherwise ends it in the state first
+        (``ended``), so that every agent learns it without reading the marks; the mark then
+        goes under the token that write made."""
+        if not st.round_over(state):
+            _, token, won = self._store.set_state(
+                st.encode(st.mark_ready(state, self.node.node_id)), token
+            )
+            if not won:
+                return
+        if self._store.mark(Mark.BACK, state.round, self.node.node_id, token):
+            log.debug("%s: back from round %d", self.node.node_id, state.round)
+            return
+        # Refused: the state moved on, and the watch that tells of it may be on its way. A
+        # compare-and-set on the stale token cannot win; its answer is the state as it is
+        # now, which the store keeps, so the next decision is made on that.
+        self._store.set_state(st.encode(state), token)
+        log.debug(
+            "%s: state moved on; not marked back from round %d", self.node.node_id, state.round
+        )
 
     def _await_port_step(
         self, action: st.Action, state: st.JobState, token: int, now: float
@@ -331,7 +355,7 @@ class StoreRendezvous(Rendezvous):
             state.round,
             st.straggler_timeout(self.settings),
         )
-        self._store.set_state(st.encode(st.mark_ready(state, self.node.node_id)), token)
+        self._mark_back(state, token)
         return Step(action, again=True)
 
     def _finishing_step(self, action: st.Action, state: st.JobState, now: float) -> Step:
@@ -601,6 +625,9 @@ class StoreRendezvous(Rendezvous):
                 new.round,
                 "after the last call" if action is st.Action.LAST_CALL else "at once",
             )
+            # The marks of the rounds before the one that just ended: nobody decides on
+            # them any more (those of the one that ended, laggards may still read).
+            self._store.forget_rounds(state.round)
         return Step(action, again=True)
 
     def _stagger(self, alive: frozenset[str]) -> float:
@@ -630,6 +657,16 @@ class StoreRendezvous(Rendezvous):
         raise RendezvousClosedError(
             f"Job '{self.settings.run_id}' is closed (finished or cancelled); nothing to update."
         )
+
+    def _decided_on(self, data: bytes) -> st.JobState:
+        """The state a decision is made on: the document, and once its round is over, the
+        members that are back from it (their ``Mark.BACK`` marks, as this connection saw
+        them: ``Store.seen_marks``). While the round runs nobody is back, and nothing more
+        is read."""
+        state = st.decode(data)
+        if state.round == 0 or not st.round_over(state):
+            return state
+        return st.with_back(state, self._store.seen_marks(Mark.BACK, state.round))
 
     def _action(self, state: st.JobState, alive: frozenset[str]) -> st.Action:
         """The pure rule with what the loop last saw; safe in the watch thread (no I/O)."""
@@ -673,7 +710,7 @@ class StoreRendezvous(Rendezvous):
         data, _ = self._store.get_state()
         if waiting_on is None or data is None:
             return False
-        state = st.decode(data)
+        state = self._decided_on(data)
         if state.closed or state.failed:
             return False
         alive = self._store.alive()

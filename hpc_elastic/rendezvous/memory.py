@@ -13,8 +13,8 @@ a time, like a kazoo client. What the ``Store`` protocol promises holds as on Zo
 * ``close_job`` leaves a tombstone; joining afterwards raises RendezvousClosedError;
 * notes (``put_note``, ``claim_note``) outlive their writer's session and go with the job;
 * marks (``mark``) are fenced by the state's version without changing it; a ``Mark.BACK``
-  mark vanishes with its session, as a membership does, and only the connections that
-  ``follow_marks`` of a round hear of its marks; round tables (``put_table``) are kept by
+  mark vanishes with its session, as a membership does, and every push carries every mark
+  (``seen_marks`` answers from it); round tables (``put_table``) are kept by
   digest, and both go with ``forget_rounds`` and with the job.
 
 Nothing here runs on its own: time is whatever the injected clock says, and sessions expire
@@ -90,6 +90,8 @@ class View:
     alive: frozenset[str]
     notes: frozenset[str] = frozenset()
     """The keys of the notes (``Store.note_keys``)."""
+    marks: frozenset[tuple[Mark, int, str]] = frozenset()
+    """Every mark: its kind, its round and the node it marks (``Store.seen_marks``)."""
 
 
 @dataclass(eq=False)
@@ -125,8 +127,6 @@ class MemoryServer:
         """Each round's marks of each kind: node id -> the session that wrote it."""
         self._tables: dict[tuple[int, str], bytes] = {}
         """Each round's tables by digest."""
-        self._following: dict[MemoryStore, tuple[Mark, int]] = {}
-        """The round whose marks each connection follows (``Store.follow_marks``)."""
         self._closed = False
         self._order = itertools.count()
         self._seq = 0
@@ -221,6 +221,11 @@ class MemoryServer:
                 self._version,
                 frozenset(self._members),
                 frozenset(self._notes),
+                frozenset(
+                    (kind, round_number, node)
+                    for (kind, round_number), marked in self._marks.items()
+                    for node in marked
+                ),
             )
 
     def _changed(self) -> View:
@@ -327,18 +332,11 @@ class MemoryServer:
         self._push_pending()
         return written
 
-    def _follow_marks(self, store: MemoryStore, kind: Mark, round_number: int) -> None:
-        with self._lock:
-            self._following[store] = (kind, round_number)
-
     def _marks_changed(self, kind: Mark, round_number: int) -> None:
-        """Tell the connections that follow these marks (under the lock, as ``_changed``)."""
-        view = self._view()
-        self._pending.extend(
-            (store, view)
-            for store, followed in self._following.items()
-            if followed == (kind, round_number)
-        )
+        """Tell every connection (under the lock, as ``_changed``): the followers of these
+        marks must hear, and the others' views keep every mark (``MemoryStore.seen_marks``)."""
+        logger.debug("memory store: the %s marks of round %d changed", kind.value, round_number)
+        self._changed()
 
     def _read_marks(self, kind: Mark, round_number: int) -> frozenset[str]:
         with self._lock:
@@ -360,10 +358,14 @@ class MemoryServer:
 
     def _forget_rounds(self, before_round: int) -> None:
         with self._lock:
-            for key in [key for key in self._marks if key[1] < before_round]:
+            forgotten = [key for key in self._marks if key[1] < before_round]
+            for key in forgotten:
                 del self._marks[key]
             for done in [key for key in self._tables if key[0] < before_round]:
                 del self._tables[done]
+            if forgotten:
+                self._changed()
+        self._push_pending()
 
     def _read_notes(self, prefix: str) -> dict[str, bytes]:
         with self._lock:
@@ -418,6 +420,11 @@ class MemoryStore(CachedStore):
         self._connected = True
         self._released = False
         self._session = server._open_session(self, session_timeout)
+        self._marks_view: frozenset[tuple[Mark, int, str]] = frozenset()
+        """Every mark, as the newest push had them."""
+        self._own_marks: set[tuple[Mark, int, str]] = set()
+        """The marks written through this connection in its current session: seen at once,
+        before the push that tells of them."""
         self._remember(server._view())
 
     # --- the Store protocol -------------------------------------------------------------------
@@ -462,15 +469,28 @@ class MemoryStore(CachedStore):
         check_node_id(node_id)
         self._heard()
         session = self._session
-        return self.server._mark(session, kind, round_number, node_id, token, run_id=self.run_id)
+        written = self.server._mark(session, kind, round_number, node_id, token, run_id=self.run_id)
+        if written:
+            with self._lock:
+                self._own_marks.add((kind, round_number, node_id))
+        return written
 
     def marks(self, kind: Mark, round_number: int) -> frozenset[str]:
         self._heard()
         return self.server._read_marks(kind, round_number)
 
+    def seen_marks(self, kind: Mark, round_number: int) -> frozenset[str]:
+        """No request: every push carries every mark, so a connection that is cut off (and
+        not told yet) decides on what it last heard, as a ZooKeeper connection does."""
+        with self._lock:
+            known = self._marks_view | self._own_marks
+        return frozenset(node for k, r, node in known if (k, r) == (kind, round_number))
+
     def follow_marks(self, kind: Mark, round_number: int) -> None:
+        """Every push carries every mark: a follower needs nothing more than a live
+        connection."""
+        del kind, round_number
         self._heard()
-        self.server._follow_marks(self, kind, round_number)
 
     def put_table(self, round_number: int, table: bytes) -> str:
         self._heard()
@@ -564,6 +584,8 @@ class MemoryStore(CachedStore):
     def _replace_session(self) -> None:
         old = self._session
         self._session = self.server._open_session(self, self.session_timeout)
+        with self._lock:  # the old session's ephemeral marks went with it
+            self._own_marks = {mark for mark in self._own_marks if not mark[0].ephemeral}
         logger.debug(
             "memory store: session %d lost, session %d follows", old.number, self._session.number
         )
@@ -603,6 +625,7 @@ class MemoryStore(CachedStore):
             self._state = (view.state, view.token)
             self._alive = view.alive
             self._note_keys = view.notes
+            self._marks_view = view.marks
 
 
 class MemoryBadNodes:

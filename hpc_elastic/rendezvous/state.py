@@ -2,7 +2,10 @@
 
 Every agent reads the state, computes the next one with a function from this module and
 writes it back with a compare-and-set; whoever loses the race re-reads and decides again.
-Nothing here does I/O or reads a clock, so every rule is unit-tested without ZooKeeper.
+Who came back to rendezvous after a round is not in the document: each member says so with a
+mark of its own beside it (``backend.Mark.BACK``), and the handler adds those marks to the
+state it decides on (``with_back``). Nothing here does I/O or reads a clock, so every rule is
+unit-tested without ZooKeeper.
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ from hpc_elastic.errors import RendezvousError
 from hpc_elastic.rendezvous.api import Failure, NodeInfo, RendezvousSettings, Round
 from hpc_elastic.spec import NodeRange
 
-FORMAT = 4
+FORMAT = 5
 """Bumped when the JSON layout changes, so an old agent refuses a state it cannot read
-(4: ``departed``, and a member's ``link_port``)."""
+(4: ``departed``, and a member's ``link_port``; 5: ``ready`` left the document for marks
+beside it, and ``ended`` says that one was made)."""
 
 MARGIN = 2.0
 """Seconds added to every derived deadline for scheduling and ZooKeeper tick granularity."""
@@ -58,7 +62,16 @@ class JobState:
     ready: tuple[str, ...] = ()
     """Node ids of ``round`` that are back in ``next_round``: for them the round is over,
     and only they (with newcomers) may form the next one. A member that is alive but not
-    ready may be a dead node whose session has not expired yet."""
+    ready may be a dead node whose session has not expired yet.
+
+    Never written into the document (``encode`` leaves it out): each member marks itself
+    back with a ``Mark.BACK`` of its own, which races nobody, and whoever decides adds the
+    marks it sees (``with_back``). One compare-and-set of the whole state per member made a
+    restart of N nodes write N versions of an O(N) state, each read by every agent."""
+    ended: bool = False
+    """A member of ``round`` came back to rendezvous (its ``Mark.BACK``): the round is over.
+    Written once, by the first member back in a round that had not ended otherwise, so that
+    every agent learns the end from the state alone, without reading the marks."""
     failure_summary: str = ""
     """Non-empty once the job as a whole has failed."""
     closed: bool = False
@@ -102,9 +115,17 @@ class JobState:
         )
 
 
+VIEW_ONLY = frozenset({"ready"})
+"""``JobState``'s fields that the document never holds: the store's marks fill them in."""
+
+
 def encode(state: JobState) -> bytes:
     """Without ``asdict``, whose deep copy dominated a 1024-member round's CPU time."""
-    raw: dict[str, Any] = {field.name: getattr(state, field.name) for field in fields(state)}
+    raw: dict[str, Any] = {
+        field.name: getattr(state, field.name)
+        for field in fields(state)
+        if field.name not in VIEW_ONLY
+    }
     raw["members"] = [_record_fields(member) for member in state.members]
     raw["last_failure"] = _record_fields(state.last_failure) if state.last_failure else None
     return json.dumps({"format": FORMAT, **raw}, sort_keys=True).encode()
@@ -156,7 +177,7 @@ STATE_FIELDS: dict[str, Check] = {
     "failed_round": whole(0),
     "last_failure": optional(record(Failure, FAILURE_FIELDS)),
     "succeeded": tuple_of(text(empty=False)),
-    "ready": tuple_of(text(empty=False)),
+    "ended": flag,
     "failure_summary": text(),
     "closed": flag,
     "excluded": tuple_of(text(empty=False)),
@@ -227,7 +248,7 @@ def round_is_live(state: JobState, alive: frozenset[str], nodes: NodeRange) -> b
     close rather than restart the last steps, and only the loss of a member that has not
     finished still ends the round (the exit barrier then fails the job).
     """
-    if state.round in (0, state.failed_round) or state.ready:
+    if state.round == 0 or round_over(state):
         return False
     alive = present(state, alive)
     members = state.member_ids
@@ -401,7 +422,7 @@ def running(state: JobState | None) -> bool:
 
 def round_over(state: JobState) -> bool:
     """Whether the latest round ended: a worker failure, or a member came back to rendezvous."""
-    return state.failed_round == state.round or bool(state.ready)
+    return state.failed_round == state.round or state.ended or bool(state.ready)
 
 
 def present(state: JobState, alive: frozenset[str]) -> frozenset[str]:
@@ -483,9 +504,19 @@ def stragglers_overdue(since: float | None, now: float, settings: RendezvousSett
 
 
 def mark_ready(state: JobState, node_id: str) -> JobState:
+    """``node_id`` is back: the round is over (``ended``), and it is ready for the next."""
     if node_id not in state.member_ids or node_id in state.ready:
         return state
-    return replace(state, ready=(*state.ready, node_id))
+    return replace(state, ended=True, ready=(*state.ready, node_id))
+
+
+def with_back(state: JobState, back: frozenset[str]) -> JobState:
+    """The state to decide on: the document and the ``Mark.BACK`` marks of its round.
+
+    Only members count (a mark outlives nothing but its writer's session, and a node marks
+    only a round it is a member of), in rank order, so one set of marks is one state."""
+    ready = tuple(member.node_id for member in state.members if member.node_id in back)
+    return state if ready == state.ready else replace(state, ready=ready)
 
 
 def readmit(state: JobState, node_id: str) -> JobState:
@@ -557,6 +588,7 @@ def complete_round(
         master_port=None,
         succeeded=(),
         ready=(),
+        ended=False,
         excluded=excluded,
     )
 

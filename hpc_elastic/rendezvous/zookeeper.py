@@ -334,6 +334,14 @@ class ZooKeeperStore(CachedStore):
         """One fetch of member records at a time, so handlers sharing this store share it."""
         self._marks_watch: _CoalescedChildrenWatch | None = None
         """The watch on the marks this connection follows (``follow_marks``)."""
+        self._followed: tuple[Mark, int] | None = None
+        self._heard_marks: frozenset[str] = frozenset()
+        """The followed marks as the watch last listed them (``seen_marks``)."""
+        self._own_marks: frozenset[str] = frozenset()
+        """The followed marks written through this connection since: seen at once, before
+        the watch lists them."""
+        self._following = threading.Lock()
+        """One ``follow_marks`` at a time, so handlers sharing this store set one watch."""
         self._notices: queue.SimpleQueue[_Notice] = queue.SimpleQueue()
         self._notifier = threading.Thread(
             target=self._deliver, name=f"zk-notify-{run_id}", daemon=True
@@ -446,6 +454,9 @@ class ZooKeeperStore(CachedStore):
             return False  # A check of version -1 passes any version: it would fence nothing.
         with self._converted():
             marked: bool = self._client.retry(self._mark, kind, path, token)
+        with self._lock:
+            if marked and self._followed == (kind, round_number):
+                self._own_marks |= {node_id}
         return marked
 
     def marks(self, kind: Mark, round_number: int) -> frozenset[str]:
@@ -456,13 +467,27 @@ class ZooKeeperStore(CachedStore):
             except NoNodeError:
                 return frozenset()
 
+    def seen_marks(self, kind: Mark, round_number: int) -> frozenset[str]:
+        """From the watch's last listing and this connection's own marks: no request once
+        the marks are followed, however many handlers share this connection."""
+        with self._following:
+            with self._lock:
+                if self._followed == (kind, round_number):
+                    return self._heard_marks | self._own_marks
+            self.follow_marks(kind, round_number)
+            with self._lock:
+                return self._heard_marks | self._own_marks
+
     def follow_marks(self, kind: Mark, round_number: int) -> None:
         path = self._path(kind.value, str(round_number))
+        followed = (kind, round_number)
+        with self._lock:
+            self._followed, self._heard_marks, self._own_marks = followed, frozenset(), frozenset()
         with self._converted():
             # A children watch needs its node: made now (while the job is open) if no mark
-            # has made it yet.
+            # has made it yet. Its first listing is made before it returns.
             self._client.retry(self._ensure_round, path, "no mark can be followed")
-            watch = _CoalescedChildrenWatch(self._client, path, self._on_marks)
+            watch = _CoalescedChildrenWatch(self._client, path, partial(self._on_marks, followed))
         with self._lock:
             previous, self._marks_watch = self._marks_watch, watch
         if previous is not None:
@@ -773,8 +798,11 @@ class ZooKeeperStore(CachedStore):
                 del self._records[gone]
         self._notices.put(_CHANGED)
 
-    def _on_marks(self, children: list[str]) -> None:
-        del children  # read with marks(): the followers only need waking
+    def _on_marks(self, followed: tuple[Mark, int], children: list[str]) -> None:
+        with self._lock:
+            if followed != self._followed:
+                return  # the late listing of marks this connection no longer follows
+            self._heard_marks = frozenset(children)
         self._notices.put(_CHANGED)
 
     def _on_notes(self, children: list[str]) -> None:
@@ -785,6 +813,9 @@ class ZooKeeperStore(CachedStore):
     def _on_connection_state(self, state: str) -> None:
         """Runs in kazoo's connection thread, which must never block: only enqueue."""
         logger.debug("zookeeper: connection of job %s is %s", self._run_id, state)
+        if state == KazooState.LOST:
+            with self._lock:  # the session's BACK marks went with it
+                self._own_marks = frozenset()
         self._notices.put(_CONNECTION_STATES[state])
 
     def _deliver(self) -> None:

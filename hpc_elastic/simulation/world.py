@@ -52,7 +52,7 @@ from hpc_elastic.rendezvous.api import (
     RendezvousSettings,
     Round,
 )
-from hpc_elastic.rendezvous.backend import ABSENT
+from hpc_elastic.rendezvous.backend import ABSENT, Mark
 from hpc_elastic.rendezvous.handler import StoreRendezvous
 from hpc_elastic.rendezvous.memory import Deliver, ManualClock, MemoryServer, MemoryStore, View
 from hpc_elastic.spec import NodeRange
@@ -351,7 +351,7 @@ class SimAgent:
         for _ in range(100):
             # The view the decision is made on (none is judged after a reconnection, when the
             # handler first reads the server's state again).
-            view = None if self.handler._stale else (self.store.get_state(), self.store.alive())
+            view = None if self.handler._stale else self._view()
             step = self.handler.round_step()
             if view is not None:
                 self.world.properties.check_last_call(self, step.action, *view)
@@ -364,6 +364,13 @@ class SimAgent:
             self._start_workers(step.round)
         elif step.wake_at is not None:
             self.world.at(step.wake_at, self.step)
+
+    def _view(self) -> tuple[tuple[bytes | None, int], frozenset[str], frozenset[str]]:
+        """What this node's connection shows now: the state, the live nodes, and who is
+        back from the state's round (its ``Mark.BACK`` marks)."""
+        data, token = self.store.get_state()
+        number = decoded(data).round if data is not None else 0
+        return (data, token), self.store.alive(), self.store.seen_marks(Mark.BACK, number)
 
     def _barrier_step(self) -> None:
         """The exit barrier, one decision; its answer (or a stop signal) goes back to
@@ -1156,7 +1163,7 @@ class Properties:
             agent = self.world.by_id.get(member.node_id)
             if agent is None or member != agent.node:
                 raise Violation(f"ranks: round {new.round} names a node nobody runs: {member}")
-        fresh = not (new.succeeded or new.ready or new.master_port is not None)
+        fresh = not (new.succeeded or new.ended or new.master_port is not None)
         if not fresh or new.restarts_used != old.restarts_used:
             raise Violation(f"state: round {new.round} does not start afresh: {new}")
         survivors = [node for node in self.last_members if node in members]
@@ -1175,19 +1182,20 @@ class Properties:
         self.world.log(f"round {new.round} formed: {list(members)}")
 
     def _same_round(self, old: st.JobState, new: st.JobState) -> None:
-        """Within a round, members stay, the port is published once, and who succeeded or
-        came back only grows, among the members."""
+        """Within a round, members stay, the port is published once, who succeeded only
+        grows, among the members, and an ended round stays ended."""
         number = new.round
         if new.members != old.members:
             raise Violation(f"state: the members of round {number} changed: {new.members}")
         if old.master_port is not None and new.master_port != old.master_port:
             raise Violation(f"state: round {number}'s master port changed")
         members = new.member_ids
-        for name in ("succeeded", "ready"):
-            before, after = set(getattr(old, name)), set(getattr(new, name))
-            if not before <= after or not after <= members or len(after) != len(getattr(new, name)):
-                raise Violation(f"state: round {number}'s {name} went from {before} to {after}")
-        over = old.failed_round == old.round or bool(old.ready)
+        before, after = set(old.succeeded), set(new.succeeded)
+        if not before <= after or not after <= members or len(after) != len(new.succeeded):
+            raise Violation(f"state: round {number}'s succeeded went from {before} to {after}")
+        if old.ended and not new.ended:
+            raise Violation(f"state: round {number} ended, then was live again")
+        over = old.failed_round == old.round or old.ended
         if set(new.succeeded) - set(old.succeeded) and over:
             raise Violation(f"state: a success was recorded in round {number}, which had ended")
 
@@ -1312,6 +1320,7 @@ class Properties:
         action: st.Action | st.Barrier,
         view: tuple[bytes | None, int],
         alive: frozenset[str],
+        back: frozenset[str],
     ) -> None:
         """A round waits the last call only while a newcomer may still come: with MAX nodes
         ready, or when it only lost members (all back, none excluded but alive), it forms at
@@ -1323,7 +1332,6 @@ class Properties:
         excluded = set(state.excluded)
         present = alive - excluded - set(state.departed)
         members = {member.node_id for member in state.members}
-        back = set(state.ready)
         waited_for = (members & present) - back
         here = present - waited_for
         full = len(here) >= self.world.nodes.max

@@ -18,7 +18,7 @@ from hpc_elastic.errors import (
 )
 from hpc_elastic.rendezvous import state as st
 from hpc_elastic.rendezvous.api import Failure, JobFailedError, NodeInfo, RendezvousSettings, Round
-from hpc_elastic.rendezvous.backend import ABSENT, Mark, Store
+from hpc_elastic.rendezvous.backend import ABSENT, Mark, Store, place_mark
 from hpc_elastic.rendezvous.handler import Step, StoreRendezvous
 from hpc_elastic.rendezvous.memory import ManualClock, MemoryServer, MemoryStore
 from hpc_elastic.spec import NodeRange
@@ -33,6 +33,7 @@ class FakeStore(Store):
         self._members: dict[str, bytes] = {}
         self._closed = False
         self._subscribers: dict[Callable[[], None], Callable[[], None]] = {}
+        self._marks: dict[tuple[Mark, int], dict[str, object]] = {}
 
     def get_state(self) -> tuple[bytes | None, int]:
         with self._lock:
@@ -88,13 +89,25 @@ class FakeStore(Store):
         return frozenset()
 
     def mark(self, kind: Mark, round_number: int, node_id: str, token: int) -> bool:
-        raise NotImplementedError("the handler writes no marks yet")
+        """The stores' own rule (``place_mark``); every node shares this one connection, so
+        ``expire`` drops a node's ``BACK`` marks as its session's end would."""
+        with self._lock:
+            if self._closed:
+                raise RendezvousClosedError("closed")
+            marked = self._marks.setdefault((kind, round_number), {})
+            new = node_id not in marked
+            fenced = token != ABSENT and token == self._state[1]
+            written = place_mark(marked, kind, node_id, self, fenced=fenced)
+        if written and new:
+            self._notify()
+        return written
 
     def marks(self, kind: Mark, round_number: int) -> frozenset[str]:
-        raise NotImplementedError("the handler reads no marks yet")
+        with self._lock:
+            return frozenset(self._marks.get((kind, round_number), ()))
 
     def follow_marks(self, kind: Mark, round_number: int) -> None:
-        raise NotImplementedError("the handler follows no marks yet")
+        """Every change notifies every subscriber here."""
 
     def put_table(self, round_number: int, table: bytes) -> str:
         raise NotImplementedError("the handler writes no tables yet")
@@ -103,7 +116,9 @@ class FakeStore(Store):
         raise NotImplementedError("the handler reads no tables yet")
 
     def forget_rounds(self, before_round: int) -> None:
-        raise NotImplementedError("the handler writes no marks yet")
+        with self._lock:
+            for key in [key for key in self._marks if key[1] < before_round]:
+                del self._marks[key]
 
     def is_closed(self) -> bool:
         return self._closed
@@ -113,13 +128,19 @@ class FakeStore(Store):
             self._closed = True
             self._state = (None, ABSENT)
             self._members.clear()
+            self._marks.clear()
         self._notify()
 
     def release(self) -> None:
         """Nothing to release in memory."""
 
     def expire(self, node_id: str) -> None:
-        """What a ZooKeeper session expiry does: the membership vanishes, the owner is told."""
+        """What a ZooKeeper session expiry does: the membership vanishes with the node's
+        ``BACK`` marks, the owner is told."""
+        with self._lock:
+            for (kind, _), marked in self._marks.items():
+                if kind.ephemeral:
+                    marked.pop(node_id, None)
         self.leave(node_id)
         for on_session_lost in list(self._subscribers.values()):
             on_session_lost()

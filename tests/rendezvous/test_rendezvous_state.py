@@ -218,6 +218,28 @@ def test_mark_ready_is_idempotent_and_only_for_members() -> None:
     assert st.complete_round(state, [node("a")], ONE_TO_FOUR).ready == ()
 
 
+def test_the_first_member_back_ends_the_round_in_the_document_and_the_next_round_is_live() -> None:
+    """Who is back is kept in marks beside the document; that one is back is in it."""
+    state = back("b", running("a", "b", "c"))
+    stored = st.decode(st.encode(state))
+    assert stored.ended, "the document says that the round ended"
+    assert stored.ready == (), "and not who is back"
+    assert st.round_over(stored)
+    assert not st.round_is_live(stored, frozenset("abc"), ONE_TO_FOUR)
+    after = st.complete_round(stored, [node("a"), node("b")], ONE_TO_FOUR)
+    assert not after.ended
+    assert st.round_is_live(after, frozenset("ab"), ONE_TO_FOUR)
+
+
+def test_the_marks_seen_fill_in_who_is_back_among_the_members_in_rank_order() -> None:
+    stored = st.decode(st.encode(back("c", running("a", "b", "c"))))
+    seen = st.with_back(stored, frozenset({"c", "a", "stranger"}))
+    assert seen.ready == ("a", "c")
+    assert st.stragglers(seen, frozenset("abc")) == {"b"}
+    assert st.with_back(seen, frozenset({"a", "c"})) is seen, "the same marks, the same state"
+    assert st.decode(st.encode(seen)) == stored, "marks are never written into the document"
+
+
 SETTINGS = RendezvousSettings("job", ONE_TO_FOUR, session_timeout=6.0, stop_grace=2.0)
 
 
@@ -424,7 +446,8 @@ def fields_of(data: bytes) -> dict[str, Any]:
         (("master_port",), 70000, "'master_port' is 70000, out of range (from 1 to 65535)"),
         (("restarts_used",), -1, "'restarts_used' is -1, out of range (0 or more)"),
         (("succeeded",), "a", "'succeeded' is 'a', not a list"),
-        (("ready",), [7], "'ready[0]' is 7, not a string"),
+        (("ended",), 1, "'ended' is 1, not true or false"),
+        (("ready",), ["a"], "it has an unknown field 'ready'"),
         (("last_failure",), {"rank": 0}, "'last_failure' lacks 'exit_code'"),
         (("last_failure", "time"), "now", "'last_failure.time' is 'now', not a number of seconds"),
         (("last_failure", "time"), 1e400, "'last_failure.time' is inf, not a time"),
@@ -463,7 +486,8 @@ def test_a_member_record_of_the_wrong_shape_is_refused(record: dict[str, Any]) -
 def test_every_field_of_the_state_and_its_records_has_a_check_in_the_decoder() -> None:
     """A field added to ``JobState`` (or ``NodeInfo``, ``Failure``) needs its row in the
     decoder's table, or every state would be refused as lacking it."""
-    assert set(st.STATE_FIELDS) == {field.name for field in fields(st.JobState)}
+    stored = {field.name for field in fields(st.JobState)} - st.VIEW_ONLY
+    assert set(st.STATE_FIELDS) == stored
     assert set(st.NODE_FIELDS) == {field.name for field in fields(NodeInfo)}
     assert set(st.FAILURE_FIELDS) == {field.name for field in fields(Failure)}
 
@@ -504,7 +528,7 @@ def valid_states(draw: hs.DrawFn) -> st.JobState:
         failed_round=draw(hs.integers(0, round_number)),
         last_failure=draw(hs.none() | failures),
         succeeded=draw(ids),
-        ready=draw(ids),
+        ended=draw(hs.booleans()),
         failure_summary=draw(hs.text(max_size=20)),
         closed=draw(hs.booleans()),
         excluded=draw(ids),

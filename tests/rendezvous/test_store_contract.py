@@ -490,6 +490,29 @@ def test_a_follower_of_the_next_round_is_told_of_its_marks(harness: Harness) -> 
     assert recorder.was_told({"n1", "n2"})
 
 
+def test_a_connection_sees_its_own_mark_at_once_and_the_others_once_told(
+    harness: Harness,
+) -> None:
+    """``seen_marks`` is what a waiting agent decides on at every step: its own mark must be
+    in it as soon as it is written (else it would mark again and again), the others' by the
+    time the push that tells of them has come."""
+    store, other = harness.connect(), harness.connect()
+    _, token, _ = store.set_state(b"round 1", ABSENT)
+    assert store.seen_marks(Mark.BACK, 1) == frozenset()
+    heard = threading.Event()
+    store.subscribe(heard.set, lambda: None)
+    assert store.mark(Mark.BACK, 1, "n1", token)
+    assert store.seen_marks(Mark.BACK, 1) == {"n1"}
+    heard.clear()
+    assert other.mark(Mark.BACK, 1, "n2", token)
+    eventually(lambda: store.seen_marks(Mark.BACK, 1) == {"n1", "n2"}, "the other's mark")
+    assert heard.wait(DEADLINE), "and the follower was told"
+    assert store.seen_marks(Mark.BACK, 2) == frozenset(), "another round has marks of its own"
+    other.release()
+    eventually(lambda: store.seen_marks(Mark.BACK, 2) == frozenset(), "round 2 followed")
+    eventually(lambda: store.seen_marks(Mark.BACK, 1) == {"n1"}, "the released mark goes")
+
+
 def test_forgotten_rounds_lose_their_marks_and_tables_and_later_rounds_keep_theirs(
     harness: Harness,
 ) -> None:
