@@ -174,6 +174,8 @@ class StoreRendezvous(Rendezvous):
         """The latest round this node was told to wait beside as a hot spare."""
         self._stale = False
         """Set by a disconnection: the cached view must be read from the server once more."""
+        self._back_from: int | None = None
+        """The round this node's ``Mark.BACK`` was last written for, in its current session."""
         store.subscribe(self._on_change, self._on_session_lost)
         store.subscribe_connection(self._on_connection)
 
@@ -230,8 +232,8 @@ class StoreRendezvous(Rendezvous):
         if data is None:
             self._create_state()
             return Step(st.Action.WAIT, again=True)
-        state = self._usable(self._decided_on(data))
         alive = self._store.alive()
+        state = self._usable(self._decided_on(data, alive))
         now = self._clock()
         if self._expected_nodes is not None:
             self._expected = self._expected_nodes()
@@ -299,7 +301,7 @@ class StoreRendezvous(Rendezvous):
             if last_call_ends is not None:
                 return Step(action, wake_at=last_call_ends)
         if action in (st.Action.COMPLETE, st.Action.LAST_CALL):
-            propose_at = self._deadlines.proposal(now, self._stagger(alive))
+            propose_at = self._deadlines.proposal(now, self._stagger(state, alive))
             if propose_at is None:
                 return self._complete(action, state, token, alive, now)
             return Step(action, wake_at=propose_at)
@@ -332,6 +334,7 @@ class StoreRendezvous(Rendezvous):
             if not won:
                 return
         if self._store.mark(Mark.BACK, state.round, self.node.node_id, token):
+            self._back_from = state.round
             log.debug("%s: back from round %d", self.node.node_id, state.round)
             return
         # Refused: the state moved on, and the watch that tells of it may be on its way. A
@@ -630,9 +633,13 @@ class StoreRendezvous(Rendezvous):
             self._store.forget_rounds(state.round)
         return Step(action, again=True)
 
-    def _stagger(self, alive: frozenset[str]) -> float:
+    def _stagger(self, state: st.JobState, alive: frozenset[str]) -> float:
         """Seconds to let lower node ids complete the round first: with hundreds of nodes,
-        one proposal instead of a stampede of compare-and-sets that all but one lose."""
+        one proposal instead of a stampede of compare-and-sets that all but one lose. The
+        proposer of a round that is over (``st.proposer``) goes first: the others do not see
+        who is back, and propose only once the stragglers are overdue."""
+        if st.round_over(state) and st.proposer(state, alive) == self.node.node_id:
+            return 0.0
         position = sum(1 for other in alive if other < self.node.node_id)
         return min(position * PROPOSER_STAGGER, MAX_STAGGER)
 
@@ -658,15 +665,24 @@ class StoreRendezvous(Rendezvous):
             f"Job '{self.settings.run_id}' is closed (finished or cancelled); nothing to update."
         )
 
-    def _decided_on(self, data: bytes) -> st.JobState:
+    def _decided_on(self, data: bytes, alive: frozenset[str]) -> st.JobState:
         """The state a decision is made on: the document, and once its round is over, the
-        members that are back from it (their ``Mark.BACK`` marks, as this connection saw
-        them: ``Store.seen_marks``). While the round runs nobody is back, and nothing more
-        is read."""
+        members that are back from it (``_back``). While the round runs nobody is back."""
         state = st.decode(data)
         if state.round == 0 or not st.round_over(state):
             return state
-        return st.with_back(state, self._store.seen_marks(Mark.BACK, state.round))
+        return st.with_back(state, self._back(state, alive))
+
+    def _back(self, state: st.JobState, alive: frozenset[str]) -> frozenset[str]:
+        """Who this node knows to be back from ``state``'s round. The round's proposer
+        (``st.proposer``), and any node that has waited out the stragglers, follow the
+        ``Mark.BACK`` marks (``Store.seen_marks``: as its connection last heard them, no
+        request). The others know only their own mark: they wait for the commit, and a
+        restart of N nodes costs each of them no listing of N marks."""
+        me = self.node.node_id
+        if self._deadlines.stragglers_overdue or st.proposer(state, alive) == me:
+            return self._store.seen_marks(Mark.BACK, state.round)
+        return frozenset({me}) if self._back_from == state.round else frozenset()
 
     def _action(self, state: st.JobState, alive: frozenset[str]) -> st.Action:
         """The pure rule with what the loop last saw; safe in the watch thread (no I/O)."""
@@ -710,10 +726,10 @@ class StoreRendezvous(Rendezvous):
         data, _ = self._store.get_state()
         if waiting_on is None or data is None:
             return False
-        state = self._decided_on(data)
+        alive = self._store.alive()
+        state = self._decided_on(data, alive)
         if state.closed or state.failed:
             return False
-        alive = self._store.alive()
         if self._spare_news(state, alive):
             # Still WAIT, but now as a hot spare (e.g. it first waited for its own membership
             # to show): the loop must run once to announce it.
@@ -721,6 +737,7 @@ class StoreRendezvous(Rendezvous):
         return self._action(state, alive) is waiting_on
 
     def _on_session_lost(self) -> None:
+        self._back_from = None  # the mark was ephemeral: it went with the session
         self._rejoin.set()
         self._arrivals_only = False
         self.changed.set()

@@ -438,6 +438,18 @@ def stragglers(state: JobState, alive: frozenset[str]) -> frozenset[str]:
     return (state.member_ids & present(state, alive)) - frozenset(state.ready)
 
 
+def proposer(state: JobState, alive: frozenset[str]) -> str | None:
+    """The member of the latest round that follows who is back from it and completes the
+    next round: its lowest-ranked member that counts (``present``), None if none does.
+
+    Every agent knows it from the state and the membership alone. The others do not read the
+    marks: they wait for the commit, and read them only once the stragglers are overdue
+    (the proposer may be the one that is stuck). Survivors keep their order, so it is rank 0
+    of the round it commits."""
+    here = present(state, alive)
+    return next((member.node_id for member in state.members if member.node_id in here), None)
+
+
 def candidates(state: JobState, alive: frozenset[str]) -> frozenset[str]:
     """Who may form the next round: the members that came back, and newcomers."""
     return present(state, alive) - stragglers(state, alive)

@@ -91,6 +91,10 @@ ANSWER_WAIT = 2.0
 TABLE_CHUNK = 512 * 1024
 """Bytes of a round's table in one znode: half of ``jute.maxbuffer`` (1 MB by default), which
 bounds every request, so a table of any size goes as several."""
+FORGET_BATCH = 2000
+"""Deletes in one transaction when a round is forgotten: one write through the quorum for
+thousands of marks (about 100 bytes each, well under ``jute.maxbuffer``), where kazoo's
+recursive delete makes one write a znode."""
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 """A table's name (``table_digest``); anything else names no table."""
 
@@ -485,8 +489,10 @@ class ZooKeeperStore(CachedStore):
             self._followed, self._heard_marks, self._own_marks = followed, frozenset(), frozenset()
         with self._converted():
             # A children watch needs its node: made now (while the job is open) if no mark
-            # has made it yet. Its first listing is made before it returns.
-            self._client.retry(self._ensure_round, path, "no mark can be followed")
+            # has made it yet, and only then (each making is a write through the quorum, and
+            # every agent follows every round). Its first listing is made before it returns.
+            if self._client.retry(self._client.exists, path) is None:
+                self._client.retry(self._ensure_round, path, "no mark can be followed")
             watch = _CoalescedChildrenWatch(self._client, path, partial(self._on_marks, followed))
         with self._lock:
             previous, self._marks_watch = self._marks_watch, watch
@@ -522,9 +528,10 @@ class ZooKeeperStore(CachedStore):
                     rounds = self._client.retry(self._client.get_children, self._path(kind))
                 except NoNodeError:
                     continue
+                depth = 2 if kind == "rounds" else 1  # <digest>/<chunk>, or <node_id>
                 for name in rounds:
                     if int(name) < before_round:
-                        self._client.retry(self._delete, self._path(kind, name), True)
+                        self._client.retry(self._delete_tree, self._path(kind, name), depth)
 
     def _write_note(self, path: str, data: bytes, claim: bool) -> bytes:
         """Create the note; an existing one is replaced, or with ``claim`` kept and returned.
@@ -597,6 +604,33 @@ class ZooKeeperStore(CachedStore):
                     f"Job '{self._run_id}' is closed (finished or cancelled); no table can be "
                     "written."
                 ) from error  # close_job removed the table's nodes since they were made
+
+    def _delete_tree(self, path: str, depth: int) -> None:
+        """``path`` and its descendants down to ``depth`` levels, children before parents, in
+        transactions of ``FORGET_BATCH`` deletes. A transaction is refused whole if one of its
+        znodes went meanwhile (a ``BACK`` mark dies with its session): the tree is listed and
+        deleted again, and after three tries kazoo deletes what is left one by one."""
+        for _ in range(3):
+            doomed = self._tree(path, depth)
+            batches = [doomed[at : at + FORGET_BATCH] for at in range(0, len(doomed), FORGET_BATCH)]
+            if all(self._delete_all(batch) for batch in batches):
+                return
+        self._delete(path, recursive=True)
+
+    def _tree(self, path: str, depth: int) -> list[str]:
+        """``path``'s descendants down to ``depth`` levels, deepest first, then ``path``."""
+        try:
+            children = self._client.get_children(path) if depth > 0 else []
+        except NoNodeError:
+            return []
+        below = [node for child in children for node in self._tree(f"{path}/{child}", depth - 1)]
+        return [*below, path]
+
+    def _delete_all(self, paths: list[str]) -> bool:
+        transaction = self._client.transaction()
+        for path in paths:
+            transaction.delete(path)
+        return not any(isinstance(result, Exception) for result in transaction.commit())
 
     def _ensure_round(self, round_path: str, refused: str) -> None:
         """A round's node under its kind's (``back/7`` under ``back``), each made unless it is

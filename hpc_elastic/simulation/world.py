@@ -52,7 +52,7 @@ from hpc_elastic.rendezvous.api import (
     RendezvousSettings,
     Round,
 )
-from hpc_elastic.rendezvous.backend import ABSENT, Mark
+from hpc_elastic.rendezvous.backend import ABSENT
 from hpc_elastic.rendezvous.handler import StoreRendezvous
 from hpc_elastic.rendezvous.memory import Deliver, ManualClock, MemoryServer, MemoryStore, View
 from hpc_elastic.spec import NodeRange
@@ -366,11 +366,12 @@ class SimAgent:
             self.world.at(step.wake_at, self.step)
 
     def _view(self) -> tuple[tuple[bytes | None, int], frozenset[str], frozenset[str]]:
-        """What this node's connection shows now: the state, the live nodes, and who is
-        back from the state's round (its ``Mark.BACK`` marks)."""
+        """What this node decides on now: the state, the live nodes, and who it knows to be
+        back from the state's round (the handler's own reading of the marks)."""
         data, token = self.store.get_state()
-        number = decoded(data).round if data is not None else 0
-        return (data, token), self.store.alive(), self.store.seen_marks(Mark.BACK, number)
+        alive = self.store.alive()
+        back = self.handler._back(decoded(data), alive) if data is not None else frozenset()
+        return (data, token), alive, back
 
     def _barrier_step(self) -> None:
         """The exit barrier, one decision; its answer (or a stop signal) goes back to

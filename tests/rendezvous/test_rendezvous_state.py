@@ -749,3 +749,12 @@ def test_a_member_record_names_where_its_agent_takes_links() -> None:
     assert st.decode_node(st.encode_node(linked)) == linked
     with pytest.raises(RendezvousError, match="link_port"):
         st.decode_node(json.dumps({**json.loads(st.encode_node(linked)), "link_port": -1}).encode())
+
+
+def test_the_proposer_is_the_lowest_ranked_member_that_counts() -> None:
+    state = running("a", "b", "c")
+    assert st.proposer(state, frozenset("abc")) == "a"
+    assert st.proposer(state, frozenset("bc")) == "b", "rank 0 is gone: the next one"
+    assert st.proposer(replace(state, excluded=("a",)), frozenset("abc")) == "b"
+    assert st.proposer(replace(state, departed=("a", "b")), frozenset("abc")) == "c"
+    assert st.proposer(state, frozenset("xy")) is None, "newcomers only: nobody to follow"
