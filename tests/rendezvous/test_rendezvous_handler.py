@@ -844,7 +844,7 @@ def test_a_link_of_a_round_that_moved_on_marks_nobody_departed() -> None:
     assert world.server.state == before, "not even a write"
 
 
-def test_after_a_failure_only_the_proposer_reads_the_marks_and_the_others_wait_for_its_commit() -> None:
+def test_after_a_failure_only_the_proposer_reads_the_marks_the_others_await_its_commit() -> None:
     """A restart costs a member that is not the proposer no listing of the others' marks: it
     knows only its own, and waits as for stragglers until the proposer commits."""
     world = Stepped(RendezvousSettings(run_id="job", nodes=NodeRange(3, 3), max_restarts=3))
