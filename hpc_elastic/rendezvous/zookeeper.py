@@ -560,7 +560,7 @@ class ZooKeeperStore(CachedStore):
         transaction and made again, so that it dies with the session that is alive."""
         for _ in range(3):
             stat = self._client.exists(path)
-            if stat is not None and stat.ephemeralOwner in (0, self._client.client_id[0]):
+            if stat is not None and stat.ephemeralOwner in (0, self._session_number()):
                 return True
             transaction = self._client.transaction()
             transaction.check(self._path("state"), token)
@@ -816,9 +816,19 @@ class ZooKeeperStore(CachedStore):
             # of this id whose old session has not expired yet): replace it, so the member
             # dies with the session that is alive.
             stat = self._client.exists(path)
-            if stat is not None and stat.ephemeralOwner != self._client.client_id[0]:
+            if stat is not None and stat.ephemeralOwner != self._session_number():
                 self._delete(path)
                 self._client.create(path, data, acl=self._acl, ephemeral=True)
+
+    def _session_number(self) -> int:
+        """This connection's session id. kazoo has none while it reconnects (a leader was
+        killed: seen at 256 agents as "'NoneType' object is not subscriptable"); that is a
+        ConnectionLoss, which ``client.retry`` waits out like any other."""
+        client_id = self._client.client_id
+        if client_id is None:
+            raise ConnectionLoss("the connection has no session while it reconnects")
+        session: int = client_id[0]
+        return session
 
     def _on_state(self, data: bytes | None, stat: Any) -> None:
         """Runs in kazoo's thread: remember and hand over to the notifier, nothing more."""
