@@ -866,3 +866,15 @@ def test_after_a_failure_only_the_proposer_reads_the_marks_the_others_await_its_
     second = world.rounds(list(handlers.values()))[0]
     assert second.number == 2
     assert second.members == first.members, "survivors keep their ranks"
+
+
+def test_a_member_back_on_its_own_ends_the_round_for_those_still_training() -> None:
+    """Nothing the others can see ended the round (no failure, nobody gone or arriving): the
+    member's mark alone would tell nobody, so it first ends the round in the state."""
+    world = Stepped(settings())
+    a, b = world.handler("a"), world.handler("b")
+    world.rounds([a, b])
+    assert not a.changed.is_set()
+    b.begin_round()
+    assert b.round_step().action is st.Action.MARK_READY
+    assert a.changed.is_set(), "a learns from the state that its round is over"
