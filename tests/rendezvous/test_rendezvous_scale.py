@@ -1,4 +1,5 @@
-"""A round of 512 agents on a real ZooKeeper: its invariants, never its time.
+"""A round of 512 agents on a real ZooKeeper, and a restart of them: their invariants, never
+their time.
 
 The agents are the real ``StoreRendezvous`` handlers, 16 to a ZooKeeper connection, in this
 process: the layout, the watches and the compare-and-set of a large round are exercised end to
@@ -19,8 +20,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from hpc_elastic.rendezvous import state as st
-from hpc_elastic.rendezvous.api import NodeInfo, RendezvousSettings, Round
-from hpc_elastic.rendezvous.backend import ConnectionState
+from hpc_elastic.rendezvous.api import Failure, NodeInfo, RendezvousSettings, Round
+from hpc_elastic.rendezvous.backend import ConnectionState, Mark
 from hpc_elastic.rendezvous.handler import StoreRendezvous
 from hpc_elastic.rendezvous.zookeeper import ZooKeeperAddress, ZooKeeperStore, open_client
 from hpc_elastic.spec import NodeRange
@@ -94,6 +95,17 @@ def state_version(address: ZooKeeperAddress) -> int:
         client.close()
 
 
+def marked_back(address: ZooKeeperAddress, round_number: int) -> set[str]:
+    """The nodes marked back from ``round_number`` (``Mark.BACK``), listed on the server."""
+    client = open_client(address, None, SESSION)
+    try:
+        path = f"{address.job_path(RUN)}/{Mark.BACK.value}/{round_number}"
+        return set(client.get_children(path))
+    finally:
+        client.stop()
+        client.close()
+
+
 @pytest.mark.timeout(DEADLINE + 60)
 def test_a_round_of_512_agents_ranks_every_member_once_in_one_commit(
     address: ZooKeeperAddress, crowd: Crowd
@@ -126,3 +138,40 @@ def test_a_round_of_512_agents_ranks_every_member_once_in_one_commit(
     assert stored.round == 1
     assert stored.to_round() == first, "the stored round is not the one the agents hold"
     assert not st.round_over(stored)
+
+
+@pytest.mark.timeout(2 * DEADLINE + 60)
+def test_a_restart_of_512_agents_marks_each_back_once_and_commits_once(
+    address: ZooKeeperAddress, crowd: Crowd
+) -> None:
+    """After a worker failure every member marks itself back (a znode of its own, racing
+    nobody) and the proposer commits the next round with the same ranks: three writes of the
+    state in all (the failure, the commit, the port), whatever N."""
+    agents = crowd.agents
+    with ThreadPoolExecutor(len(agents)) as pool:
+        first = [f.result(timeout=DEADLINE) for f in [pool.submit(a.next_round) for a in agents]]
+        before = state_version(address)
+        agents[-1].report_failure(
+            Failure(
+                node_id=agents[-1].node.node_id,
+                host="127.0.0.1",
+                rank=AGENTS - 1,
+                exit_code=1,
+                signal=None,
+                message="planted",
+                time=0.0,
+            )
+        )
+        assert all(agent.changed.wait(DEADLINE) for agent in agents), "a member never heard"
+        again = [f.result(timeout=DEADLINE) for f in [pool.submit(a.next_round) for a in agents]]
+
+    assert {got.number for got in again} == {2}
+    assert all(got.members == first[0].members for got in again), "the ranks moved"
+    refreshes = len(crowd.cut_off) * SHARE
+    writes = state_version(address) - before
+    assert 3 <= writes <= 3 + refreshes, f"{writes} writes of the state for one restart"
+    back = marked_back(address, 1)
+    assert back == {agent.node.node_id for agent in agents}, "a member is not marked back"
+    stored = agents[0].snapshot()
+    assert stored is not None
+    assert stored.restarts_used == 1
