@@ -399,7 +399,7 @@ class MemoryServer:
 class MemoryStore(CachedStore):
     """One connection to a ``MemoryServer``: a session, and the view its pushes built.
 
-    Why 32 methods: it is the ``Store`` interface (seventeen, most of them a check that the
+    Why 33 methods: it is the ``Store`` interface (eighteen, most of them a check that the
     connection is up and one call of the server), the handles a simulator or a test turns on
     the connection as faults (``connected``, ``touch``, ``disconnect``, ``reconnect``,
     ``expire_session``), and the session's life as a kazoo client sees it (heard, expired,
