@@ -303,14 +303,14 @@ class ZooKeeperStore(CachedStore):
     Why 49 methods: it is the ``Store`` interface on ZooKeeper (eighteen methods, and
     ``session_id`` and ``job_exists`` for tests and ``close_job``), and under each request the
     one ZooKeeper operation that kazoo's ``retry`` may run twice, written so that a retry after
-    a lost reply finds its own write (fifteen: the compare-and-set, the fenced mark, the
-    batched deletes of a forgotten round and the transactions that keep a closed job closed
-    among them), with the session id they check (``_session_number``); the four steps that open a job's
-    nodes and refuse one another user made, and the one that makes a round's nodes; kazoo's
-    watch and connection callbacks and the notifier thread that hands them on (six). All of them
-    share one client, one job path and one ACL, which is why they are one class. What needs none
-    of that lives apart: the cached state, members and subscribers (``CachedStore``), the client
-    and its retry and timeouts (``open_client``), the coalesced children watch
+    a lost reply finds its own write (fifteen: the compare-and-set, the fenced mark, the batched
+    deletes of a forgotten round and the transactions that keep a closed job closed among them),
+    with the session id they check (``_session_number``); the four steps that open a job's nodes
+    and refuse one another user made, and the one that makes a round's nodes; kazoo's watch and
+    connection callbacks and the notifier thread that hands them on (six). All of them share one
+    client, one job path and one ACL, which is why they are one class. What needs none of that
+    lives apart: the cached state, members and subscribers (``CachedStore``), the client and its
+    retry and timeouts (``open_client``), the coalesced children watch
     (``_CoalescedChildrenWatch``), the users' bad-node books (``BadNodeBook``).
     """
 
