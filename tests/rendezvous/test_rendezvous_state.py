@@ -487,7 +487,7 @@ def test_every_field_of_the_state_and_its_records_has_a_check_in_the_decoder() -
     """A field added to ``JobState`` (or ``NodeInfo``, ``Failure``) needs its row in the
     decoder's table, or every state would be refused as lacking it."""
     every = {field.name for field in fields(st.JobState)}
-    assert st.VIEW_ONLY < every, "a view-only name that is no field hides nothing"
+    assert st.VIEW_ONLY.issubset(every), "a view-only name that is no field hides nothing"
     assert set(st.STATE_FIELDS) == every - st.VIEW_ONLY
     assert not set(st.STATE_FIELDS) & st.VIEW_ONLY, "the document never holds the marks"
     assert set(st.NODE_FIELDS) == {field.name for field in fields(NodeInfo)}
