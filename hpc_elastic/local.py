@@ -367,7 +367,7 @@ class LocalJob:
     def _finishing(self) -> bool:
         """Whether a node already reported success: a loss now would fail the exit barrier."""
         data = self._server.snapshot()
-        return data is not None and bool(st.decode(data).succeeded)
+        return data is not None and bool(st.decode(data).state.succeeded)
 
     def _start(self, node: _Node) -> None:
         index = self._nodes.index(node)

@@ -2,8 +2,9 @@
 
 Agent tests used to run against a ``FakeRendezvous`` whose rules differed from the real ones;
 now every agent gets a real ``StoreRendezvous`` on its own connection to one ``MemoryServer``
-(the ZooKeeper stand-in). ``MemoryJob`` also remembers the last state the server held, so a
-test can read the restart count and root cause after the job closed and removed its state.
+(the ZooKeeper stand-in). ``MemoryJob`` also remembers the last state the server held (its
+document: the members are in a table beside it), so a test can read the restart count and
+root cause after the job closed and removed its state.
 """
 
 from __future__ import annotations
@@ -49,5 +50,5 @@ class MemoryJob:
         data, _ = self.server.state
         if data is not None:
             with self._lock:
-                self._last = st.decode(data)
+                self._last = st.decode(data).state
         notification()

@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 from hpc_elastic.errors import (
@@ -24,6 +24,7 @@ from hpc_elastic.errors import (
     RendezvousUnreachableError,
 )
 from hpc_elastic.rendezvous import state as st
+from hpc_elastic.rendezvous import tables
 from hpc_elastic.rendezvous.api import (
     Failure,
     JobFailedError,
@@ -40,7 +41,8 @@ PROPOSER_STAGGER = 0.1
 """Seconds between the turns of successive node ids to complete a round."""
 MAX_STAGGER = 5.0
 MEMBERS_RETRY = 1.0
-"""Seconds before a round's completion is tried again after the store failed to list members."""
+"""Seconds before a step is tried again after the store failed to list members or to give a
+round's table."""
 
 NOTE_SEPARATOR = "@"
 """Between a note's topic and the id of the node that shared it; an agreed answer's key is the
@@ -176,6 +178,8 @@ class StoreRendezvous(Rendezvous):
         """Set by a disconnection: the cached view must be read from the server once more."""
         self._back_from: int | None = None
         """The round this node's ``Mark.BACK`` was last written for, in its current session."""
+        self._members: tuple[NodeInfo, ...] = ()
+        """The members of ``_round``, which the round's table holds (``_seen``)."""
         store.subscribe(self._on_change, self._on_session_lost)
         store.subscribe_connection(self._on_connection)
 
@@ -229,11 +233,15 @@ class StoreRendezvous(Rendezvous):
             data, token, _ = self._store.set_state(data, token)
             self._stale = False
             log.debug("%s: view refreshed after the reconnection", self.node.node_id)
-        if data is None:
+        read = self._stored((data, token))
+        if read is None:
+            return Step(st.Action.WAIT, wake_at=self._clock() + MEMBERS_RETRY)
+        stored, token = read
+        if stored is None:
             self._create_state()
             return Step(st.Action.WAIT, again=True)
         alive = self._store.alive()
-        state = self._usable(self._decided_on(data, alive))
+        state = self._usable(self._decided_on(stored, alive))
         now = self._clock()
         if self._expected_nodes is not None:
             self._expected = self._expected_nodes()
@@ -279,11 +287,12 @@ class StoreRendezvous(Rendezvous):
     ) -> Step:
         if action is st.Action.RETURN:
             self._round = state.round
+            self._members = state.members
             self._in_round = True
             self._on_change()
             return Step(action, round=state.to_round())
         if action in _WRITES:
-            self._store.set_state(st.encode(self._written(action, state)), token)
+            self._write(self._written(action, state), state, token)
             return Step(action, again=True)
         if action is st.Action.MARK_READY:
             self._mark_back(state, token)
@@ -328,9 +337,7 @@ class StoreRendezvous(Rendezvous):
         (``ended``), so that every agent learns it without reading the marks; the mark then
         goes under the token that write made."""
         if not st.round_over(state):
-            _, token, won = self._store.set_state(
-                st.encode(st.mark_ready(state, self.node.node_id)), token
-            )
+            _, token, won = self._write(st.mark_ready(state, self.node.node_id), state, token)
             if not won:
                 return
         if self._store.mark(Mark.BACK, state.round, self.node.node_id, token):
@@ -340,7 +347,7 @@ class StoreRendezvous(Rendezvous):
         # Refused: the state moved on, and the watch that tells of it may be on its way. A
         # compare-and-set on the stale token cannot win; its answer is the state as it is
         # now, which the store keeps, so the next decision is made on that.
-        self._store.set_state(st.encode(state), token)
+        self._write(state, state, token)
         log.debug(
             "%s: state moved on; not marked back from round %d", self.node.node_id, state.round
         )
@@ -431,8 +438,10 @@ class StoreRendezvous(Rendezvous):
         finished", then exit 1). A failure is written on the state that was read, never on
         a newer one (``_fail_barrier``)."""
         alive = self._store.alive()
-        data, token = self._store.get_state()
-        state = st.decode(data) if data is not None else None
+        read = self._stored()
+        if read is None:
+            return Step(st.Barrier.WAIT, wake_at=self._clock() + MEMBERS_RETRY)
+        state, token = read
         timeout = self.settings.exit_barrier_timeout
         deadline = self._deadlines.barrier_ends()
         decision = st.barrier_action(state, alive, self._round, self._clock(), deadline)
@@ -465,7 +474,7 @@ class StoreRendezvous(Rendezvous):
         A compare-and-set on that state's token, not ``_update``: if the state moved on
         meanwhile (the last success, or its close), the decision was made on an old picture
         and is dropped, instead of failing a job that succeeded or raising "closed"."""
-        _, _, won = self._store.set_state(st.encode(st.fail(state, summary)), token)
+        _, _, won = self._write(st.fail(state, summary), state, token)
         log.debug(
             "%s: exit barrier %s: %s",
             self.node.node_id,
@@ -563,11 +572,16 @@ class StoreRendezvous(Rendezvous):
 
     def snapshot(self) -> st.JobState | None:
         """The job's state for ``hpc-elastic status``; None before the first agent arrives."""
+        return tables.current(self._store)[0]
+
+    def document(self) -> st.JobState | None:
+        """The job's state without its members, as this connection last saw it: no request
+        (the members are in the round's table, which ``snapshot`` reads)."""
         data, _ = self._store.get_state()
-        return st.decode(data) if data is not None else None
+        return st.decode(data).state if data is not None else None
 
     def job_running(self) -> bool:
-        return st.running(self.snapshot())
+        return st.running(self.document())
 
     def _join(self) -> None:
         self._rejoin.clear()
@@ -579,7 +593,7 @@ class StoreRendezvous(Rendezvous):
                 f"Job '{self.settings.run_id}' is closed (finished or cancelled); nothing to join."
             )
         initial = st.JobState(max_restarts=self.settings.max_restarts)
-        self._store.set_state(st.encode(initial), ABSENT)
+        self._write(initial, None, ABSENT)
 
     def _usable(self, state: st.JobState) -> st.JobState:
         if state.closed:
@@ -620,7 +634,7 @@ class StoreRendezvous(Rendezvous):
             )
         candidates = [st.decode_node(record) for record in records]
         new = st.complete_round(state, candidates, self.settings.nodes, exclude=exclude)
-        _, _, won = self._store.set_state(st.encode(new), token)
+        _, _, won = self._write(new, state, token)
         if won:
             log.debug(
                 "%s: completed round %d %s",
@@ -648,27 +662,42 @@ class StoreRendezvous(Rendezvous):
             f"only {present} of the {self.settings.nodes.min} nodes needed joined within "
             f"{self.settings.min_wait:g} s; check that the job got its nodes or lower --nodes"
         )
-        self._store.set_state(st.encode(st.fail(state, summary)), token)
+        self._write(st.fail(state, summary), state, token)
 
     def _update(self, step: Callable[[st.JobState], st.JobState]) -> st.JobState:
         """Apply ``step`` by compare-and-set until it sticks or changes nothing."""
-        data, token = self._store.get_state()
-        while data is not None:
-            state = st.decode(data)
-            new = step(state)
-            if new == state:
-                return state
-            data, token, won = self._store.set_state(st.encode(new), token)
-            if won:
-                return new
+        state = tables.update(self._store, step)
+        if state is not None:
+            return state
         raise RendezvousClosedError(
             f"Job '{self.settings.run_id}' is closed (finished or cancelled); nothing to update."
         )
 
-    def _decided_on(self, data: bytes, alive: frozenset[str]) -> st.JobState:
-        """The state a decision is made on: the document, and once its round is over, the
+    def _stored(
+        self, view: tuple[bytes | None, int] | None = None
+    ) -> tuple[st.JobState | None, int] | None:
+        """The store's state with its round's members (``tables.current``), or None where
+        the table could not be read: a store error, as when the connection has just failed
+        and the notice of it is on its way. Decide again a moment later, as after a failed
+        listing of the members (a cached view alone never raised here)."""
+        try:
+            return tables.current(self._store, view)
+        except tables.UnreadTable as error:
+            log.debug(
+                "%s: reading the round's table failed (%s); retrying", self.node.node_id, error
+            )
+            return None
+
+    def _write(
+        self, new: st.JobState, after: st.JobState | None, token: int
+    ) -> tuple[bytes | None, int, bool]:
+        """Compare-and-set ``new``, decided on ``after`` with ``token`` (``tables.write``:
+        a new round's table goes first)."""
+        return tables.write(self._store, new, token, after=after)
+
+    def _decided_on(self, state: st.JobState, alive: frozenset[str]) -> st.JobState:
+        """The state a decision is made on: the stored one, and once its round is over, the
         members that are back from it (``_back``). While the round runs nobody is back."""
-        state = st.decode(data)
         if state.round == 0 or not st.round_over(state):
             return state
         return st.with_back(state, self._back(state, alive))
@@ -726,8 +755,11 @@ class StoreRendezvous(Rendezvous):
         data, _ = self._store.get_state()
         if waiting_on is None or data is None:
             return False
+        stored = tables.read(self._store, data, fetch=False)
+        if stored is None:
+            return False  # A new round's table, not read yet: the loop reads it.
         alive = self._store.alive()
-        state = self._decided_on(data, alive)
+        state = self._decided_on(stored, alive)
         if state.closed or state.failed:
             return False
         if self._spare_news(state, alive):
@@ -751,7 +783,7 @@ class StoreRendezvous(Rendezvous):
         if not first and not self._arrivals_only:
             return  # Already superseded for a reason other than arrivals: nothing to learn.
         data, _ = self._store.get_state()
-        state = None if data is None else st.decode(data)
+        state = None if data is None else self._seen(data)
         alive = self._store.alive()
         superseded = state is None or (
             state.round != self._round
@@ -771,3 +803,17 @@ class StoreRendezvous(Rendezvous):
                 "arrivals only" if self._arrivals_only else "a member left, failed or finished",
             )
         self.changed.set()
+
+    def _seen(self, data: bytes) -> st.JobState:
+        """The state ``data`` holds, as a watch callback reads it: without a request. The
+        members of the round this node runs are its own (a round's table never changes); a
+        newer round's may not have been read yet, and only its number matters then (the
+        round is superseded, and ``only_arrivals`` and ``peer_lost`` of an older round are
+        false whatever its members), so they are left out."""
+        stored = tables.read(self._store, data, fetch=False)
+        if stored is not None:
+            return stored
+        document = st.decode(data)
+        if document.state.round == self._round:
+            return replace(document.state, members=self._members)
+        return document.state

@@ -30,6 +30,7 @@ from typing import Any
 
 from hpc_elastic.errors import RendezvousClosedError, RendezvousError
 from hpc_elastic.rendezvous import state as st
+from hpc_elastic.rendezvous import tables
 from hpc_elastic.rendezvous.api import NodeInfo, RendezvousSettings
 from hpc_elastic.rendezvous.backend import (
     ABSENT,
@@ -529,7 +530,6 @@ def describe_job(address: str, run_id: str) -> st.JobState | None:
     """The live state of a local run for ``hpc-elastic status``; None before the first round."""
     store = LocalStore(socket_path(address), run_id)
     try:
-        data, _ = store.get_state()
-        return st.decode(data) if data is not None else None
+        return tables.current(store)[0]
     finally:
         store.release()

@@ -1,16 +1,21 @@
-"""The job's rendezvous state as one JSON document, and the pure steps that change it.
+"""The job's rendezvous state as one small JSON document, and the pure steps that change it.
 
 Every agent reads the state, computes the next one with a function from this module and
 writes it back with a compare-and-set; whoever loses the race re-reads and decides again.
-Who came back to rendezvous after a round is not in the document: each member says so with a
-mark of its own beside it (``backend.Mark.BACK``), and the handler adds those marks to the
-state it decides on (``with_back``). Nothing here does I/O or reads a clock, so every rule is
-unit-tested without ZooKeeper.
+Two things are not in the document, so that its size does not grow with the job's:
+- the members of the latest round are in that round's table beside it (``Store.put_table``),
+  which the document names by its digest (``Document``); a process reads a table once
+  (``rendezvous/tables.py``), and a round's table never changes;
+- who came back to rendezvous after a round: each member says so with a mark of its own
+  (``backend.Mark.BACK``), and the handler adds those marks to the state it decides on
+  (``with_back``).
+Nothing here does I/O or reads a clock, so every rule is unit-tested without ZooKeeper.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from enum import Enum
@@ -31,12 +36,14 @@ from hpc_elastic.decoding import (
 )
 from hpc_elastic.errors import RendezvousError
 from hpc_elastic.rendezvous.api import Failure, NodeInfo, RendezvousSettings, Round
+from hpc_elastic.rendezvous.backend import table_digest
 from hpc_elastic.spec import NodeRange
 
-FORMAT = 5
+FORMAT = 6
 """Bumped when the JSON layout changes, so an old agent refuses a state it cannot read
 (4: ``departed``, and a member's ``link_port``; 5: ``ready`` left the document for marks
-beside it, and ``ended`` says that one was made)."""
+beside it, and ``ended`` says that one was made; 6: the members left it for their round's
+table, named by ``table`` and counted by ``size``)."""
 
 MARGIN = 2.0
 """Seconds added to every derived deadline for scheduling and ZooKeeper tick granularity."""
@@ -50,7 +57,12 @@ class JobState:
     round: int = 0
     """Number of the latest completed round; 0 before the first one."""
     members: tuple[NodeInfo, ...] = ()
-    """Members of ``round`` in node-rank order."""
+    """Members of ``round`` in node-rank order.
+
+    Not in the document: they are the round's table (``encode_table``), which the document
+    names by its digest. A restart of N nodes rewrote and re-read an O(N) document at every
+    change of the round (a port, a failure, its end); now each change is a few hundred bytes,
+    and each process reads a round's members once, when the round forms."""
     master_port: int | None = None
     """Published by the round's rank-0 agent once it has picked a free port."""
     restarts_used: int = 0
@@ -115,20 +127,72 @@ class JobState:
         )
 
 
-VIEW_ONLY = frozenset({"ready"})
-"""``JobState``'s fields that the document never holds: the store's marks fill them in."""
+VIEW_ONLY = frozenset({"ready", "members"})
+"""``JobState``'s fields that the document never holds: the round's table fills in the
+members, the store's marks who is back."""
+
+TABLE_FIELDS = ("table", "size")
+"""What the document holds in the members' place: their table's digest and their count."""
+
+
+@dataclass(frozen=True)
+class Document:
+    """The state as the store holds it: every field but the view-only ones, and the name of
+    the round's table, whose members ``filled`` puts back."""
+
+    state: JobState
+    """Without members (and without ``ready``)."""
+    table: str
+    """The digest of the members' table (``encode_table``); "" when there are none."""
+    size: int
+    """How many members the table holds."""
+
+    def filled(self, table: bytes) -> JobState:
+        """The state with its members, from the table this document names (the store
+        returns a table only under the digest it has); raises RendezvousError for a table
+        that does not hold ``size`` distinct members."""
+        members = decode_table(table) if self.size else ()
+        if len(members) != self.size:
+            raise RendezvousError(
+                f"The table of round {self.state.round} holds {len(members)} members where "
+                f"its state counts {self.size}; check that every agent runs the same "
+                "hpc-elastic version."
+            )
+        state = replace(self.state, members=members)
+        if len(state.member_ids) != self.size:
+            raise RendezvousError(
+                f"The table of round {self.state.round} lists a member twice; check that "
+                "every agent runs the same hpc-elastic version."
+            )
+        return state
 
 
 def encode(state: JobState) -> bytes:
-    """Without ``asdict``, whose deep copy dominated a 1024-member round's CPU time."""
+    """The document; the members go in their own table (``encode_table``), written first.
+
+    Without ``asdict``, whose deep copy dominated a 1024-member round's CPU time."""
     raw: dict[str, Any] = {
         field.name: getattr(state, field.name)
         for field in fields(state)
         if field.name not in VIEW_ONLY
     }
-    raw["members"] = [_record_fields(member) for member in state.members]
+    raw["table"] = table_name(state.members)
+    raw["size"] = len(state.members)
     raw["last_failure"] = _record_fields(state.last_failure) if state.last_failure else None
     return json.dumps({"format": FORMAT, **raw}, sort_keys=True).encode()
+
+
+@lru_cache(maxsize=4)
+def encode_table(members: tuple[NodeInfo, ...]) -> bytes:
+    """A round's members in rank order, as the table the store keeps beside the state.
+    Cached: every write of a round's state names its table, and every process sharing a
+    round encodes the same members."""
+    return json.dumps([_record_fields(member) for member in members], sort_keys=True).encode()
+
+
+def table_name(members: tuple[NodeInfo, ...]) -> str:
+    """The digest that names the members' table in the document; "" for no members."""
+    return table_digest(encode_table(members)) if members else ""
 
 
 def _record_fields(record: NodeInfo | Failure) -> dict[str, Any]:
@@ -171,7 +235,6 @@ signal: ``rootcause.describe_exit``)."""
 STATE_FIELDS: dict[str, Check] = {
     "max_restarts": whole(0),
     "round": whole(0),
-    "members": tuple_of(record(NodeInfo, NODE_FIELDS)),
     "master_port": optional(whole(1, 65535)),
     "restarts_used": whole(0),
     "failed_round": whole(0),
@@ -185,42 +248,79 @@ STATE_FIELDS: dict[str, Check] = {
 }
 """``JobState``'s fields, by the name ``encode`` writes them under."""
 
+DIGEST = re.compile(r"[0-9a-f]{64}")
+"""A table's name: a sha256 in lower-case hex (``backend.table_digest``)."""
+
+
+def _table_name(value: object, where: str) -> object:
+    if type(value) is not str or not (value == "" or DIGEST.fullmatch(value)):
+        raise MalformedError(f"'{where}' is {shown(value)}, not a sha256 digest in hex")
+    return value
+
+
 STATE_RULES: tuple[tuple[Callable[[JobState], bool], str], ...] = (
     (lambda s: s.restarts_used <= s.max_restarts, "spends more restarts than it has"),
     (lambda s: s.failed_round <= s.round, "failed a round that has not formed yet"),
-    (lambda s: len(s.member_ids) == len(s.members), "lists a member twice"),
 )
 """What holds between fields of every state the rules in this module make."""
 
+TABLE_CHECKS: dict[str, Check] = {"table": _table_name, "size": whole(0)}
+"""The document's fields in the members' place (``TABLE_FIELDS``)."""
+
 _STATE = record(JobState, STATE_FIELDS)
 _NODE = record(NodeInfo, NODE_FIELDS)
+_MEMBERS = tuple_of(_NODE)
 
 
-def decode_state(raw: object) -> JobState:
-    """A ``JobState`` from parsed JSON (``format`` included); raises ``MalformedError``."""
+def decode_document(raw: object) -> Document:
+    """A ``Document`` from parsed JSON (``format`` included); raises ``MalformedError``."""
     if type(raw) is not dict:
         raise MalformedError(f"it is {shown(raw)}, not an object")
     fmt = raw.get("format")  # first: a newer layout is "another version", not a bad field
     if type(fmt) is not int or fmt != FORMAT:
         raise MalformedError(f"its format is {shown(fmt)}")
-    state = cast(JobState, _STATE({k: v for k, v in raw.items() if k != "format"}, ""))
+    for name, check in TABLE_CHECKS.items():
+        if name not in raw:
+            raise MalformedError(f"it lacks '{name}'")
+        check(raw[name], name)
+    fields_only = {k: v for k, v in raw.items() if k != "format" and k not in TABLE_CHECKS}
+    state = cast(JobState, _STATE(fields_only, ""))
     for holds, broken in STATE_RULES:
         if not holds(state):
             raise MalformedError(f"it {broken}")
-    return state
+    table, size = cast(str, raw["table"]), cast(int, raw["size"])
+    if (table == "") != (size == 0):
+        raise MalformedError(f"it names table {shown(table)} for {size} members")
+    return Document(state, table, size)
 
 
-@lru_cache(maxsize=8)
-def decode(data: bytes) -> JobState:
-    """Parse a state; cached because every agent sharing a connection reads the same bytes."""
+def _parsed(data: bytes, convert: Callable[[object], object], what: str, kind: str) -> object:
+    """``convert`` of the JSON in ``data``; anything malformed is one RendezvousError that
+    quotes the bytes (``what``) and says what they are not (``kind``)."""
     try:
-        return decode_state(json.loads(data))
+        return convert(json.loads(data))
     except (ValueError, RecursionError) as error:  # MalformedError and JSON's errors
         why = f": {error}" if isinstance(error, MalformedError) else ""
         raise RendezvousError(
-            f"The rendezvous state {data[:40]!r} is not a hpc-elastic state of format "
-            f"{FORMAT}{why}; check that every agent runs the same hpc-elastic version."
+            f"{what} {data[:40]!r} is not {kind}{why}; check that every agent runs the same "
+            "hpc-elastic version."
         ) from error
+
+
+@lru_cache(maxsize=8)
+def decode(data: bytes) -> Document:
+    """Parse a state; cached because every agent sharing a connection reads the same bytes."""
+    state = f"a hpc-elastic state of format {FORMAT}"
+    return cast(Document, _parsed(data, decode_document, "The rendezvous state", state))
+
+
+@lru_cache(maxsize=4)
+def decode_table(data: bytes) -> tuple[NodeInfo, ...]:
+    """A round's members from their table; cached: every agent of a process reads the same."""
+    members = _parsed(
+        data, lambda raw: _MEMBERS(raw, "members"), "The table of members", "a hpc-elastic table"
+    )
+    return cast(tuple[NodeInfo, ...], members)
 
 
 def encode_node(node: NodeInfo) -> bytes:
@@ -230,14 +330,8 @@ def encode_node(node: NodeInfo) -> bytes:
 @lru_cache(maxsize=4096)
 def decode_node(data: bytes) -> NodeInfo:
     """Cached: a member's record never changes, and every proposal decodes all of them."""
-    try:
-        return cast(NodeInfo, _NODE(json.loads(data), ""))
-    except (ValueError, RecursionError) as error:
-        why = f": {error}" if isinstance(error, MalformedError) else ""
-        raise RendezvousError(
-            f"The member record {data[:40]!r} is not a hpc-elastic node{why}; "
-            "check that every agent runs the same hpc-elastic version."
-        ) from error
+    node = _parsed(data, lambda raw: _NODE(raw, ""), "The member record", "a hpc-elastic node")
+    return cast(NodeInfo, node)
 
 
 def round_is_live(state: JobState, alive: frozenset[str], nodes: NodeRange) -> bool:

@@ -83,8 +83,8 @@ class ZooKeeperRendezvousHandler(RendezvousHandler):
         )
 
     def is_closed(self) -> bool:
-        snapshot = self._rendezvous.snapshot()
-        return snapshot is None or snapshot.closed
+        document = self._rendezvous.document()
+        return document is None or document.closed
 
     def set_closed(self) -> None:
         self._rendezvous.close()

@@ -61,6 +61,7 @@ from kazoo.security import ACL, OPEN_ACL_UNSAFE, Id, Permissions, make_digest_ac
 
 from hpc_elastic.errors import RendezvousAccessError, RendezvousClosedError, RendezvousError
 from hpc_elastic.rendezvous import state as st
+from hpc_elastic.rendezvous import tables
 from hpc_elastic.rendezvous.api import NodeInfo, RendezvousSettings
 from hpc_elastic.rendezvous.backend import (
     ABSENT,
@@ -1023,8 +1024,7 @@ def _existing_job(zk: str, run_id: str, secret: str | None) -> Iterator[ZooKeepe
 def describe_job(zk: str, run_id: str, secret: str | None) -> st.JobState | None:
     """The job's state for ``hpc-elastic status``; None if no agent has arrived yet."""
     with _existing_job(zk, run_id, secret) as store:
-        data, _ = store.get_state()
-        return st.decode(data) if data is not None else None
+        return tables.current(store)[0]
 
 
 def close_job(zk: str, run_id: str, secret: str | None) -> None:
@@ -1038,11 +1038,7 @@ def close_job(zk: str, run_id: str, secret: str | None) -> None:
         if not store.job_exists():
             logger.debug("zookeeper: job %s has no node; nothing to close", run_id)
             return
-        data, token = store.get_state()
-        while data is not None:
-            data, token, won = store.set_state(st.encode(st.close(st.decode(data))), token)
-            if won:
-                break
+        tables.update(store, st.close)
         store.close_job()
 
 

@@ -365,13 +365,19 @@ class SimAgent:
         elif step.wake_at is not None:
             self.world.at(step.wake_at, self.step)
 
-    def _view(self) -> tuple[tuple[bytes | None, int], frozenset[str], frozenset[str]]:
+    def _view(self) -> tuple[st.JobState | None, frozenset[str], frozenset[str]] | None:
         """What this node decides on now: the state, the live nodes, and who it knows to be
-        back from the state's round (the handler's own reading of the marks)."""
-        data, token = self.store.get_state()
+        back from the state's round (the handler's own reading of the marks). None for a
+        state so old that the server no longer has its round's table: the handler reads
+        the state again before it decides."""
+        data, _ = self.store.get_state()
         alive = self.store.alive()
-        back = self.handler._back(decoded(data), alive) if data is not None else frozenset()
-        return (data, token), alive, back
+        if data is None:
+            return None, alive, frozenset()
+        state = held(data, self.world.server)
+        if state is None:
+            return None
+        return state, alive, self.handler._back(state, alive)
 
     def _barrier_step(self) -> None:
         """The exit barrier, one decision; its answer (or a stop signal) goes back to
@@ -680,12 +686,27 @@ def everyone_succeeded(state: st.JobState) -> bool:
     return state.round > 0 and not unfinished(state)
 
 
-def decoded(data: bytes) -> st.JobState:
-    """A state the server holds, which every agent must be able to read."""
+def held(data: bytes, server: MemoryServer) -> st.JobState | None:
+    """The state ``data`` holds, with its round's members as the server keeps them; None if
+    the server no longer has that table (an old state's, which ``forget_rounds`` removed).
+    Every agent must be able to read it."""
     try:
-        return st.decode(data)
+        document = st.decode(data)
+        if not document.table:
+            return document.state
+        table = server._read_table(document.state.round, document.table)
+        return None if table is None else document.filled(table)
     except RendezvousError as error:
         raise Violation(f"state: the server holds a state no agent can read: {error}") from error
+
+
+def decoded(data: bytes, server: MemoryServer) -> st.JobState:
+    """The server's current state, whose round's table it must hold: it is written before
+    the commit that names it, and forgotten only two rounds later."""
+    state = held(data, server)
+    if state is None:
+        raise Violation(f"state: the server holds a state whose table is missing: {data[:80]!r}")
+    return state
 
 
 def port_of(node: NodeInfo) -> int:
@@ -1092,7 +1113,7 @@ class Properties:
     def server_state(self) -> st.JobState | None:
         """The state as the server holds it now (None once closed, or before the first)."""
         data, _ = self.world.server.state
-        return decoded(data) if data is not None else None
+        return decoded(data, self.world.server) if data is not None else None
 
     def cause(self) -> str:
         """What the failure of a failed job names (``CAUSES``); a violation if nothing."""
@@ -1120,7 +1141,7 @@ class Properties:
                 f"budget: {raw['restarts_used']} restarts spent of a budget of "
                 f"{raw['max_restarts']}"
             )
-        new = decoded(data)
+        new = decoded(data, self.world.server)
         old, self.last_state = self.last_state, new
         if new.max_restarts != self.world.settings.max_restarts:
             raise Violation(f"budget: the state's budget became {new.max_restarts}")
@@ -1319,7 +1340,7 @@ class Properties:
         self,
         agent: SimAgent,
         action: st.Action | st.Barrier,
-        view: tuple[bytes | None, int],
+        state: st.JobState | None,
         alive: frozenset[str],
         back: frozenset[str],
     ) -> None:
@@ -1327,9 +1348,8 @@ class Properties:
         ready, or when it only lost members (all back, none excluded but alive), it forms at
         once (docs/design.md, docs/rendezvous.md). Judged on the node's own view, with no rule
         under test: the simulation passes no count of coming nodes."""
-        if action not in (st.Action.LAST_CALL, st.Action.COMPLETE) or view[0] is None:
+        if action not in (st.Action.LAST_CALL, st.Action.COMPLETE) or state is None:
             return
-        state = decoded(view[0])
         excluded = set(state.excluded)
         present = alive - excluded - set(state.departed)
         members = {member.node_id for member in state.members}

@@ -18,7 +18,7 @@ from hpc_elastic.errors import (
 )
 from hpc_elastic.rendezvous import state as st
 from hpc_elastic.rendezvous.api import Failure, JobFailedError, NodeInfo, RendezvousSettings, Round
-from hpc_elastic.rendezvous.backend import ABSENT, Mark, Store, place_mark
+from hpc_elastic.rendezvous.backend import ABSENT, Mark, Store, place_mark, table_digest
 from hpc_elastic.rendezvous.handler import Step, StoreRendezvous
 from hpc_elastic.rendezvous.memory import ManualClock, MemoryServer, MemoryStore
 from hpc_elastic.spec import NodeRange
@@ -34,6 +34,7 @@ class FakeStore(Store):
         self._closed = False
         self._subscribers: dict[Callable[[], None], Callable[[], None]] = {}
         self._marks: dict[tuple[Mark, int], dict[str, object]] = {}
+        self._tables: dict[tuple[int, str], bytes] = {}
 
     def get_state(self) -> tuple[bytes | None, int]:
         with self._lock:
@@ -110,15 +111,23 @@ class FakeStore(Store):
         """Every change notifies every subscriber here."""
 
     def put_table(self, round_number: int, table: bytes) -> str:
-        raise NotImplementedError("the handler writes no tables yet")
+        with self._lock:
+            if self._closed:
+                raise RendezvousClosedError("closed")
+            digest = table_digest(table)
+            self._tables[round_number, digest] = table
+            return digest
 
     def table(self, round_number: int, digest: str) -> bytes | None:
-        raise NotImplementedError("the handler reads no tables yet")
+        with self._lock:
+            return self._tables.get((round_number, digest))
 
     def forget_rounds(self, before_round: int) -> None:
         with self._lock:
             for key in [key for key in self._marks if key[1] < before_round]:
                 del self._marks[key]
+            for done in [key for key in self._tables if key[0] < before_round]:
+                del self._tables[done]
 
     def is_closed(self) -> bool:
         return self._closed
@@ -129,6 +138,7 @@ class FakeStore(Store):
             self._state = (None, ABSENT)
             self._members.clear()
             self._marks.clear()
+            self._tables.clear()
         self._notify()
 
     def release(self) -> None:
@@ -654,7 +664,7 @@ def test_a_round_never_forms_below_min_from_a_view_that_missed_a_departure() -> 
     assert step.wake_at is not None, "a waits for its view to catch up, then decides again"
     state = server.state[0]
     assert state is not None
-    assert st.decode(state).round == 0, "no round formed without b's place filled"
+    assert st.decode(state).state.round == 0, "no round formed without b's place filled"
     holding.clear()
     for notification in held:
         notification()
@@ -753,8 +763,8 @@ def test_the_exit_barrier_fails_the_job_only_on_the_state_it_decided_from() -> N
     assert a.barrier_step().action is st.Barrier.WAIT, "b finished; c is alive and running"
     state = world.server.state[0]
     assert state is not None
-    assert not st.decode(state).failed
-    assert set(st.decode(state).succeeded) == {"a", "b"}
+    assert not st.decode(state).state.failed
+    assert set(st.decode(state).state.succeeded) == {"a", "b"}
 
 
 def test_a_job_below_min_beside_a_stuck_member_counts_only_the_nodes_that_can_train() -> None:

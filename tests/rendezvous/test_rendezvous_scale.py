@@ -95,6 +95,22 @@ def state_version(address: ZooKeeperAddress) -> int:
         client.close()
 
 
+def document_and_tables(address: ZooKeeperAddress, round_number: int) -> tuple[bytes, set[str]]:
+    """The job's state as the server holds it, and the names of round ``round_number``'s
+    tables (``Store.put_table``)."""
+    client = open_client(address, None, SESSION)
+    try:
+        data, _ = client.get(f"{address.job_path(RUN)}/state")
+        return data, set(client.get_children(f"{address.job_path(RUN)}/rounds/{round_number}"))
+    finally:
+        client.stop()
+        client.close()
+
+
+DOCUMENT_BYTES = 1024
+"""What the state may weigh whatever the job's size: its members are in their table."""
+
+
 def marked_back(address: ZooKeeperAddress, round_number: int) -> set[str]:
     """The nodes marked back from ``round_number`` (``Mark.BACK``), listed on the server."""
     client = open_client(address, None, SESSION)
@@ -138,6 +154,9 @@ def test_a_round_of_512_agents_ranks_every_member_once_in_one_commit(
     assert stored.round == 1
     assert stored.to_round() == first, "the stored round is not the one the agents hold"
     assert not st.round_over(stored)
+    document, tables = document_and_tables(address, 1)
+    assert len(document) < DOCUMENT_BYTES, f"a state of {len(document)} bytes for 512 members"
+    assert tables == {st.table_name(first.members)}, "the round has one table, its members'"
 
 
 @pytest.mark.timeout(2 * DEADLINE + 60)
@@ -175,3 +194,6 @@ def test_a_restart_of_512_agents_marks_each_back_once_and_commits_once(
     stored = agents[0].snapshot()
     assert stored is not None
     assert stored.restarts_used == 1
+    document, tables = document_and_tables(address, 2)
+    assert len(document) < DOCUMENT_BYTES, f"a state of {len(document)} bytes for 512 members"
+    assert tables == {st.table_name(first[0].members)}, "the same ranks, the same table"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import fields, replace
 from typing import Any, cast
 
@@ -15,6 +16,7 @@ from typed_json import json_values, mutated, well_typed
 from hpc_elastic.errors import RendezvousError
 from hpc_elastic.rendezvous import state as st
 from hpc_elastic.rendezvous.api import Failure, NodeInfo, RendezvousSettings
+from hpc_elastic.rendezvous.backend import table_digest
 from hpc_elastic.spec import NodeRange
 
 ONE_TO_FOUR = NodeRange(1, 4)
@@ -43,11 +45,39 @@ def back(names: str, state: st.JobState) -> st.JobState:
     return state
 
 
+def stored(state: st.JobState) -> st.JobState:
+    """``state`` as an agent reads it back: its document, filled from its members' table."""
+    return st.decode(st.encode(state)).filled(st.encode_table(state.members))
+
+
 def test_codec_round_trips_json_not_pickle() -> None:
     state = st.record_failure(running("a", "b"), 1, failure())
     data = st.encode(state)
     assert data.startswith(b"{")
-    assert st.decode(data) == state
+    assert stored(state) == state
+
+
+def test_the_document_names_its_members_table_and_does_not_grow_with_the_job() -> None:
+    """A round of 1,000 members is committed by a document of the size of a round of two:
+    the members are their table, which the document names by its digest."""
+    few = running("a", "b")
+    nodes = [node(f"node-{i:04d}") for i in range(1000)]
+    many = st.complete_round(st.JobState(max_restarts=2), nodes, NodeRange(1, 1000))
+    document = st.decode(st.encode(many))
+    assert document.state.members == ()
+    assert document.size == 1000
+    assert document.table == table_digest(st.encode_table(many.members))
+    assert abs(len(st.encode(many)) - len(st.encode(few))) < 100
+    assert b"node-0001" not in st.encode(many)
+    with pytest.raises(RendezvousError, match="holds 2 members where its state counts 1000"):
+        document.filled(st.encode_table(few.members))
+
+
+def test_a_table_that_lists_a_member_twice_is_refused_in_one_sentence() -> None:
+    twice = (node("a"), node("a"))
+    document = st.decode(st.encode(replace(running("a", "b"), members=twice)))
+    with pytest.raises(RendezvousError, match="lists a member twice; check that every agent"):
+        document.filled(st.encode_table(twice))
 
 
 @pytest.mark.parametrize("data", [b"not json", b"{}", b'{"format": 99}', b"[1]"])
@@ -221,23 +251,23 @@ def test_mark_ready_is_idempotent_and_only_for_members() -> None:
 def test_the_first_member_back_ends_the_round_in_the_document_and_the_next_round_is_live() -> None:
     """Who is back is kept in marks beside the document; that one is back is in it."""
     state = back("b", running("a", "b", "c"))
-    stored = st.decode(st.encode(state))
-    assert stored.ended, "the document says that the round ended"
-    assert stored.ready == (), "and not who is back"
-    assert st.round_over(stored)
-    assert not st.round_is_live(stored, frozenset("abc"), ONE_TO_FOUR)
-    after = st.complete_round(stored, [node("a"), node("b")], ONE_TO_FOUR)
+    stored_state = stored(state)
+    assert stored_state.ended, "the document says that the round ended"
+    assert stored_state.ready == (), "and not who is back"
+    assert st.round_over(stored_state)
+    assert not st.round_is_live(stored_state, frozenset("abc"), ONE_TO_FOUR)
+    after = st.complete_round(stored_state, [node("a"), node("b")], ONE_TO_FOUR)
     assert not after.ended
     assert st.round_is_live(after, frozenset("ab"), ONE_TO_FOUR)
 
 
 def test_the_marks_seen_fill_in_who_is_back_among_the_members_in_rank_order() -> None:
-    stored = st.decode(st.encode(back("c", running("a", "b", "c"))))
-    seen = st.with_back(stored, frozenset({"c", "a", "stranger"}))
+    document = stored(back("c", running("a", "b", "c")))
+    seen = st.with_back(document, frozenset({"c", "a", "stranger"}))
     assert seen.ready == ("a", "c")
     assert st.stragglers(seen, frozenset("abc")) == {"b"}
     assert st.with_back(seen, frozenset({"a", "c"})) is seen, "the same marks, the same state"
-    assert st.decode(st.encode(seen)) == stored, "marks are never written into the document"
+    assert stored(seen) == document, "marks are never written into the document"
 
 
 SETTINGS = RendezvousSettings("job", ONE_TO_FOUR, session_timeout=6.0, stop_grace=2.0)
@@ -438,9 +468,6 @@ def fields_of(data: bytes) -> dict[str, Any]:
     ("path", "value", "said"),
     [
         (("closed",), "no", "'closed' is 'no', not true or false"),
-        (("members", 0, "host"), ["x"], "'members[0].host' is ['x'], not a string"),
-        (("members", 0, "nproc"), "2", "'members[0].nproc' is '2', not a whole number"),
-        (("members", 0, "nproc"), 0, "'members[0].nproc' is 0, out of range (1 or more)"),
         (("round",), True, "'round' is True, not a whole number"),
         (("round",), 1.5, "'round' is 1.5, not a whole number"),
         (("master_port",), 70000, "'master_port' is 70000, out of range (from 1 to 65535)"),
@@ -448,6 +475,10 @@ def fields_of(data: bytes) -> dict[str, Any]:
         (("succeeded",), "a", "'succeeded' is 'a', not a list"),
         (("ended",), 1, "'ended' is 1, not true or false"),
         (("ready",), ["a"], "it has an unknown field 'ready'"),
+        (("members",), [], "it has an unknown field 'members'"),
+        (("table",), "abc", "'table' is 'abc', not a sha256 digest in hex"),
+        (("table",), "", "it names table '' for 2 members"),
+        (("size",), -1, "'size' is -1, out of range (0 or more)"),
         (("last_failure",), {"rank": 0}, "'last_failure' lacks 'exit_code'"),
         (("last_failure", "time"), "now", "'last_failure.time' is 'now', not a number of seconds"),
         (("last_failure", "time"), 1e400, "'last_failure.time' is inf, not a time"),
@@ -462,16 +493,43 @@ def test_a_state_field_of_the_wrong_type_or_range_is_refused_in_one_sentence(
 ) -> None:
     """A field is checked before it is used: ``closed: "no"`` was once taken as closed."""
     raw = fields_of(st.encode(st.record_failure(running("a", "b"), 1, failure())))
+    refused_in_one_sentence(st.decode, raw, path, value, said)
+
+
+def refused_in_one_sentence(
+    decode: Callable[[bytes], object],
+    raw: Any,
+    path: tuple[str | int, ...],
+    value: object,
+    said: str,
+) -> None:
+    """``decode`` of ``raw`` with ``value`` planted at ``path`` is one sentence saying ``said``."""
     place: Any = raw
     for step in path[:-1]:
         place = place[step]
     place[path[-1]] = value
     with pytest.raises(RendezvousError) as refused:
-        st.decode(json.dumps(raw).encode())
+        decode(json.dumps(raw).encode())
     message = str(refused.value)
     assert said in message
     assert message.endswith("check that every agent runs the same hpc-elastic version.")
     assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "said"),
+    [
+        ((0, "host"), ["x"], "'members[0].host' is ['x'], not a string"),
+        ((0, "nproc"), "2", "'members[0].nproc' is '2', not a whole number"),
+        ((0, "nproc"), 0, "'members[0].nproc' is 0, out of range (1 or more)"),
+        ((1,), "b", "'members[1]' is 'b', not an object"),
+    ],
+)
+def test_a_member_of_the_wrong_type_in_a_table_is_refused_in_one_sentence(
+    path: tuple[str | int, ...], value: object, said: str
+) -> None:
+    raw = json.loads(st.encode_table(running("a", "b").members))
+    refused_in_one_sentence(st.decode_table, raw, path, value, said)
 
 
 @pytest.mark.parametrize(
@@ -490,13 +548,15 @@ def test_every_field_of_the_state_and_its_records_has_a_check_in_the_decoder() -
     assert st.VIEW_ONLY.issubset(every), "a view-only name that is no field hides nothing"
     assert set(st.STATE_FIELDS) == every - st.VIEW_ONLY
     assert not set(st.STATE_FIELDS) & st.VIEW_ONLY, "the document never holds the marks"
+    assert set(st.TABLE_CHECKS) == set(st.TABLE_FIELDS), "the members' place is checked too"
+    assert not set(st.TABLE_FIELDS) & every, "and is no field of the state"
     assert set(st.NODE_FIELDS) == {field.name for field in fields(NodeInfo)}
     assert set(st.FAILURE_FIELDS) == {field.name for field in fields(Failure)}
 
 
 def assert_valid(state: st.JobState) -> None:
     assert well_typed(state, st.JobState), state
-    assert st.decode(st.encode(state)) == state
+    assert stored(state) == state
 
 
 names = hs.text(hs.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1, max_size=8)
@@ -538,15 +598,26 @@ def valid_states(draw: hs.DrawFn) -> st.JobState:
 
 
 def decodes_or_refuses(data: bytes) -> None:
-    """The codec's contract: a state that is valid in every field, or one RendezvousError."""
-    state = typed_json.decodes_or_refuses(st.decode, data, RendezvousError, st.JobState)
-    if state is not None:
-        assert_valid(cast(st.JobState, state))
+    """The codec's contract: a document that is valid in every field, or one RendezvousError."""
+    document = typed_json.decodes_or_refuses(st.decode, data, RendezvousError, st.Document)
+    if document is not None:
+        state = cast(st.Document, document).state
+        assert state.members == (), "the members are in their table"
+        assert_valid(state)
 
 
 @given(valid_states())
 def test_every_valid_state_survives_its_encoding(state: st.JobState) -> None:
     assert_valid(state)
+
+
+@given(json_values)
+def test_any_json_decodes_to_a_table_of_members_or_one_rendezvous_error(value: object) -> None:
+    members = typed_json.decodes_or_refuses(
+        st.decode_table, json.dumps(value).encode(), RendezvousError, tuple[NodeInfo, ...]
+    )
+    if members is not None:
+        assert st.decode_table(st.encode_table(cast(tuple[NodeInfo, ...], members))) == members
 
 
 @given(json_values)
@@ -662,7 +733,7 @@ def test_departed_nodes_that_the_store_no_longer_lists_are_forgotten_at_the_next
     assert st.depart(first, alive, "b", "d", 1) == first, "marked once"
     second = st.depart(first, frozenset("abc"), "a", "c", 1)  # d's session expired meanwhile
     assert second.departed == ("c",)
-    assert st.decode(st.encode(second)) == second
+    assert stored(second) == second
 
 
 def test_a_departed_node_is_not_expected_so_the_survivors_do_not_wait_the_last_call_for_it() -> (

@@ -1,0 +1,177 @@
+"""The job's state as the agents decide on it: the document, and its round's table of members.
+
+The document (``state.encode``) is a few hundred bytes whatever the job's size; the members of
+its round are a table beside it (``Store.put_table``), named by its digest. A round's table
+never changes (one commit per round, and a digest per content), so a connection reads it once
+and keeps it here: every state of the round (its port, a failure, its end) is filled from
+memory, and every agent sharing the connection shares the one copy.
+
+- ``read``: the state of a document, its table fetched if this process does not hold it;
+- ``current``: the store's latest state, read again if its table is gone (a view two rounds
+  behind, whose table ``forget_rounds`` removed);
+- ``write``: a compare-and-set that writes a new round's table first, so that whoever reads
+  the commit finds the table it names.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Generic, TypeVar
+from weakref import WeakKeyDictionary
+
+from hpc_elastic.errors import RendezvousClosedError, RendezvousError
+from hpc_elastic.rendezvous import state as st
+from hpc_elastic.rendezvous.backend import Store
+
+KEPT = 16
+"""Tables (and filled states) a connection keeps: a job needs the latest round's, and a few
+more spare a lagging agent a second read."""
+
+log = logging.getLogger(__name__)
+
+
+class MissingTable(RendezvousError):
+    """The job's current state names a table the store does not have: it is damaged."""
+
+
+class UnreadTable(RendezvousError):
+    """The store failed to give a round's table (a connection lost meanwhile): try again."""
+
+
+Key = TypeVar("Key")
+Value = TypeVar("Value")
+
+
+class _Recent(Generic[Key, Value]):
+    """The ``KEPT`` values used last, safe to share between threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: OrderedDict[Key, Value] = OrderedDict()
+
+    def get(self, key: Key) -> Value | None:
+        with self._lock:
+            value = self._values.get(key)
+            if value is not None:
+                self._values.move_to_end(key)
+            return value
+
+    def put(self, key: Key, value: Value) -> None:
+        with self._lock:
+            self._values[key] = value
+            self._values.move_to_end(key)
+            while len(self._values) > KEPT:
+                self._values.popitem(last=False)
+
+
+class _Held:
+    """What one connection holds of its job's tables."""
+
+    def __init__(self) -> None:
+        self.tables: _Recent[str, bytes] = _Recent()
+        """Digest -> table: the store returns a table only under its own digest."""
+        self.states: _Recent[bytes, st.JobState] = _Recent()
+        """Document -> the state filled from its table: every agent sharing the connection
+        decides on one object, whose ``member_ids`` is computed once."""
+
+
+_held: WeakKeyDictionary[Store, _Held] = WeakKeyDictionary()
+"""Per connection, not per process: each agent of a simulation (or of a benchmark's
+driver) reads through its own connection what its own node would read."""
+_held_lock = threading.Lock()
+
+
+def _of(store: Store) -> _Held:
+    with _held_lock:
+        held = _held.get(store)
+        if held is None:
+            held = _held[store] = _Held()
+        return held
+
+
+def read(store: Store, data: bytes, *, fetch: bool = True) -> st.JobState | None:
+    """The state ``data`` holds, with its members; None if its table is not to be had: gone
+    from the store (``current`` reads the state again), or, with ``fetch`` False, not held
+    by this process (a watch callback makes no request)."""
+    document = st.decode(data)
+    if not document.table:
+        return document.state
+    held = _of(store)
+    state = held.states.get(data)
+    if state is not None:
+        return state
+    table = held.tables.get(document.table)
+    if table is None:
+        if not fetch:
+            return None
+        table = _fetched(store, document)
+        if table is None:
+            return None
+        log.debug("read the table of round %d (%d bytes)", document.state.round, len(table))
+        held.tables.put(document.table, table)
+    state = document.filled(table)
+    held.states.put(data, state)
+    return state
+
+
+def _fetched(store: Store, document: st.Document) -> bytes | None:
+    """The table ``document`` names, from the store; its errors but closure are ``UnreadTable``."""
+    try:
+        return store.table(document.state.round, document.table)
+    except RendezvousClosedError:
+        raise
+    except RendezvousError as error:
+        raise UnreadTable(str(error)) from error
+
+
+def current(
+    store: Store, view: tuple[bytes | None, int] | None = None
+) -> tuple[st.JobState | None, int]:
+    """The store's state (``view``: as already read) and its token; (None, token) if there is
+    none. A state whose table is gone is two rounds old (``forget_rounds`` keeps the tables
+    of the latest two): a compare-and-set of its own bytes on its stale token cannot win,
+    and answers with the state as it is now."""
+    data, token = store.get_state() if view is None else view
+    while data is not None:
+        state = read(store, data)
+        if state is not None:
+            return state, token
+        stale = st.decode(data)
+        data, token, won = store.set_state(data, token)
+        if won:
+            raise MissingTable(
+                f"The table of round {stale.state.round} ({stale.table[:12]}...) that the "
+                f"job's state names is missing from {store.where}; the job's rendezvous "
+                "state is damaged: cancel the job and submit it again."
+            )
+    return None, token
+
+
+def write(
+    store: Store, new: st.JobState, token: int, *, after: st.JobState | None
+) -> tuple[bytes | None, int, bool]:
+    """``store.set_state`` of ``new``, decided on ``after`` (None: no state yet). A state
+    whose members are not ``after``'s (a new round) has its table written first: a reader
+    of the commit must find the table it names. Idempotent, like the table itself."""
+    if new.members and (after is None or new.members != after.members or new.round != after.round):
+        table = st.encode_table(new.members)
+        _of(store).tables.put(store.put_table(new.round, table), table)
+    return store.set_state(st.encode(new), token)
+
+
+def update(store: Store, step: Callable[[st.JobState], st.JobState]) -> st.JobState | None:
+    """Apply ``step`` to the current state by compare-and-set until it sticks or changes
+    nothing; the state then, or None if there is none (the job closed)."""
+    state, token = current(store)
+    while state is not None:
+        new = step(state)
+        if new == state:
+            return state
+        data, token, won = write(store, new, token, after=state)
+        if won:
+            return new
+        state, token = current(store, (data, token))
+    return None

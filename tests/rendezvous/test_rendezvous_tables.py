@@ -1,0 +1,158 @@
+"""The state as agents decide on it: a small document, and its round's members in a table
+beside it (``rendezvous/tables.py``), on the in-memory store that passes the store contract."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from hpc_elastic.errors import RendezvousError
+from hpc_elastic.rendezvous import state as st
+from hpc_elastic.rendezvous import tables
+from hpc_elastic.rendezvous.api import Failure, NodeInfo, RendezvousSettings
+from hpc_elastic.rendezvous.backend import ABSENT, Store
+from hpc_elastic.rendezvous.handler import MEMBERS_RETRY, StoreRendezvous
+from hpc_elastic.rendezvous.memory import ManualClock, MemoryServer
+from hpc_elastic.spec import NodeRange
+
+NODES = NodeRange(1, 8)
+
+
+def node(name: str) -> NodeInfo:
+    return NodeInfo(name, f"host-{name}", 1)
+
+
+def failure() -> Failure:
+    return Failure("a", "host-a", 0, 1, None, "boom", 1.0)
+
+
+def connect(server: MemoryServer) -> Store:
+    return server.connect("job", 6.0)
+
+
+def counted(store: Store) -> list[int]:
+    """The rounds whose tables ``store`` is asked for, as they are asked."""
+    asked: list[int] = []
+    table = store.table
+
+    def counting(round_number: int, digest: str) -> bytes | None:
+        asked.append(round_number)
+        return table(round_number, digest)
+
+    store.table = counting  # type: ignore[method-assign]
+    return asked
+
+
+def commit(store: Store, step: Callable[[st.JobState], st.JobState]) -> st.JobState:
+    """Apply ``step`` to the store's state as an agent does (``tables.update``)."""
+    state = tables.update(store, step)
+    assert state is not None
+    return state
+
+
+def started(store: Store, names: str) -> st.JobState:
+    """A job whose round 1 has ``names`` as members."""
+    tables.write(store, st.JobState(max_restarts=3), ABSENT, after=None)
+    return commit(store, lambda state: st.complete_round(state, [node(n) for n in names], NODES))
+
+
+def test_a_connection_reads_a_rounds_table_once_for_every_state_of_the_round() -> None:
+    """The port, a failure and the round's end each write a new document; a reader asks for
+    the round's table once, and fills each of them from it."""
+    server = MemoryServer()
+    writer, reader = connect(server), connect(server)
+    started(writer, "abc")
+    asked = counted(reader)
+    seen = []
+    for step in (
+        lambda state: st.publish_master(state, 1, 29500),
+        lambda state: st.record_failure(state, 1, failure()),
+    ):
+        commit(writer, step)
+        state, _ = tables.current(reader)
+        assert state is not None
+        seen.append([member.node_id for member in state.members])
+    assert seen == [["a", "b", "c"]] * 2
+    assert asked == [1], "the table of round 1 was read once"
+
+
+def test_a_new_rounds_table_is_there_before_the_commit_that_names_it() -> None:
+    server = MemoryServer()
+    store = connect(server)
+    state = started(store, "ab")
+    data, _ = store.get_state()
+    assert data is not None
+    document = st.decode(data)
+    assert document.size == 2
+    assert store.table(1, document.table) == st.encode_table(state.members)
+
+
+def test_a_state_whose_table_was_forgotten_is_read_again_from_the_server() -> None:
+    """A view two rounds behind names a table ``forget_rounds`` removed: the state is read
+    again (a compare-and-set on the stale token, which cannot win), not taken for damage."""
+    server = MemoryServer()
+    store = connect(server)
+    started(store, "ab")
+    old = store.get_state()
+    for _ in range(2):
+        commit(store, lambda state: st.complete_round(state, [node("a"), node("b")], NODES))
+    store.forget_rounds(2)
+    fresh = connect(server)  # holds no table yet
+    state, token = tables.current(fresh, old)
+    assert state is not None
+    assert state.round == 3
+    assert token == store.get_state()[1]
+    assert [member.node_id for member in state.members] == ["a", "b"]
+
+
+def test_a_current_state_whose_table_is_missing_is_refused_in_one_sentence() -> None:
+    server = MemoryServer()
+    store = connect(server)
+    started(store, "ab")
+    store.forget_rounds(5)  # what no agent does: the current round's table goes
+    with pytest.raises(tables.MissingTable) as refused:
+        tables.current(connect(server))
+    message = str(refused.value)
+    assert "The table of round 1 (" in message
+    assert message.endswith("cancel the job and submit it again.")
+    assert "\n" not in message
+
+
+def test_a_watch_callback_reads_no_table_it_does_not_hold() -> None:
+    server = MemoryServer()
+    writer, reader = connect(server), connect(server)
+    started(writer, "ab")
+    asked = counted(reader)
+    data, _ = reader.get_state()
+    assert data is not None
+    assert tables.read(reader, data, fetch=False) is None
+    assert asked == []
+    assert tables.read(reader, data) is not None
+    assert tables.read(reader, data, fetch=False) is not None, "held once read"
+    assert asked == [1]
+
+
+def test_an_agent_that_cannot_read_a_new_rounds_table_decides_again_a_moment_later() -> None:
+    """A request for the table fails as the connection goes (its notice not there yet): the
+    agent waits ``MEMBERS_RETRY`` and decides again, as after a failed listing of members,
+    instead of leaving the job. A state that is not one (garbage) still fails at once."""
+    server = MemoryServer()
+    started(connect(server), "ab")
+    store = connect(server)
+    settings = RendezvousSettings(run_id="job", nodes=NodeRange(2, 2))
+    clock = ManualClock(100.0)
+    agent = StoreRendezvous(settings, node("b"), store, clock=clock)
+    fetch = store.table
+
+    def cut(round_number: int, digest: str) -> bytes | None:
+        raise RendezvousError("the connection is cut off")
+
+    store.table = cut  # type: ignore[method-assign]
+    agent.begin_round()
+    step = agent.round_step()
+    assert step.action is st.Action.WAIT
+    assert step.wake_at == 100.0 + MEMBERS_RETRY
+    store.table = fetch  # type: ignore[method-assign]
+    decided = agent.round_step().action
+    assert decided is st.Action.MARK_READY, "b, a member of round 1 without a, ends it"
