@@ -172,9 +172,15 @@ def store() -> FakeStore:
 
 
 @pytest.fixture
-def pool() -> Iterator[ThreadPoolExecutor]:
+def pool(store: FakeStore) -> Iterator[ThreadPoolExecutor]:
+    """Threads for agents' blocking calls. The job is closed before the pool is shut down,
+    so that an agent still waiting in ``next_round`` (a test that failed) returns instead of
+    holding the shutdown, and the run, until its timeout."""
     with ThreadPoolExecutor(8) as executor:
-        yield executor
+        try:
+            yield executor
+        finally:
+            store.close_job()
 
 
 def agent(
