@@ -39,6 +39,7 @@ MUTANTS = REPO / "bench" / "mutants.toml"
 TEST_FILES = (
     "tests/rendezvous/test_rendezvous_state.py",
     "tests/rendezvous/test_rendezvous_handler.py",
+    "tests/rendezvous/test_rendezvous_tables.py",
     "tests/agent/test_watchdog.py",
     "tests/agent/test_agent_rules.py",
     "tests/simulation/test_simulation.py",
