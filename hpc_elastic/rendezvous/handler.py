@@ -40,6 +40,12 @@ from hpc_elastic.spec import MASTER_PORTS_ENV, parse_port_range
 PROPOSER_STAGGER = 0.1
 """Seconds between the turns of successive node ids to complete a round."""
 MAX_STAGGER = 5.0
+"""The turn of the fiftieth node id; those beyond follow ``PROPOSER_SPREAD`` apart."""
+PROPOSER_SPREAD = 0.01
+"""Seconds between the turns of successive node ids past ``MAX_STAGGER``. With thousands of
+nodes, turns capped at ``MAX_STAGGER`` made every node beyond the fiftieth propose at once
+whenever the first fifty had not committed by then (a loaded join storm): each fetched every
+candidate's record and wrote the round's table, a stampede that starved the others' sessions."""
 MEMBERS_RETRY = 1.0
 """Seconds before a step is tried again after the store failed to list members or to give a
 round's table."""
@@ -97,6 +103,15 @@ def port_range(text: str | None) -> tuple[int, int]:
         return 0, 0
     low, high = parse_port_range(text).split(":")
     return int(low), int(high)
+
+
+def turn(position: int) -> float:
+    """Seconds a node waits before it completes a round, ``position`` lower node ids ahead of
+    it: ``PROPOSER_STAGGER`` apart up to ``MAX_STAGGER``, then ``PROPOSER_SPREAD`` apart."""
+    staggered = position * PROPOSER_STAGGER
+    if staggered <= MAX_STAGGER:
+        return staggered
+    return MAX_STAGGER + (position - MAX_STAGGER / PROPOSER_STAGGER) * PROPOSER_SPREAD
 
 
 @dataclass(frozen=True)
@@ -655,7 +670,7 @@ class StoreRendezvous(Rendezvous):
         if st.round_over(state) and st.proposer(state, alive) == self.node.node_id:
             return 0.0
         position = sum(1 for other in alive if other < self.node.node_id)
-        return min(position * PROPOSER_STAGGER, MAX_STAGGER)
+        return turn(position)
 
     def _fail_below_min(self, state: st.JobState, token: int, present: int) -> None:
         summary = (

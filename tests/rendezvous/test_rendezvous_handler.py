@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -19,7 +20,14 @@ from hpc_elastic.errors import (
 from hpc_elastic.rendezvous import state as st
 from hpc_elastic.rendezvous.api import Failure, JobFailedError, NodeInfo, RendezvousSettings, Round
 from hpc_elastic.rendezvous.backend import ABSENT, Mark, Store, place_mark, table_digest
-from hpc_elastic.rendezvous.handler import Step, StoreRendezvous
+from hpc_elastic.rendezvous.handler import (
+    MAX_STAGGER,
+    PROPOSER_SPREAD,
+    PROPOSER_STAGGER,
+    Step,
+    StoreRendezvous,
+    turn,
+)
 from hpc_elastic.rendezvous.memory import ManualClock, MemoryServer, MemoryStore
 from hpc_elastic.spec import NodeRange
 
@@ -894,3 +902,14 @@ def test_a_member_back_on_its_own_ends_the_round_for_those_still_training() -> N
     b.begin_round()
     assert b.round_step().action is st.Action.MARK_READY
     assert a.changed.is_set(), "a learns from the state that its round is over"
+
+
+def test_turns_to_complete_a_round_never_bunch_up_past_the_first_fifty_node_ids() -> None:
+    """With thousands of nodes, every node beyond the fiftieth once proposed at the capped
+    turn together: a stampede of proposals, each fetching every candidate's record."""
+    turns = [turn(position) for position in range(4096)]
+    assert turns[0] == 0.0
+    assert turns[1] == PROPOSER_STAGGER
+    assert turns[50] == MAX_STAGGER
+    assert all(later > earlier for earlier, later in itertools.pairwise(turns))
+    assert turns[4095] - turns[4094] >= PROPOSER_SPREAD - 1e-9
