@@ -4,7 +4,7 @@ Every agent reads the state, computes the next one with a function from this mod
 writes it back with a compare-and-set; whoever loses the race re-reads and decides again.
 Two things are not in the document, so that its size does not grow with the job's:
 - the members of the latest round are in that round's table beside it (``Store.put_table``),
-  which the document names by its digest (``Document``); a process reads a table once
+  which the document names by its digest (``Document``); a connection reads a table once
   (``rendezvous/tables.py``), and a round's table never changes;
 - who came back to rendezvous after a round: each member says so with a mark of its own
   (``backend.Mark.BACK``), and the handler adds those marks to the state it decides on
@@ -62,7 +62,7 @@ class JobState:
     Not in the document: they are the round's table (``encode_table``), which the document
     names by its digest. A restart of N nodes rewrote and re-read an O(N) document at every
     change of the round (a port, a failure, its end); now each change is a few hundred bytes,
-    and each process reads a round's members once, when the round forms."""
+    and each connection reads a round's members once, when the round forms."""
     master_port: int | None = None
     """Published by the round's rank-0 agent once it has picked a free port."""
     restarts_used: int = 0
@@ -131,9 +131,6 @@ VIEW_ONLY = frozenset({"ready", "members"})
 """``JobState``'s fields that the document never holds: the round's table fills in the
 members, the store's marks who is back."""
 
-TABLE_FIELDS = ("table", "size")
-"""What the document holds in the members' place: their table's digest and their count."""
-
 
 @dataclass(frozen=True)
 class Document:
@@ -190,6 +187,7 @@ def encode_table(members: tuple[NodeInfo, ...]) -> bytes:
     return json.dumps([_record_fields(member) for member in members], sort_keys=True).encode()
 
 
+@lru_cache(maxsize=4)
 def table_name(members: tuple[NodeInfo, ...]) -> str:
     """The digest that names the members' table in the document; "" for no members."""
     return table_digest(encode_table(members)) if members else ""
@@ -265,7 +263,7 @@ STATE_RULES: tuple[tuple[Callable[[JobState], bool], str], ...] = (
 """What holds between fields of every state the rules in this module make."""
 
 TABLE_CHECKS: dict[str, Check] = {"table": _table_name, "size": whole(0)}
-"""The document's fields in the members' place (``TABLE_FIELDS``)."""
+"""What the document holds in the members' place: their table's digest and their count."""
 
 _STATE = record(JobState, STATE_FIELDS)
 _NODE = record(NodeInfo, NODE_FIELDS)
