@@ -6,7 +6,7 @@ never changes (one commit per round, and a digest per content), so a connection 
 and keeps it here: every state of the round (its port, a failure, its end) is filled from
 memory, and every agent sharing the connection shares the one copy.
 
-- ``read``: the state of a document, its table fetched if this process does not hold it;
+- ``read``: the state of a document, its table fetched if this connection does not hold it;
 - ``current``: the store's latest state, read again if its table is gone (a view two rounds
   behind, whose table ``forget_rounds`` removed);
 - ``write``: a compare-and-set that writes a new round's table first, so that whoever reads
