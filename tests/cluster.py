@@ -196,20 +196,22 @@ class Cluster:
             argv, env=self.env, check=check, capture_output=True, text=True, timeout=timeout
         )
 
-    def squeue(self, attempts: int = 5) -> list[tuple[str, str]]:
+    def squeue(self, patience: float = 5.0) -> list[tuple[str, str]]:
         """(job id, state) of every job Slurm still lists. A busy slurmctld may not answer one
-        query in time (exit 1): it is asked again a second later, as the agents' own reading
-        asks again at its next poll, and only ``attempts`` failures in a row fail the test."""
-        for attempt in range(attempts):
-            done = self.run(["squeue", "-h", "-o", "%i %T"], check=False)
-            if done.returncode == 0:
-                lines = done.stdout.split("\n")
-                return [
-                    (job, state) for job, state in (line.split() for line in lines if line.strip())
-                ]
-            if attempt + 1 < attempts:
-                time.sleep(1.0)
-        raise AssertionError(f"squeue failed {attempts} times in a row: {done.stderr.strip()!r}")
+        query in time (exit 1): it is asked again until it answers, as the agents' own reading
+        asks again at its next poll, and only ``patience`` seconds without an answer fail."""
+        answers: list[subprocess.CompletedProcess[str]] = []
+
+        def answered() -> bool:
+            answers.append(self.run(["squeue", "-h", "-o", "%i %T"], check=False))
+            return answers[-1].returncode == 0
+
+        if not wait_until(answered, patience, interval=1.0):
+            raise AssertionError(
+                f"squeue answered no query in {patience:g} s: {answers[-1].stderr.strip()!r}"
+            )
+        lines = answers[-1].stdout.split("\n")
+        return [(job, state) for job, state in (line.split() for line in lines if line.strip())]
 
     def wait_queue_empty(self, timeout: float = 30) -> bool:
         return wait_until(lambda: not self.squeue(), timeout)
