@@ -335,6 +335,8 @@ class ZooKeeperStore(CachedStore):
         self._root = address.job_path(run_id)
         self._acl = [make_digest_acl(DIGEST_USER, secret, all=True)] if secret else OPEN_ACL_UNSAFE
         self._records: dict[str, tuple[int, bytes]] = {}
+        self._joined: dict[str, tuple[int, bytes]] = {}
+        """The members this connection made, with the session that owns each (``join``)."""
         """Member records by node id, with their creation order (czxid)."""
         self._fetching = threading.Lock()
         """One fetch of member records at a time, so handlers sharing this store share it."""
@@ -382,10 +384,17 @@ class ZooKeeperStore(CachedStore):
         return current, version, won
 
     def join(self, node_id: str, data: bytes) -> None:
+        """Every round begins with a join; only the first of a session asks ZooKeeper (three
+        requests). Once this session has made the member, and ``alive`` still lists it, it
+        is there: a restart of N agents then costs the ensemble no request for their joins."""
+        if self._joined_already(node_id, data):
+            return
         with self._converted():
             self._client.retry(self._join, node_id, data)
 
     def leave(self, node_id: str) -> None:
+        with self._lock:
+            self._joined.pop(node_id, None)
         with self._converted():
             self._client.retry(self._delete, self._path("members", node_id))
 
@@ -559,9 +568,12 @@ class ZooKeeperStore(CachedStore):
         after a lost reply finds the mark there, and ours (ephemeral: this session owns it;
         persistent: nobody else writes a node's own mark), so it is a success whatever the
         state did since. A BACK mark of another session is deleted in the same fenced
-        transaction and made again, so that it dies with the session that is alive."""
+        transaction and made again, so that it dies with the session that is alive.
+
+        The first try takes the mark for a new one, as it nearly always is: one request, and
+        a look at the mark (``exists``) only once the create finds it there."""
+        stat = None
         for _ in range(3):
-            stat = self._client.exists(path)
             if stat is not None and stat.ephemeralOwner in (0, self._session_number()):
                 return True
             transaction = self._client.transaction()
@@ -585,7 +597,9 @@ class ZooKeeperStore(CachedStore):
             if isinstance(created, NoNodeError):
                 # The round's node (or its kind's) is missing: make them, then mark again.
                 self._ensure_round(path.rsplit("/", 1)[0], "no mark can be written")
-            # NodeExistsError: another try of ours (or of this id) got there first; look again.
+            # NodeExistsError: a try of ours (its reply lost) or a session of this id got
+            # there first; BadVersionError of the delete: the mark changed since. Look again.
+            stat = self._client.exists(path)
         raise RendezvousError(
             f"The mark '{path}' on ZooKeeper at '{self._address}' kept changing under three "
             "tries; another agent runs with this node id: give each agent its own."
@@ -821,6 +835,19 @@ class ZooKeeperStore(CachedStore):
             if stat is not None and stat.ephemeralOwner != self._session_number():
                 self._delete(path)
                 self._client.create(path, data, acl=self._acl, ephemeral=True)
+        with self._lock:
+            self._joined[node_id] = (self._session_number(), data)
+
+    def _joined_already(self, node_id: str, data: bytes) -> bool:
+        """Whether this very session made ``node_id``'s member with ``data``, and the members'
+        watch still lists it. A session lost since has another id, so its members are made
+        again; one another session deleted (``close_job``, or an agent of the same id) drops
+        out of ``alive`` with the watch's next listing."""
+        client_id = self._client.client_id
+        with self._lock:
+            made = self._joined.get(node_id)
+            listed = node_id in self._alive
+        return client_id is not None and made == (client_id[0], data) and listed
 
     def _session_number(self) -> int:
         """This connection's session id. kazoo has none while it reconnects (a leader was

@@ -13,13 +13,14 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
-from cluster import REPO, Cluster
+from cluster import REPO, Cluster, wait_until
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import NoAuthError
 from kazoo.handlers.threading import KazooTimeoutError
@@ -268,6 +269,41 @@ def test_a_session_expiry_counts_as_losing_the_node(
         assert {m.node_id for m in again[0].members} == {"a", "expiring"}
     finally:
         expiring.leave()
+
+
+@integration
+def test_a_join_this_session_made_asks_nothing_until_the_member_is_gone(
+    zk: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every round begins with a join: with thousands of agents restarting, three requests
+    each were a third of the ensemble's work. A member deleted behind the session's back
+    (by an agent of the same id, or by hand) is made again once the listing shows it gone."""
+    address = ZooKeeperAddress.parse(zk)
+    client = open_client(address, SECRET, SESSION)
+    store = ZooKeeperStore(client, address, "job", SECRET)
+    member = f"{address.job_path('job')}/members/a"
+    record = encode_node(NodeInfo("a", "127.0.0.1", 1))
+    try:
+        store.join("a", record)
+        assert wait_until(lambda: "a" in store.alive(), DEADLINE), "the member was never listed"
+        asked: list[str] = []
+        for name in ("exists", "create", "delete"):
+            request = getattr(client, name)
+            monkeypatch.setattr(client, name, partial(_noted, asked, name, request))
+        store.join("a", record)
+        assert asked == []
+        monkeypatch.undo()
+        client.delete(member)
+        assert wait_until(lambda: "a" not in store.alive(), DEADLINE), "its deletion went unheard"
+        store.join("a", record)
+        assert client.exists(member) is not None
+    finally:
+        store.release()
+
+
+def _noted(asked: list[str], name: str, request: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    asked.append(name)
+    return request(*args, **kw)
 
 
 @integration
