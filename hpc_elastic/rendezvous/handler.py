@@ -38,14 +38,18 @@ from hpc_elastic.rendezvous.deadlines import Deadlines
 from hpc_elastic.spec import MASTER_PORTS_ENV, parse_port_range
 
 PROPOSER_STAGGER = 0.1
-"""Seconds between the turns of successive node ids to complete a round."""
-MAX_STAGGER = 5.0
-"""The turn of the fiftieth node id; those beyond follow ``PROPOSER_SPREAD`` apart."""
-PROPOSER_SPREAD = 0.01
-"""Seconds between the turns of successive node ids past ``MAX_STAGGER``. With thousands of
-nodes, turns capped at ``MAX_STAGGER`` made every node beyond the fiftieth propose at once
-whenever the first fifty had not committed by then (a loaded join storm): each fetched every
-candidate's record and wrote the round's table, a stampede that starved the others' sessions."""
+"""Seconds between the turns of successive node ids to complete a round, at the least."""
+PROPOSAL_WORK = 0.00025
+"""Seconds a proposal takes per candidate (fetching its record, writing its row of the table),
+as measured with thousands of agents on two cores. Turns are never closer together than one
+proposal of the round at hand: at 4,096 candidates 0.1 s apart, dozens of proposers fetched
+every record at once, a stampede that starved sessions until they expired."""
+STAGGERED = 50
+"""The node ids whose turns are a whole gap apart; those beyond follow a tenth of it apart."""
+SPREAD = 0.1
+"""The fraction of a gap between the turns of node ids past ``STAGGERED``. Once capped, the
+turns made every node beyond the fiftieth propose at once whenever the first fifty had not
+committed by then (a loaded join storm)."""
 MEMBERS_RETRY = 1.0
 """Seconds before a step is tried again after the store failed to list members or to give a
 round's table."""
@@ -105,13 +109,13 @@ def port_range(text: str | None) -> tuple[int, int]:
     return int(low), int(high)
 
 
-def turn(position: int) -> float:
+def turn(position: int, candidates: int = 0) -> float:
     """Seconds a node waits before it completes a round, ``position`` lower node ids ahead of
-    it: ``PROPOSER_STAGGER`` apart up to ``MAX_STAGGER``, then ``PROPOSER_SPREAD`` apart."""
-    staggered = position * PROPOSER_STAGGER
-    if staggered <= MAX_STAGGER:
-        return staggered
-    return MAX_STAGGER + (position - MAX_STAGGER / PROPOSER_STAGGER) * PROPOSER_SPREAD
+    it among ``candidates``: a gap apart (``PROPOSER_STAGGER``, or one proposal's work if
+    longer) for the first ``STAGGERED``, a tenth of a gap (``SPREAD``) beyond them."""
+    gap = max(PROPOSER_STAGGER, candidates * PROPOSAL_WORK)
+    staggered = min(position, STAGGERED)
+    return gap * staggered + gap * SPREAD * (position - staggered)
 
 
 @dataclass(frozen=True)
@@ -670,7 +674,7 @@ class StoreRendezvous(Rendezvous):
         if st.round_over(state) and st.proposer(state, alive) == self.node.node_id:
             return 0.0
         position = sum(1 for other in alive if other < self.node.node_id)
-        return turn(position)
+        return turn(position, len(alive))
 
     def _fail_below_min(self, state: st.JobState, token: int, present: int) -> None:
         summary = (

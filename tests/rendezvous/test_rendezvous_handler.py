@@ -21,9 +21,10 @@ from hpc_elastic.rendezvous import state as st
 from hpc_elastic.rendezvous.api import Failure, JobFailedError, NodeInfo, RendezvousSettings, Round
 from hpc_elastic.rendezvous.backend import ABSENT, Mark, Store, place_mark, table_digest
 from hpc_elastic.rendezvous.handler import (
-    MAX_STAGGER,
-    PROPOSER_SPREAD,
+    PROPOSAL_WORK,
     PROPOSER_STAGGER,
+    SPREAD,
+    STAGGERED,
     Step,
     StoreRendezvous,
     turn,
@@ -907,9 +908,18 @@ def test_a_member_back_on_its_own_ends_the_round_for_those_still_training() -> N
 def test_turns_to_complete_a_round_never_bunch_up_past_the_first_fifty_node_ids() -> None:
     """With thousands of nodes, every node beyond the fiftieth once proposed at the capped
     turn together: a stampede of proposals, each fetching every candidate's record."""
-    turns = [turn(position) for position in range(4096)]
+    turns = [turn(position, 40) for position in range(4096)]
     assert turns[0] == 0.0
     assert turns[1] == PROPOSER_STAGGER
-    assert turns[50] == MAX_STAGGER
+    assert turns[STAGGERED] == pytest.approx(STAGGERED * PROPOSER_STAGGER)
     assert all(later > earlier for earlier, later in itertools.pairwise(turns))
-    assert turns[4095] - turns[4094] >= PROPOSER_SPREAD - 1e-9
+    assert turns[4095] - turns[4094] == pytest.approx(PROPOSER_STAGGER * SPREAD)
+
+
+def test_turns_of_a_large_round_are_a_whole_proposal_apart() -> None:
+    """At 4,096 candidates, turns 0.1 s apart had dozens of proposers fetch every record at
+    once: the next turn waits for as long as one proposal of that many candidates takes."""
+    for candidates in (512, 4096, 16384):
+        proposal = candidates * PROPOSAL_WORK
+        assert turn(1, candidates) == pytest.approx(max(PROPOSER_STAGGER, proposal))
+        assert turn(STAGGERED + 10, candidates) - turn(STAGGERED, candidates) >= proposal - 1e-9
