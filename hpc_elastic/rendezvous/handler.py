@@ -265,7 +265,7 @@ class StoreRendezvous(Rendezvous):
         if self._expected_nodes is not None:
             self._expected = self._expected_nodes()
             self._note_uncounted(state, alive)
-        self._deadlines.judge_stragglers(state.round, bool(st.stragglers(state, alive)), now)
+        self._deadlines.judge_stragglers(state.round, st.has_stragglers(state, alive), now)
         action = self._action(state, alive)
         log.debug(
             "%s: round %d, alive %d, decided %s",

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from enum import Enum
 from functools import cached_property, lru_cache
-from typing import Any, cast
+from typing import Any, Generic, TypeVar, cast
 
 from hpc_elastic.decoding import (
     Check,
@@ -47,6 +49,42 @@ table, named by ``table`` and counted by ``size``)."""
 
 MARGIN = 2.0
 """Seconds added to every derived deadline for scheduling and ZooKeeper tick granularity."""
+
+Result = TypeVar("Result")
+
+
+class _Memo(Generic[Result]):
+    """The last few results of a function of large immutable objects, found by the objects'
+    identity. The trick: a tuple of 4,096 members hashes (and compares) in O(N), while the
+    agents sharing a connection decide on the very same objects (the state of their round,
+    which ``tables`` fills once, and the store's ``alive``). Each entry keeps its objects,
+    so an id is never taken by another object while the entry lives."""
+
+    SIZE = 8
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[tuple[int, ...], tuple[tuple[object, ...], Result]]
+        self._entries = OrderedDict()
+
+    def get(self, objects: tuple[object, ...], compute: Callable[[], Result]) -> Result:
+        key = tuple(map(id, objects))
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+                return entry[1]
+        value = compute()
+        with self._lock:
+            self._entries[key] = (objects, value)
+            while len(self._entries) > self.SIZE:
+                self._entries.popitem(last=False)
+        return value
+
+
+_MEMBER_IDS: _Memo[frozenset[str]] = _Memo()
+_RANKS: _Memo[dict[str, int]] = _Memo()
+_MEMBERS_HERE: _Memo[frozenset[str]] = _Memo()
 
 
 @dataclass(frozen=True)
@@ -112,7 +150,10 @@ class JobState:
 
     @cached_property
     def member_ids(self) -> frozenset[str]:
-        return frozenset(member.node_id for member in self.members)
+        """Computed once for a round's members, not once per state (``with_back`` makes one
+        for every decision)."""
+        members = self.members
+        return _MEMBER_IDS.get((members,), lambda: frozenset(m.node_id for m in members))
 
     def to_round(self) -> Round:
         if self.master_port is None:
@@ -425,7 +466,7 @@ def next_action(
         return Action.WAIT
     if me in state.member_ids and me not in state.ready:
         return Action.MARK_READY
-    if stragglers(state, alive) and not stragglers_overdue:
+    if has_stragglers(state, alive) and not stragglers_overdue:
         return Action.STRAGGLERS
     return new_round_action(state, alive, nodes, expected)
 
@@ -482,7 +523,7 @@ def no_newcomer(state: JobState, alive: frozenset[str]) -> bool:
     """Whether the next round can only be the latest round minus its lost members: every
     candidate was a member of it, every live member of it is back (no straggler, not even
     an overdue one), and no live node excluded as stuck may come back to take a place."""
-    if state.round == 0 or stragglers(state, alive) or alive & frozenset(state.excluded):
+    if state.round == 0 or has_stragglers(state, alive) or alive & frozenset(state.excluded):
         return False
     here = candidates(state, alive)
     return bool(here) and here <= state.member_ids
@@ -527,7 +568,22 @@ def present(state: JobState, alive: frozenset[str]) -> frozenset[str]:
 
 def stragglers(state: JobState, alive: frozenset[str]) -> frozenset[str]:
     """Alive members of the latest round that have not come back to rendezvous yet."""
-    return (state.member_ids & present(state, alive)) - frozenset(state.ready)
+    return _members_here(state, alive) - frozenset(state.ready)
+
+
+def has_stragglers(state: JobState, alive: frozenset[str]) -> bool:
+    """Whether ``stragglers`` has any, in O(ready) rather than O(members): every decision of
+    every agent asks, and early in a restart of thousands nearly all of them are stragglers."""
+    here = _members_here(state, alive)
+    return len(here) > len(here.intersection(state.ready))
+
+
+def _members_here(state: JobState, alive: frozenset[str]) -> frozenset[str]:
+    """The members of the latest round that count (``present``); computed once for all the
+    agents deciding on the same round and membership."""
+    here = present(state, alive)
+    member_ids = state.member_ids
+    return _MEMBERS_HERE.get((member_ids, here), lambda: member_ids & here)
 
 
 def proposer(state: JobState, alive: frozenset[str]) -> str | None:
@@ -619,8 +675,19 @@ def with_back(state: JobState, back: frozenset[str]) -> JobState:
 
     Only members count (a mark outlives nothing but its writer's session, and a node marks
     only a round it is a member of), in rank order, so one set of marks is one state."""
-    ready = tuple(member.node_id for member in state.members if member.node_id in back)
+    if len(back) * 8 < len(state.members):
+        # A few marks (an agent knows only its own): sorted by rank, not found in a scan of
+        # thousands of members at every decision.
+        ranks = _ranks(state.members)
+        ready = tuple(sorted((node for node in back if node in ranks), key=ranks.__getitem__))
+    else:
+        ready = tuple(member.node_id for member in state.members if member.node_id in back)
     return state if ready == state.ready else replace(state, ready=ready)
+
+
+def _ranks(members: tuple[NodeInfo, ...]) -> dict[str, int]:
+    """Each member's rank, by node id; computed once for a round's members."""
+    return _RANKS.get((members,), lambda: {m.node_id: rank for rank, m in enumerate(members)})
 
 
 def readmit(state: JobState, node_id: str) -> JobState:

@@ -831,3 +831,36 @@ def test_the_proposer_is_the_lowest_ranked_member_that_counts() -> None:
     assert st.proposer(replace(state, excluded=("a",)), frozenset("abc")) == "b"
     assert st.proposer(replace(state, departed=("a", "b")), frozenset("abc")) == "c"
     assert st.proposer(state, frozenset("xy")) is None, "newcomers only: nobody to follow"
+
+
+@given(
+    size=hs.integers(0, 40),
+    back=hs.sets(hs.integers(0, 45)),
+    alive=hs.sets(hs.integers(0, 45)),
+    ready=hs.sets(hs.integers(0, 40)),
+    excluded=hs.sets(hs.integers(0, 45), max_size=3),
+)
+def test_the_fast_paths_of_a_decision_agree_with_their_definitions(
+    size: int, back: set[int], alive: set[int], ready: set[int], excluded: set[int]
+) -> None:
+    """``with_back`` sorts a few marks by rank instead of scanning the round, and
+    ``has_stragglers`` counts instead of building the set (thousands of members, every
+    decision of every agent): each must say what the plain definition says."""
+    names = [f"n{index:02d}" for index in range(46)]
+    members = tuple(node(names[index]) for index in range(size))
+    state = st.JobState(
+        max_restarts=3,
+        round=2,
+        members=members,
+        ready=tuple(m.node_id for m in members if int(m.node_id[1:]) in ready),
+        excluded=tuple(names[index] for index in sorted(excluded)),
+    )
+    marks = frozenset(names[index] for index in back)
+    here = frozenset(names[index] for index in alive)
+    in_rank_order = tuple(m.node_id for m in members if m.node_id in marks)
+    assert st.with_back(state, marks).ready == in_rank_order
+    plain = (frozenset(m.node_id for m in members) & st.present(state, here)) - frozenset(
+        state.ready
+    )
+    assert st.stragglers(state, here) == plain
+    assert st.has_stragglers(state, here) == bool(plain)
