@@ -37,6 +37,7 @@ import re
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -84,6 +85,8 @@ CONNECT_TIMEOUT = 10.0
 """Seconds to wait for the ensemble at start before giving up with a clear error."""
 RETRY_DEADLINE = 60.0
 """Seconds one operation keeps retrying through connection losses (e.g. a server restart)."""
+ROUNDS_SEEN = 8
+"""Rounds' nodes for marks a connection remembers to exist (``_round_made``)."""
 COALESCE = 0.02
 """Seconds a membership change waits for others before the member list is fetched again."""
 ANSWER_WAIT = 2.0
@@ -336,6 +339,9 @@ class ZooKeeperStore(CachedStore):
         self._acl = [make_digest_acl(DIGEST_USER, secret, all=True)] if secret else OPEN_ACL_UNSAFE
         self._records: dict[str, tuple[int, bytes]] = {}
         self._joined: dict[str, tuple[int, bytes]] = {}
+        self._rounds_seen: OrderedDict[str, None] = OrderedDict()
+        """The latest rounds' nodes for marks that this connection knows exist."""
+        self._seeing_rounds = threading.Lock()
         """The members this connection made, with the session that owns each (``join``)."""
         """Member records by node id, with their creation order (czxid)."""
         self._fetching = threading.Lock()
@@ -571,7 +577,9 @@ class ZooKeeperStore(CachedStore):
         transaction and made again, so that it dies with the session that is alive.
 
         The first try takes the mark for a new one, as it nearly always is: one request, and
-        a look at the mark (``exists``) only once the create finds it there."""
+        a look at the mark (``exists``) only once the create finds it there. The round's node
+        is looked at once a connection (``_round_made``)."""
+        self._round_made(path.rsplit("/", 1)[0])
         stat = None
         for _ in range(3):
             if stat is not None and stat.ephemeralOwner in (0, self._session_number()):
@@ -604,6 +612,22 @@ class ZooKeeperStore(CachedStore):
             f"The mark '{path}' on ZooKeeper at '{self._address}' kept changing under three "
             "tries; another agent runs with this node id: give each agent its own."
         )
+
+    def _round_made(self, round_path: str) -> None:
+        """Make a round's node for its marks unless this connection knows it is there. When a
+        round of thousands ends, every member marks at once: each mark that found the node
+        missing made it again, two failed writes through the quorum apiece. One read a
+        connection instead; a node forgotten since fails the mark's create, which makes it."""
+        with self._seeing_rounds:  # the agents sharing this connection mark at once too
+            with self._lock:
+                if round_path in self._rounds_seen:
+                    return
+            if self._client.exists(round_path) is None:
+                self._ensure_round(round_path, "no mark can be written")
+            with self._lock:
+                self._rounds_seen[round_path] = None
+                while len(self._rounds_seen) > ROUNDS_SEEN:
+                    self._rounds_seen.popitem(last=False)
 
     def _put_table(self, path: str, table: bytes) -> None:
         """Each chunk ``path/<i>`` created unless it is there. The path is the table's digest,
