@@ -71,6 +71,8 @@ class Deadlines:
         """The finishing round this node waits for, and since when."""
         self._port_wait: Since | None = None
         """The round whose rank 0 this node waits for to publish its port, and since when."""
+        self._ending: Since | None = None
+        """The round this node is back from, nobody having ended it yet, and since when."""
         self._barrier_since = 0.0
         self._suspended_at: float | None = None
         self._cut_off = 0.0
@@ -87,6 +89,7 @@ class Deadlines:
             self._straggling = None
             self._finishing = None
             self._port_wait = None
+            self._ending = None
 
     def below_min(self, now: float) -> float | None:
         """The round has fewer than MIN nodes: drop a last call or a proposal under way, and
@@ -107,6 +110,15 @@ class Deadlines:
         with self._lock:
             self._propose_at = self._propose_at or now + stagger
             return None if now >= self._propose_at else self._propose_at
+
+    def ending(self, round_: int, now: float, wait: float) -> float | None:
+        """When this node ends ``round_`` in the state itself (None: now), ``wait`` seconds
+        after it first found itself back from it with nobody having ended it
+        (``StoreRendezvous._ending_wait``)."""
+        with self._lock:
+            self._ending = _since(self._ending, round_, now)
+            ends = self._ending[1] + wait
+            return None if now >= ends else ends
 
     def drop_proposal(self) -> None:
         """The round is no longer ready to complete: a later one staggers afresh."""

@@ -314,8 +314,7 @@ class StoreRendezvous(Rendezvous):
             self._write(self._written(action, state), state, token)
             return Step(action, again=True)
         if action is st.Action.MARK_READY:
-            self._mark_back(state, token)
-            return Step(action, again=True)
+            return self._mark_ready_step(action, state, token, now)
         if action is st.Action.BELOW_MIN:
             min_wait_ends = self._deadlines.below_min(now)
             if min_wait_ends is None:
@@ -666,6 +665,32 @@ class StoreRendezvous(Rendezvous):
             self._store.forget_rounds(state.round)
         return Step(action, again=True)
 
+    def _mark_ready_step(
+        self, action: st.Action, state: st.JobState, token: int, now: float
+    ) -> Step:
+        """Mark this member back (``_mark_back``), once it is its turn to end the round."""
+        ends_at = self._ending_turn(state, now)
+        if ends_at is not None:
+            return Step(action, wake_at=ends_at)
+        self._mark_back(state, token)
+        return Step(action, again=True)
+
+    def _ending_turn(self, state: st.JobState, now: float) -> float | None:
+        """When this member, back from a round nobody has ended yet, ends it in the state
+        itself (None: now, or the round is over and it only marks). The first ``STAGGERED``
+        ranks end it at once, one of their compare-and-sets wins, and the others find it
+        ended; the ranks past them take turns (``turn``) in case all of those are gone. When
+        a member of thousands was lost, every member once wrote the end at the same moment:
+        thousands of compare-and-sets through the quorum, all but one refused."""
+        if st.round_over(state):
+            return None
+        rank = st.rank_of(state, self.node.node_id)
+        if rank < STAGGERED:
+            return None
+        return self._deadlines.ending(
+            state.round, now, turn(rank - STAGGERED + 1, len(state.members))
+        )
+
     def _stagger(self, state: st.JobState, alive: frozenset[str]) -> float:
         """Seconds to let lower node ids complete the round first: with hundreds of nodes,
         one proposal instead of a stampede of compare-and-sets that all but one lose. The
@@ -781,6 +806,8 @@ class StoreRendezvous(Rendezvous):
         state = self._decided_on(stored, alive)
         if state.closed or state.failed:
             return False
+        if waiting_on is st.Action.MARK_READY and st.round_over(state):
+            return False  # Waiting for its turn to end the round, which another has ended.
         if self._spare_news(state, alive):
             # Still WAIT, but now as a hot spare (e.g. it first waited for its own membership
             # to show): the loop must run once to announce it.

@@ -685,6 +685,11 @@ def with_back(state: JobState, back: frozenset[str]) -> JobState:
     return state if ready == state.ready else replace(state, ready=ready)
 
 
+def rank_of(state: JobState, node_id: str) -> int:
+    """``node_id``'s rank in the latest round (it is a member)."""
+    return _ranks(state.members)[node_id]
+
+
 def _ranks(members: tuple[NodeInfo, ...]) -> dict[str, int]:
     """Each member's rank, by node id; computed once for a round's members."""
     return _RANKS.get((members,), lambda: {m.node_id: rank for rank, m in enumerate(members)})

@@ -923,3 +923,24 @@ def test_turns_of_a_large_round_are_a_whole_proposal_apart() -> None:
         proposal = candidates * PROPOSAL_WORK
         assert turn(1, candidates) == pytest.approx(max(PROPOSER_STAGGER, proposal))
         assert turn(STAGGERED + 10, candidates) - turn(STAGGERED, candidates) >= proposal - 1e-9
+
+
+def test_past_the_first_fifty_ranks_a_member_back_waits_its_turn_to_end_the_round() -> None:
+    """When a member of thousands was lost, every member wrote the round's end at the same
+    moment: thousands of compare-and-sets through the quorum, all but one refused. The first
+    ranks end it at once; one past them waits its turn, and marks as soon as it is ended."""
+    count = STAGGERED + 2
+    world = Stepped(RendezvousSettings(run_id="job", nodes=NodeRange(count, count)))
+    handlers = {name: world.handler(name) for name in (f"n{index:03d}" for index in range(count))}
+    members = world.rounds(list(handlers.values()))[0].members
+    rank0, training, last = (handlers[members[rank].node_id] for rank in (0, 1, count - 1))
+    last.begin_round()
+    waiting = last.round_step()
+    assert waiting.action is st.Action.MARK_READY
+    assert waiting.wake_at == pytest.approx(world.clock.now + turn(count - STAGGERED, count))
+    assert not training.changed.is_set(), "nobody ended the round yet"
+    rank0.begin_round()
+    assert rank0.round_step().action is st.Action.MARK_READY
+    assert training.changed.is_set(), "rank 0 ended the round at once"
+    assert last.round_step().action is st.Action.MARK_READY
+    assert last.round_step().action is st.Action.STRAGGLERS, "marked back, without a turn"
