@@ -114,7 +114,7 @@ class Deadlines:
     def ending(self, round_: int, now: float, wait: float) -> float | None:
         """When this node ends ``round_`` in the state itself (None: now), ``wait`` seconds
         after it first found itself back from it with nobody having ended it
-        (``StoreRendezvous._ending_wait``)."""
+        (``StoreRendezvous._ending_turn``)."""
         with self._lock:
             self._ending = _since(self._ending, round_, now)
             ends = self._ending[1] + wait

@@ -304,12 +304,13 @@ class ZooKeeperStore(CachedStore):
     or connection threads: kazoo forbids blocking there, and a subscriber may well block (the
     agent asks Slurm how many nodes to expect, which can take a minute).
 
-    Why 49 methods: it is the ``Store`` interface on ZooKeeper (eighteen methods, and
+    Why 51 methods: it is the ``Store`` interface on ZooKeeper (eighteen methods, and
     ``session_id`` and ``job_exists`` for tests and ``close_job``), and under each request the
     one ZooKeeper operation that kazoo's ``retry`` may run twice, written so that a retry after
     a lost reply finds its own write (fifteen: the compare-and-set, the fenced mark, the batched
     deletes of a forgotten round and the transactions that keep a closed job closed among them),
-    with the session id they check (``_session_number``); the four steps that open a job's nodes
+    with the session id they check (``_session_number``) and what this connection knows it
+    made (``_joined_already``, ``_round_made``); the four steps that open a job's nodes
     and refuse one another user made, and the one that makes a round's nodes; kazoo's watch and
     connection callbacks and the notifier thread that hands them on (six). All of them share one
     client, one job path and one ACL, which is why they are one class. What needs none of that
@@ -338,12 +339,13 @@ class ZooKeeperStore(CachedStore):
         self._root = address.job_path(run_id)
         self._acl = [make_digest_acl(DIGEST_USER, secret, all=True)] if secret else OPEN_ACL_UNSAFE
         self._records: dict[str, tuple[int, bytes]] = {}
+        """Member records by node id, with their creation order (czxid)."""
         self._joined: dict[str, tuple[int, bytes]] = {}
+        """The members this connection made, with the session that owns each (``join``)."""
         self._rounds_seen: OrderedDict[str, None] = OrderedDict()
         """The latest rounds' nodes for marks that this connection knows exist."""
         self._seeing_rounds = threading.Lock()
-        """The members this connection made, with the session that owns each (``join``)."""
-        """Member records by node id, with their creation order (czxid)."""
+        """One look at a round's node at a time (``_round_made``)."""
         self._fetching = threading.Lock()
         """One fetch of member records at a time, so handlers sharing this store share it."""
         self._marks_watch: _CoalescedChildrenWatch | None = None
