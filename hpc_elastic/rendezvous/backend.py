@@ -127,6 +127,17 @@ class Store(ABC):
         """Write ``data`` if the state still has ``token``; return the current state, its
         token, and whether we won. Retrying after a lost connection is safe."""
 
+    def refresh_state(self, data: bytes, token: int) -> tuple[bytes | None, int]:
+        """The state as the server holds it now, for a connection back from an outage, whose
+        cached view (``data``, ``token``) may trail by more than one notification.
+
+        This default is a compare-and-set of the same bytes: it returns the server's state
+        when the view is behind and rewrites it (a new token, the same state) when the view is
+        current. Right for any store, but a write for every caller; a store that can read its
+        server's latest state directly overrides it."""
+        current, token, _ = self.set_state(data, token)
+        return current, token
+
     @abstractmethod
     def join(self, node_id: str, data: bytes) -> None:
         """Make ``node_id`` a member until it leaves or its connection dies; idempotent.

@@ -247,9 +247,8 @@ class StoreRendezvous(Rendezvous):
         data, token = self._store.get_state()
         if self._stale and data is not None:
             # Back after a disconnection: the watches re-fire later, and a round decided on
-            # the old view may have been superseded meanwhile. One compare-and-set of the
-            # same bytes reads the server's state (and rewrites it if ours was current).
-            data, token, _ = self._store.set_state(data, token)
+            # the old view may have been superseded meanwhile, so the server's state is read.
+            data, token = self._store.refresh_state(data, token)
             self._stale = False
             log.debug("%s: view refreshed after the reconnection", self.node.node_id)
         read = self._stored((data, token))

@@ -304,11 +304,12 @@ class ZooKeeperStore(CachedStore):
     or connection threads: kazoo forbids blocking there, and a subscriber may well block (the
     agent asks Slurm how many nodes to expect, which can take a minute).
 
-    Why 51 methods: it is the ``Store`` interface on ZooKeeper (eighteen methods, and
+    Why 54 methods: it is the ``Store`` interface on ZooKeeper (nineteen methods, and
     ``session_id`` and ``job_exists`` for tests and ``close_job``), and under each request the
     one ZooKeeper operation that kazoo's ``retry`` may run twice, written so that a retry after
-    a lost reply finds its own write (fifteen: the compare-and-set, the fenced mark, the batched
-    deletes of a forgotten round and the transactions that keep a closed job closed among them),
+    a lost reply finds its own write (seventeen: the compare-and-set, the fenced mark, the
+    batched deletes of a forgotten round, the synced read of the state and the transactions
+    that keep a closed job closed among them),
     with the session id they check (``_session_number``) and what this connection knows it
     made (``_joined_already``, ``_round_made``); the four steps that open a job's nodes
     and refuse one another user made, and the one that makes a round's nodes; kazoo's watch and
@@ -348,6 +349,13 @@ class ZooKeeperStore(CachedStore):
         """One look at a round's node at a time (``_round_made``)."""
         self._fetching = threading.Lock()
         """One fetch of member records at a time, so handlers sharing this store share it."""
+        self._connection_changes = 0
+        """How many times kazoo said the connection changed: a view read before the latest
+        change is not known to be the server's (``refresh_state``)."""
+        self._refreshed_at = -1
+        """``_connection_changes`` when the state was last read from the server."""
+        self._refreshing = threading.Lock()
+        """One read of the state at a time, so handlers sharing this store share it."""
         self._marks_watch: _CoalescedChildrenWatch | None = None
         """The watch on the marks this connection follows (``follow_marks``)."""
         self._followed: tuple[Mark, int] | None = None
@@ -390,6 +398,23 @@ class ZooKeeperStore(CachedStore):
             current, version, won = self._client.retry(self._compare_and_set, data, token)
         self._remember_state(current, version)
         return current, version, won
+
+    def refresh_state(self, data: bytes, token: int) -> tuple[bytes | None, int]:
+        """A ``sync`` and one read of the state, once a reconnection for all the handlers of
+        this connection, and never a write: the default (a compare-and-set each) made every
+        agent write the state at once after a leader change, and every write notified every
+        connection. Whatever ``data`` and ``token`` hold, the server's state is read."""
+        del data, token
+        with self._refreshing:
+            with self._lock:
+                changes = self._connection_changes
+            if self._refreshed_at != changes:
+                with self._converted():
+                    current, version = self._client.retry(self._read_state)
+                self._remember_state(current, version)
+                # A change during the read leaves this behind it: the next caller reads again.
+                self._refreshed_at = changes
+        return self.get_state()
 
     def join(self, node_id: str, data: bytes) -> None:
         """Every round begins with a join; only the first of a session asks ZooKeeper (three
@@ -817,12 +842,22 @@ class ZooKeeperStore(CachedStore):
             stat = self._client.set(self._path("state"), data, version=token)
             return data, stat.version, True
         except (NodeExistsError, BadVersionError, NoNodeError):
-            try:
-                current, stat = self._client.get(self._path("state"))
-            except NoNodeError:
-                return None, ABSENT, False
+            current, version = self._get_state()
             # A retry after a lost reply finds our own write: that is a win.
-            return current, stat.version, current == data
+            return current, version, current == data
+
+    def _read_state(self) -> tuple[bytes | None, int]:
+        # The server this connection reached again may trail the leader; ``sync`` has it
+        # catch up first, so the read that follows is at least as new as any finished write.
+        self._client.sync(self._path("state"))
+        return self._get_state()
+
+    def _get_state(self) -> tuple[bytes | None, int]:
+        try:
+            current, stat = self._client.get(self._path("state"))
+        except NoNodeError:
+            return None, ABSENT
+        return current, stat.version
 
     def _create_state(self, data: bytes) -> None:
         """Create the state only while the job is open, in one transaction: ``check`` with
@@ -912,8 +947,9 @@ class ZooKeeperStore(CachedStore):
     def _on_connection_state(self, state: str) -> None:
         """Runs in kazoo's connection thread, which must never block: only enqueue."""
         logger.debug("zookeeper: connection of job %s is %s", self._run_id, state)
-        if state == KazooState.LOST:
-            with self._lock:  # the session's BACK marks went with it
+        with self._lock:
+            self._connection_changes += 1
+            if state == KazooState.LOST:  # the session's BACK marks went with it
                 self._own_marks = frozenset()
         self._notices.put(_CONNECTION_STATES[state])
 

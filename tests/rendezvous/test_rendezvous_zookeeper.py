@@ -36,6 +36,7 @@ from hpc_elastic.errors import (
 )
 from hpc_elastic.rendezvous import testing
 from hpc_elastic.rendezvous.api import NodeInfo, RendezvousSettings, Round
+from hpc_elastic.rendezvous.backend import ABSENT
 from hpc_elastic.rendezvous.handler import StoreRendezvous
 from hpc_elastic.rendezvous.state import JobState as State
 from hpc_elastic.rendezvous.state import encode, encode_node
@@ -298,6 +299,44 @@ def test_a_join_this_session_made_asks_nothing_until_the_member_is_gone(
         store.join("a", record)
         assert client.exists(member) is not None
     finally:
+        store.release()
+
+
+@integration
+def test_after_a_reconnection_the_agents_of_a_connection_read_the_state_once(
+    zk: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a leader change every connection is suspended and reconnects, and each of its
+    agents refreshes its view: with a compare-and-set each, N agents wrote the state at once.
+    Now one ``sync`` and read a connection serves them all, until the connection changes again.
+    kazoo's part, telling the store's listeners of the outage, is played by the test."""
+    address = ZooKeeperAddress.parse(zk)
+    client = open_client(address, SECRET, SESSION)
+    store = ZooKeeperStore(client, address, "job", SECRET)
+    writer = ZooKeeperStore(open_client(address, SECRET, SESSION), address, "job", SECRET)
+    try:
+        _, first, _ = writer.set_state(b"one", ABSENT)
+        asked: list[str] = []
+        for name in ("sync", "set"):
+            request = getattr(client, name)
+            monkeypatch.setattr(client, name, partial(_noted, asked, name, request))
+
+        def outage() -> None:
+            for listener in list(client.state_listeners):
+                for state in (KazooState.SUSPENDED, KazooState.CONNECTED):
+                    listener(state)
+
+        outage()
+        with ThreadPoolExecutor(8) as agents:
+            views = list(agents.map(lambda _: store.refresh_state(b"one", first), range(8)))
+        assert views == [(b"one", first)] * 8
+        assert asked == ["sync"], "the agents of one connection did not share one read"
+        _, second, _ = writer.set_state(b"two", first)
+        outage()
+        assert store.refresh_state(b"one", first) == (b"two", second)
+        assert asked == ["sync", "sync"], "a reconnection was not followed by a read"
+    finally:
+        writer.release()
         store.release()
 
 

@@ -208,6 +208,24 @@ def test_a_write_with_a_stale_token_loses_and_returns_the_current_state(harness:
     eventually(lambda: writer.get_state() == (b"two", second), "the writer keep its own write")
 
 
+def test_a_refresh_returns_the_servers_state_and_a_token_that_wins(harness: Harness) -> None:
+    """After an outage a connection's view may trail the server by more than one notification;
+    a refresh reads past it at once, whatever the view held."""
+    writer, reader = harness.connect(), harness.connect()
+    _, first, _ = writer.set_state(b"one", ABSENT)
+    _, second, _ = writer.set_state(b"two", first)
+    assert reader.refresh_state(b"one", first) == (b"two", second)
+    assert reader.set_state(b"three", second)[2]
+
+
+def test_a_refresh_of_a_current_view_keeps_the_state(harness: Harness) -> None:
+    store = harness.connect()
+    _, token, _ = store.set_state(b"one", ABSENT)
+    data, token = store.refresh_state(b"one", token)
+    assert data == b"one"
+    assert store.set_state(b"two", token)[2], "the token of a refresh is not the current one"
+
+
 def test_another_connection_sees_the_write(harness: Harness) -> None:
     writer, reader = harness.connect(), harness.connect()
     _, token, _ = writer.set_state(b"news", ABSENT)
