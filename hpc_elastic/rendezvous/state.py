@@ -387,9 +387,11 @@ def round_is_live(state: JobState, alive: frozenset[str], nodes: NodeRange) -> b
     members = state.member_ids
     if state.succeeded:
         return members - set(state.succeeded) <= alive
-    if not members <= alive:
-        return False
-    return len(members) >= nodes.max or alive <= members
+    # Counted, not compared: every decision asks, and the members that count are memoized.
+    here = len(_members_here(state, alive))
+    if here < len(members):
+        return False  # a member is missing
+    return len(members) >= nodes.max or len(alive) == here  # or nobody is waiting to join
 
 
 class Action(Enum):

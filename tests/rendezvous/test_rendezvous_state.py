@@ -839,13 +839,14 @@ def test_the_proposer_is_the_lowest_ranked_member_that_counts() -> None:
     alive=hs.sets(hs.integers(0, 45)),
     ready=hs.sets(hs.integers(0, 40)),
     excluded=hs.sets(hs.integers(0, 45), max_size=3),
+    most=hs.integers(1, 46),
 )
 def test_the_fast_paths_of_a_decision_agree_with_their_definitions(
-    size: int, back: set[int], alive: set[int], ready: set[int], excluded: set[int]
+    *, size: int, back: set[int], alive: set[int], ready: set[int], excluded: set[int], most: int
 ) -> None:
     """``with_back`` sorts a few marks by rank instead of scanning the round, and
-    ``has_stragglers`` counts instead of building the set (thousands of members, every
-    decision of every agent): each must say what the plain definition says."""
+    ``has_stragglers`` and ``round_is_live`` count instead of building sets (thousands of
+    members, every decision of every agent): each must say what the plain definition says."""
     names = [f"n{index:02d}" for index in range(46)]
     members = tuple(node(names[index]) for index in range(size))
     state = st.JobState(
@@ -864,3 +865,6 @@ def test_the_fast_paths_of_a_decision_agree_with_their_definitions(
     )
     assert st.stragglers(state, here) == plain
     assert st.has_stragglers(state, here) == bool(plain)
+    ids, counted = frozenset(m.node_id for m in members), st.present(state, here)
+    live = not st.round_over(state) and ids <= counted and (size >= most or counted <= ids)
+    assert st.round_is_live(state, here, NodeRange(1, most)) == live
