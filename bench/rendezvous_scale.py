@@ -12,7 +12,9 @@ per server kind (one standalone server, a 3-server ensemble on loopback ports):
     The round time of the table (median, p99) is theirs: a job pays it at every restart;
   * a kill: the driver that holds 1 % of the agents is SIGKILLed; the others notice once
     the victims' sessions expire, and form the next round without them (detect, re-form);
-  * on the ensemble, a leader kill: the leader is SIGKILLed in the middle of a restart round.
+  * on the ensemble, a leader kill: the leader is SIGKILLed in the middle of a restart round;
+  * a mass departure: the drivers that hold half of the agents left are SIGKILLed at once,
+    and the others form the next round without them.
 
 Per round: time from the trigger (the common start, the failure report, the kill) until the
 last agent holds the new round; bytes, requests and watch events each agent's sessions read
@@ -374,6 +376,23 @@ class Plan:
         counts[-1] -= sum(counts) - rest
         return [*counts, self.victims]
 
+    @property
+    def departing(self) -> int:
+        """How many drivers leave at once in the mass departure: the last ones before the
+        victims', until they hold half of the agents left after the kill (0: one driver)."""
+        others = self.slices()[:-1]
+        leaving = 0
+        while leaving < len(others) - 1 and 2 * sum(others[len(others) - leaving :]) < sum(others):
+            leaving += 1
+        return leaving
+
+    @property
+    def floor(self) -> int:
+        """The job's minimum: the agents left after both kills, so that every round here
+        holds all the agents alive (a shrink skips the last call)."""
+        others = self.slices()[:-1]
+        return sum(others[: len(others) - self.departing])
+
 
 @contextmanager
 def zookeeper(servers: int, scratch: Path) -> Iterator[list[testing.ZooKeeperServer]]:
@@ -412,7 +431,7 @@ class Bench:
                 "first": first,
                 "agents": count,
                 "share": self.plan.share,
-                "min": self.plan.n - self.plan.victims,
+                "min": self.plan.floor,
                 "max": self.plan.n,
                 "session": self.plan.session,
             }
@@ -483,22 +502,45 @@ class Bench:
         row = self.round(
             k, "1% killed", survivors, act=lambda _: victims.process.kill(), trigger=False
         )
-        if not row["ok"] or len(self.servers) == 1:
+        if not row["ok"]:
             return
+        if len(self.servers) > 1:
+            k += 1
+            if not self.kill_leader(k, survivors):
+                return
+        self.mass_departure(k + 1, survivors)
+
+    def kill_leader(self, k: int, drivers: list[DriverProcess]) -> bool:
+        """Round ``k`` with the leader SIGKILLed halfway through a restart; whether it formed."""
         leader = next((s for s in self.servers if testing.mode(s.port) == "leader"), None)
         if leader is None:
             print("no leader found; the leader kill is skipped", flush=True)
-            return
+            return True
         restarts = [r["round_s"] for r in self.rows if r["kind"] == "restart" and r["ok"]]
         delay = statistics.median(restarts) / 2 if restarts else 0.1
 
-        def kill_leader(at: float) -> None:
+        def kill(at: float) -> None:
             until(at + delay)
             assert leader.process is not None
             leader.process.kill()
 
-        row = self.round(k + 1, "leader killed", survivors, act=kill_leader)
+        row = self.round(k, "leader killed", drivers, act=kill)
         row["leader_killed_after_s"] = delay
+        return bool(row["ok"])
+
+    def mass_departure(self, k: int, drivers: list[DriverProcess]) -> None:
+        """Round ``k``: the last ``plan.departing`` of ``drivers`` are SIGKILLed at once."""
+        leaving = self.plan.departing
+        if not leaving:
+            print("one driver only: the mass departure is skipped", flush=True)
+            return
+        gone, staying = drivers[-leaving:], drivers[:-leaving]
+
+        def kill(_: float) -> None:
+            for driver in gone:
+                driver.process.kill()
+
+        self.round(k, "half lost", staying, act=kill, trigger=False)
 
 
 def summarize(
@@ -575,7 +617,7 @@ def table_row(plan: Plan, rows: list[dict[str, Any]]) -> str:
         row = found[0]
         if row["round_s"] is None:
             return f"no round ({row['returned']} of {row['agents']} returned)"
-        noticed = f"detect {row['noticed_s']:.2f} s, " if kind == "1% killed" else ""
+        noticed = f"detect {row['noticed_s']:.2f} s, " if kind != "leader killed" else ""
         return f"{noticed}re-form {row['round_s']:.2f} s"
 
     def mean(key: str) -> str:
@@ -599,7 +641,7 @@ def table_row(plan: Plan, rows: list[dict[str, Any]]) -> str:
         f"| {sessions} | {len(plan.slices())} | {median} | {p99} | {join} "
         f"| {f'{statistics.median(bytes_in):.1f} KiB' if bytes_in else '-'} "
         f"| {mean('zk_cpu_s')} | {mean('agents_cpu_s')} "
-        f"| {figure('1% killed')} | {figure('leader killed')} | {lost} |"
+        f"| {figure('1% killed')} | {figure('leader killed')} | {figure('half lost')} | {lost} |"
     )
 
 
@@ -607,8 +649,9 @@ HEADER = (
     "| agents | ZooKeeper | sessions | drivers | restart round, median | restart round, p99 "
     "| join storm | read per agent a restart (median) | ZooKeeper CPU a restart "
     "| agents' CPU a restart "
-    "| 1 % killed (session {session:g} s) | leader killed mid-round | sessions lost |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "| 1 % killed (session {session:g} s) | leader killed mid-round | half lost at once "
+    "| sessions lost |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
