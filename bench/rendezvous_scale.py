@@ -176,6 +176,8 @@ class Driver:
         )
         count, share = job["agents"], job["share"]
         self.connection_states: Counter[str] = Counter()
+        self._states_reported: Counter[str] = Counter()
+        """``connection_states`` at the last report: each change is reported once."""
         self.stores: list[ZooKeeperStore] = []
         for _ in range(math.ceil(count / share)):
             client = open_client(address, None, job["session"], connect_timeout=120.0)
@@ -257,6 +259,8 @@ class Driver:
         done = [o.done for o in outcomes if o.done is not None]
         noticed = [o.noticed for o in outcomes if o.noticed is not None]
         problems = Counter(o.error for o in outcomes if o.error)
+        states = Counter(self.connection_states)
+        since_last, self._states_reported = states - self._states_reported, states
         return {
             "k": command["k"],
             "returned": len(done),
@@ -270,7 +274,7 @@ class Driver:
             "digests": sorted({o.digest for o in outcomes if o.digest}),
             "problems": dict(problems),
             "traffic": dict(traffic),
-            "connection_states": dict(self.connection_states),
+            "connection_states": dict(since_last),
             "state_bytes": len(self.stores[0].get_state()[0] or b""),
             "children_bytes": sum(4 + len(node) for node in self.stores[0].alive()),
         }
