@@ -145,6 +145,25 @@ def say(**fields: Any) -> None:
     print(json.dumps(fields), flush=True)
 
 
+class Stamped(threading.Event):
+    """An agent's ``changed`` event that notes when it was first set: when the handler saw its
+    round superseded, before the agent's thread waits its turn for the interpreter among the
+    hundreds of a driver (a real agent has a process of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.at: float | None = None
+
+    def set(self) -> None:
+        if self.at is None:
+            self.at = time.time()
+        super().set()
+
+    def clear(self) -> None:
+        self.at = None
+        super().clear()
+
+
 @dataclass
 class Outcome:
     """What one agent did in one round."""
@@ -193,6 +212,8 @@ class Driver:
             )
             for i in range(count)
         ]
+        for agent in self.agents:
+            agent.changed = Stamped()
         self._digests: dict[int, tuple[tuple[NodeInfo, ...], str]] = {}
         """Digests of the members tuples this round's agents hold, by ``id``: each tuple is
         kept here with its digest, so that no id is reused for another tuple meanwhile."""
@@ -233,7 +254,8 @@ class Driver:
                 if not agent.changed.wait(command["timeout"]):
                     outcome.error = "never superseded"
                     return
-                outcome.noticed = time.time()
+                assert isinstance(agent.changed, Stamped)
+                outcome.noticed = agent.changed.at
             got = agent.next_round()
             outcome.done = time.time()
             outcome.number = got.number
