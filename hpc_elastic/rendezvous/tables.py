@@ -24,7 +24,7 @@ from weakref import WeakKeyDictionary
 
 from hpc_elastic.errors import RendezvousClosedError, RendezvousError
 from hpc_elastic.rendezvous import state as st
-from hpc_elastic.rendezvous.backend import Store
+from hpc_elastic.rendezvous.backend import Store, table_digest
 
 KEPT = 16
 """Tables (and filled states) a connection keeps: a job needs the latest round's, and a few
@@ -81,6 +81,8 @@ class _Held:
         its work here. Without it, every agent sharing a connection that met a new round at
         once fetched and decoded the table itself: at 4,096 members, a connection of 64
         agents decoded it dozens of times (0.14 s each)."""
+        self.latest: st.JobState | None = None
+        """The state of the newest round filled here (``_derived`` starts from it)."""
 
 
 _held: WeakKeyDictionary[Store, _Held] = WeakKeyDictionary()
@@ -126,24 +128,49 @@ def _filled(
     if table is None:
         if not fetch:
             return None
-        table = _fetched(store, document)
+        table = _derived(store, held, document) or _fetched(store, document)
         if table is None:
             return None
-        log.debug("read the table of round %d (%d bytes)", document.state.round, len(table))
         held.tables.put(document.table, table)
     state = document.filled(table)
     held.states.put(data, state)
+    if held.latest is None or state.round > held.latest.round:
+        held.latest = state
     return state
+
+
+def _derived(store: Store, held: _Held, document: st.Document) -> bytes | None:
+    """The table of a round that only lost members, made here instead of read: survivors
+    keep their order and their records (``st.complete_round``), so the last round's members
+    that count now, in that order, are the new table when its size and digest say so. A loss
+    then costs no connection the table (N·T served otherwise: 1.2 GB at 4,096 agents with a
+    session each). None, and the table is read, when they do not match: a newcomer, or a
+    view of the members other than the proposer's."""
+    last = held.latest
+    if last is None or last.round >= document.state.round:
+        return None
+    here = st.present(document.state, store.alive())
+    survivors = tuple(member for member in last.members if member.node_id in here)
+    if len(survivors) != document.size or len(survivors) == len(last.members):
+        return None
+    table = st.encode_table(survivors)
+    if table_digest(table) != document.table:
+        return None
+    log.debug("made the table of round %d (%d members)", document.state.round, document.size)
+    return table
 
 
 def _fetched(store: Store, document: st.Document) -> bytes | None:
     """The table ``document`` names, from the store; its errors but closure are ``UnreadTable``."""
     try:
-        return store.table(document.state.round, document.table)
+        table = store.table(document.state.round, document.table)
     except RendezvousClosedError:
         raise
     except RendezvousError as error:
         raise UnreadTable(str(error)) from error
+    if table is not None:
+        log.debug("read the table of round %d (%d bytes)", document.state.round, len(table))
+    return table
 
 
 def current(

@@ -88,6 +88,42 @@ def test_a_new_rounds_table_is_there_before_the_commit_that_names_it() -> None:
     assert store.table(1, document.table) == st.encode_table(state.members)
 
 
+def test_a_round_that_only_lost_members_is_made_from_the_last_table_not_read() -> None:
+    """Survivors keep their order, so a connection that holds the last round's table makes a
+    loss round's table itself, from the members alive: a loss costs no connection the table.
+    A round with a newcomer, or a view of the members other than the proposer's, is read."""
+    server = MemoryServer()
+    writer, reader = connect(server), connect(server)
+    lives = {name: connect(server) for name in "abcd"}
+    for name in "abc":
+        lives[name].join(name, st.encode_node(node(name)))
+    started(writer, "abc")
+    asked = counted(reader)
+    tables.current(reader)
+    lives["b"].release()
+    shrunk = commit(writer, lambda state: st.complete_round(state, [node("a"), node("c")], NODES))
+    state, _ = tables.current(reader)
+    assert state == shrunk
+    commit(writer, lambda state: st.publish_master(state, 2, 29500))
+    state, _ = tables.current(reader)
+    assert state is not None
+    assert state.master_port == 29500
+    assert asked == [1], "the loss round's table was read"
+    lives["d"].join("d", st.encode_node(node("d")))
+    grown = [node("a"), node("c"), node("d")]
+    commit(writer, lambda state: st.complete_round(state, grown, NODES))
+    state, _ = tables.current(reader)
+    assert state is not None
+    assert [member.node_id for member in state.members] == ["a", "c", "d"]
+    assert asked == [1, 3], "a newcomer's round must be read"
+    lives["d"].release()  # the reader sees a and c alive; the proposer decided on a and d
+    commit(writer, lambda state: st.complete_round(state, [node("a"), node("d")], NODES))
+    state, _ = tables.current(reader)
+    assert state is not None
+    assert [member.node_id for member in state.members] == ["a", "d"], "the digest let it by"
+    assert asked == [1, 3, 4]
+
+
 def test_a_state_whose_table_was_forgotten_is_read_again_from_the_server() -> None:
     """A view two rounds behind names a table ``forget_rounds`` removed: the state is read
     again (a compare-and-set on the stale token, which cannot win), not taken for damage."""
