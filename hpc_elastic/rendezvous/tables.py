@@ -6,7 +6,8 @@ never changes (one commit per round, and a digest per content), so a connection 
 and keeps it here: every state of the round (its port, a failure, its end) is filled from
 memory, and every agent sharing the connection shares the one copy.
 
-- ``read``: the state of a document, its table fetched if this connection does not hold it;
+- ``read``: the state of a document, its table fetched if this connection does not hold it
+  (or, for a round that only lost members, made from the last one: ``_derived``);
 - ``current``: the store's latest state, read again if its table is gone (a view two rounds
   behind, whose table ``forget_rounds`` removed);
 - ``write``: a compare-and-set that writes a new round's table first, so that whoever reads
