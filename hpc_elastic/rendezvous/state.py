@@ -58,9 +58,14 @@ class _Memo(Generic[Result]):
     identity. The trick: a tuple of 4,096 members hashes (and compares) in O(N), while the
     agents sharing a connection decide on the very same objects (the state of their round,
     which ``tables`` fills once, and the store's ``alive``). Each entry keeps its objects,
-    so an id is never taken by another object while the entry lives."""
+    so an id is never taken by another object while the entry lives.
 
-    SIZE = 8
+    A hit takes no lock: one dict read is atomic under the GIL, and a process deciding for
+    hundreds of agents at once queued them on a lock here (140 of 341 threads of a 4,096-agent
+    driver, seen by py-spy). The oldest entry goes first, used or not."""
+
+    SIZE = 32
+    """A few per connection a process holds: each has its own ``alive``."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -69,11 +74,9 @@ class _Memo(Generic[Result]):
 
     def get(self, objects: tuple[object, ...], compute: Callable[[], Result]) -> Result:
         key = tuple(map(id, objects))
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None:
-                self._entries.move_to_end(key)
-                return entry[1]
+        entry = self._entries.get(key)
+        if entry is not None:
+            return entry[1]
         value = compute()
         with self._lock:
             self._entries[key] = (objects, value)
