@@ -39,6 +39,7 @@ from hpc_elastic.decoding import (
 from hpc_elastic.errors import RendezvousError
 from hpc_elastic.rendezvous.api import Failure, NodeInfo, RendezvousSettings, Round
 from hpc_elastic.rendezvous.backend import table_digest
+from hpc_elastic.rendezvous.once import computed_once
 from hpc_elastic.spec import NodeRange
 
 FORMAT = 6
@@ -223,15 +224,15 @@ def encode(state: JobState) -> bytes:
     return json.dumps({"format": FORMAT, **raw}, sort_keys=True).encode()
 
 
-@lru_cache(maxsize=4)
+@computed_once(size=8)
 def encode_table(members: tuple[NodeInfo, ...]) -> bytes:
     """A round's members in rank order, as the table the store keeps beside the state.
-    Cached: every write of a round's state names its table, and every process sharing a
-    round encodes the same members."""
+    Cached: every write of a round's state names its table, and every connection of a
+    process that makes a round's table (``tables._derived``) makes the same one."""
     return json.dumps([_record_fields(member) for member in members], sort_keys=True).encode()
 
 
-@lru_cache(maxsize=4)
+@computed_once(size=8)
 def table_name(members: tuple[NodeInfo, ...]) -> str:
     """The digest that names the members' table in the document; "" for no members."""
     return table_digest(encode_table(members)) if members else ""
@@ -356,9 +357,10 @@ def decode(data: bytes) -> Document:
     return cast(Document, _parsed(data, decode_document, "The rendezvous state", state))
 
 
-@lru_cache(maxsize=4)
+@computed_once(size=8)
 def decode_table(data: bytes) -> tuple[NodeInfo, ...]:
-    """A round's members from their table; cached: every agent of a process reads the same."""
+    """A round's members from their table; computed once: every connection of a process
+    meets the new table at the same moment."""
     members = _parsed(
         data, lambda raw: _MEMBERS(raw, "members"), "The table of members", "a hpc-elastic table"
     )

@@ -1,0 +1,103 @@
+"""``computed_once``: the cache that every agent of a process asks at the same moment."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from hpc_elastic.rendezvous.once import ComputedOnce, computed_once
+
+DEADLINE = 30.0
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + DEADLINE
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} within {DEADLINE} s"
+        time.sleep(0.01)
+
+
+class Blocking:
+    """A cached function whose calls wait until ``threads - 1`` askers wait on the cache,
+    then return their key in a list, or raise ``error``."""
+
+    def __init__(self, threads: int, error: Exception | None = None) -> None:
+        self.threads = threads
+        self.error = error
+        self.calls: list[bytes] = []
+        self.cache: ComputedOnce[bytes, object] = computed_once(size=4)(self.function)
+
+    def function(self, key: bytes) -> object:
+        self.calls.append(key)
+        if len(self.calls) == 1:
+            waiters = self.threads - 1
+            wait_until(lambda: self.cache.waiting == waiters, f"{waiters} waiters")
+        if self.error is not None:
+            raise self.error
+        return [key]
+
+    def ask_at_once(self, key: bytes) -> list[object]:
+        """What each of ``threads`` threads got from the cache: a value or an exception."""
+        got: list[object] = [None] * self.threads
+
+        def ask(index: int) -> None:
+            try:
+                got[index] = self.cache(bytes(bytearray(key)))  # equal, not the same object
+            except ValueError as error:
+                got[index] = error
+
+        askers = [threading.Thread(target=ask, args=(index,)) for index in range(self.threads)]
+        for asker in askers:
+            asker.start()
+        for asker in askers:
+            asker.join(DEADLINE)
+            assert not asker.is_alive()
+        return got
+
+
+def test_a_value_many_threads_ask_for_at_once_is_computed_by_one_of_them() -> None:
+    blocking = Blocking(threads=8)
+    got = blocking.ask_at_once(b"table")
+    assert blocking.calls == [b"table"]
+    assert blocking.cache.computed == 1
+    assert got[0] == [b"table"]
+    assert all(value is got[0] for value in got)
+    assert blocking.cache.waiting == 0
+
+
+def test_an_error_is_kept_by_nobody_and_met_by_every_thread_that_asked() -> None:
+    blocking = Blocking(threads=4, error=ValueError("not a table"))
+    got = blocking.ask_at_once(b"garbage")
+    assert all(isinstance(value, ValueError) for value in got)
+    assert len(blocking.calls) == 4
+    assert blocking.cache.computed == 0
+
+
+def test_the_oldest_result_goes_first_once_size_are_kept() -> None:
+    calls: list[str] = []
+
+    @computed_once(size=2)
+    def upper(key: str) -> str:
+        calls.append(key)
+        return key.upper()
+
+    assert [upper("a"), upper("b"), upper("a"), upper("c"), upper("b")] == list("ABACB")
+    assert calls == ["a", "b", "c"]  # "a" was asked again, yet it is the oldest
+    assert upper("a") == "A"
+    assert calls == ["a", "b", "c", "a"]
+    upper.forget()
+    assert upper("c") == "C"
+    assert calls[-1] == "c"
+
+
+@pytest.mark.parametrize("size", [1, 8])
+def test_equal_keys_share_a_result(size: int) -> None:
+    @computed_once(size=size)
+    def length(key: bytes) -> int:
+        return len(key)
+
+    assert length(b"x" * 1000) == length(bytes(bytearray(b"x" * 1000))) == 1000
+    assert length.computed == 1
