@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from hpc_elastic import contract
 from hpc_elastic.errors import RendezvousError
+from hpc_elastic.rendezvous.once import Memo
 from hpc_elastic.spec import NodeRange
 
 
@@ -96,6 +97,16 @@ class NodeInfo:
     (agent/links.py, docs/rendezvous.md "A killed node noticed at once")."""
 
 
+_RANKS: Memo[dict[str, int]] = Memo()
+
+
+def member_ranks(members: tuple[NodeInfo, ...]) -> dict[str, int]:
+    """Each member's rank, by node id; computed once for a round's members, which every
+    agent of a process holds as one tuple (a scan of 4,096 members, each agent of a round
+    asking, was O(N²) a round in a process driving thousands of agents)."""
+    return _RANKS.get((members,), lambda: {m.node_id: rank for rank, m in enumerate(members)})
+
+
 @dataclass(frozen=True)
 class Round:
     """A completed rendezvous round: who trains together and where the master listens."""
@@ -109,10 +120,10 @@ class Round:
     max_restarts: int
 
     def group_rank(self, node_id: str) -> int:
-        for rank, member in enumerate(self.members):
-            if member.node_id == node_id:
-                return rank
-        raise RendezvousError(f"Node '{node_id}' is not a member of round {self.number}.")
+        rank = member_ranks(self.members).get(node_id)
+        if rank is None:
+            raise RendezvousError(f"Node '{node_id}' is not a member of round {self.number}.")
+        return rank
 
     @property
     def world_size(self) -> int:

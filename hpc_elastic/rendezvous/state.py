@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import json
 import re
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from enum import Enum
 from functools import cached_property, lru_cache
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, cast
 
 from hpc_elastic.decoding import (
     Check,
@@ -37,9 +35,9 @@ from hpc_elastic.decoding import (
     whole,
 )
 from hpc_elastic.errors import RendezvousError
-from hpc_elastic.rendezvous.api import Failure, NodeInfo, RendezvousSettings, Round
+from hpc_elastic.rendezvous.api import Failure, NodeInfo, RendezvousSettings, Round, member_ranks
 from hpc_elastic.rendezvous.backend import table_digest
-from hpc_elastic.rendezvous.once import computed_once
+from hpc_elastic.rendezvous.once import Memo, computed_once
 from hpc_elastic.spec import NodeRange
 
 FORMAT = 6
@@ -51,44 +49,9 @@ table, named by ``table`` and counted by ``size``)."""
 MARGIN = 2.0
 """Seconds added to every derived deadline for scheduling and ZooKeeper tick granularity."""
 
-Result = TypeVar("Result")
 
-
-class _Memo(Generic[Result]):
-    """The last few results of a function of large immutable objects, found by the objects'
-    identity. The trick: a tuple of 4,096 members hashes (and compares) in O(N), while the
-    agents sharing a connection decide on the very same objects (the state of their round,
-    which ``tables`` fills once, and the store's ``alive``). Each entry keeps its objects,
-    so an id is never taken by another object while the entry lives.
-
-    A hit takes no lock: one dict read is atomic under the GIL, and a process deciding for
-    hundreds of agents at once queued them on a lock here (140 of 341 threads of a 4,096-agent
-    driver, seen by py-spy). The oldest entry goes first, used or not."""
-
-    SIZE = 32
-    """A few per connection a process holds: each has its own ``alive``."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._entries: OrderedDict[tuple[int, ...], tuple[tuple[object, ...], Result]]
-        self._entries = OrderedDict()
-
-    def get(self, objects: tuple[object, ...], compute: Callable[[], Result]) -> Result:
-        key = tuple(map(id, objects))
-        entry = self._entries.get(key)
-        if entry is not None:
-            return entry[1]
-        value = compute()
-        with self._lock:
-            self._entries[key] = (objects, value)
-            while len(self._entries) > self.SIZE:
-                self._entries.popitem(last=False)
-        return value
-
-
-_MEMBER_IDS: _Memo[frozenset[str]] = _Memo()
-_RANKS: _Memo[dict[str, int]] = _Memo()
-_MEMBERS_HERE: _Memo[frozenset[str]] = _Memo()
+_MEMBER_IDS: Memo[frozenset[str]] = Memo()
+_MEMBERS_HERE: Memo[frozenset[str]] = Memo()
 
 
 @dataclass(frozen=True)
@@ -685,7 +648,7 @@ def with_back(state: JobState, back: frozenset[str]) -> JobState:
     if len(back) * 8 < len(state.members):
         # A few marks (an agent knows only its own): sorted by rank, not found in a scan of
         # thousands of members at every decision.
-        ranks = _ranks(state.members)
+        ranks = member_ranks(state.members)
         ready = tuple(sorted((node for node in back if node in ranks), key=ranks.__getitem__))
     else:
         ready = tuple(member.node_id for member in state.members if member.node_id in back)
@@ -694,12 +657,7 @@ def with_back(state: JobState, back: frozenset[str]) -> JobState:
 
 def rank_of(state: JobState, node_id: str) -> int:
     """``node_id``'s rank in the latest round (it is a member)."""
-    return _ranks(state.members)[node_id]
-
-
-def _ranks(members: tuple[NodeInfo, ...]) -> dict[str, int]:
-    """Each member's rank, by node id; computed once for a round's members."""
-    return _RANKS.get((members,), lambda: {m.node_id: rank for rank, m in enumerate(members)})
+    return member_ranks(state.members)[node_id]
 
 
 def readmit(state: JobState, node_id: str) -> JobState:

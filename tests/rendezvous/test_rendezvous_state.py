@@ -15,7 +15,7 @@ from typed_json import json_values, mutated, well_typed
 
 from hpc_elastic.errors import RendezvousError
 from hpc_elastic.rendezvous import state as st
-from hpc_elastic.rendezvous.api import Failure, NodeInfo, RendezvousSettings
+from hpc_elastic.rendezvous.api import Failure, NodeInfo, RendezvousSettings, Round
 from hpc_elastic.rendezvous.backend import table_digest
 from hpc_elastic.spec import NodeRange
 
@@ -868,3 +868,13 @@ def test_the_fast_paths_of_a_decision_agree_with_their_definitions(
     ids, counted = frozenset(m.node_id for m in members), st.present(state, here)
     live = not st.round_over(state) and ids <= counted and (size >= most or counted <= ids)
     assert st.round_is_live(state, here, NodeRange(1, most)) == live
+
+
+def test_a_round_ranks_its_members_in_order_and_refuses_a_stranger() -> None:
+    members = tuple(NodeInfo(f"n{i}", f"h{i}", nproc=i + 1) for i in range(5))
+    first = Round(1, members, "h0", 29500, restarts_used=0, max_restarts=3)
+    again = replace(first, number=2)
+    assert [first.group_rank(f"n{i}") for i in range(5)] == [0, 1, 2, 3, 4]
+    assert [again.first_rank(f"n{i}") for i in range(5)] == [0, 1, 3, 6, 10]
+    with pytest.raises(RendezvousError, match="Node 'n9' is not a member of round 2"):
+        again.group_rank("n9")
