@@ -319,7 +319,7 @@ class StoreRendezvous(Rendezvous):
             if min_wait_ends is None:
                 # The nodes the decision counted: a live member left out as a stuck straggler
                 # is none of them ("only 2 of the 2 nodes" said the simulation's seed 393).
-                self._fail_below_min(state, token, len(st.candidates(state, alive)))
+                self._fail_below_min(state, token, st.candidate_count(state, alive))
                 return Step(action, again=True)
             return Step(action, wake_at=min_wait_ends)
         if action is st.Action.LAST_CALL:
@@ -697,8 +697,7 @@ class StoreRendezvous(Rendezvous):
         who is back, and propose only once the stragglers are overdue."""
         if st.round_over(state) and st.proposer(state, alive) == self.node.node_id:
             return 0.0
-        position = sum(1 for other in alive if other < self.node.node_id)
-        return turn(position, len(alive))
+        return turn(st.position_among(alive, self.node.node_id), len(alive))
 
     def _fail_below_min(self, state: st.JobState, token: int, present: int) -> None:
         summary = (

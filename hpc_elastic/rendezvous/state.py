@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from enum import Enum
@@ -52,6 +53,7 @@ MARGIN = 2.0
 
 _MEMBER_IDS: Memo[frozenset[str]] = Memo()
 _MEMBERS_HERE: Memo[frozenset[str]] = Memo()
+_SORTED: Memo[tuple[str, ...]] = Memo()
 
 
 @dataclass(frozen=True)
@@ -446,7 +448,7 @@ def new_round_action(
 ) -> Action:
     """Whether the candidates complete the next round now, after the last call, or not yet."""
     expected = still_coming(state, alive, expected)
-    count = len(candidates(state, alive))
+    count = candidate_count(state, alive)
     enough = min(nodes.max, expected) if expected is not None else nodes.max
     if count >= max(enough, nodes.min):
         return Action.COMPLETE
@@ -571,6 +573,20 @@ def proposer(state: JobState, alive: frozenset[str]) -> str | None:
 def candidates(state: JobState, alive: frozenset[str]) -> frozenset[str]:
     """Who may form the next round: the members that came back, and newcomers."""
     return present(state, alive) - stragglers(state, alive)
+
+
+def candidate_count(state: JobState, alive: frozenset[str]) -> int:
+    """``len(candidates(...))`` in O(ready), not O(N): every decision of every agent counts
+    them, and in a join storm of thousands each count copied the live set."""
+    here = _members_here(state, alive)
+    return len(present(state, alive)) - (len(here) - len(here.intersection(state.ready)))
+
+
+def position_among(alive: frozenset[str], node_id: str) -> int:
+    """How many live nodes have an id below ``node_id`` (a proposer's turn, ``turn``); a
+    binary search of the live ids sorted once for all the agents deciding on them, where each
+    agent scanned all of them at every decision."""
+    return bisect_left(_SORTED.get((alive,), lambda: tuple(sorted(alive))), node_id)
 
 
 def echo_wait(settings: RendezvousSettings) -> float:

@@ -844,9 +844,10 @@ def test_the_proposer_is_the_lowest_ranked_member_that_counts() -> None:
 def test_the_fast_paths_of_a_decision_agree_with_their_definitions(
     *, size: int, back: set[int], alive: set[int], ready: set[int], excluded: set[int], most: int
 ) -> None:
-    """``with_back`` sorts a few marks by rank instead of scanning the round, and
-    ``has_stragglers`` and ``round_is_live`` count instead of building sets (thousands of
-    members, every decision of every agent): each must say what the plain definition says."""
+    """``with_back`` sorts a few marks by rank instead of scanning the round,
+    ``has_stragglers``, ``round_is_live`` and ``candidate_count`` count instead of building
+    sets, and ``position_among`` searches instead of scanning (thousands of members, every
+    decision of every agent): each must say what the plain definition says."""
     names = [f"n{index:02d}" for index in range(46)]
     members = tuple(node(names[index]) for index in range(size))
     state = st.JobState(
@@ -868,6 +869,9 @@ def test_the_fast_paths_of_a_decision_agree_with_their_definitions(
     ids, counted = frozenset(m.node_id for m in members), st.present(state, here)
     live = not st.round_over(state) and ids <= counted and (size >= most or counted <= ids)
     assert st.round_is_live(state, here, NodeRange(1, most)) == live
+    assert st.candidate_count(state, here) == len(st.candidates(state, here))
+    for name in (names[0], names[size // 2], names[-1], "n", "n99"):
+        assert st.position_among(here, name) == sum(1 for other in here if other < name)
 
 
 def test_a_round_ranks_its_members_in_order_and_refuses_a_stranger() -> None:
