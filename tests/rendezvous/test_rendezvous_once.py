@@ -3,21 +3,13 @@
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 
 import pytest
+from cluster import wait_until
 
 from hpc_elastic.rendezvous.once import ComputedOnce, computed_once
 
 DEADLINE = 30.0
-
-
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + DEADLINE
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} within {DEADLINE} s"
-        time.sleep(0.01)
 
 
 class Blocking:
@@ -34,7 +26,7 @@ class Blocking:
         self.calls.append(key)
         if len(self.calls) == 1:
             waiters = self.threads - 1
-            wait_until(lambda: self.cache.waiting == waiters, f"{waiters} waiters")
+            assert wait_until(lambda: self.cache.waiting == waiters, DEADLINE, interval=0.01)
         if self.error is not None:
             raise self.error
         return [key]
