@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -51,6 +53,7 @@ from hpc_elastic.rendezvous.zookeeper import (
     connect,
     describe_job,
     open_client,
+    poll_select,
     probe,
     remember_bad_node,
 )
@@ -597,3 +600,17 @@ def test_a_list_that_was_slow_to_fetch_makes_the_next_one_wait_as_long_up_to_a_s
     assert coalescing(0.001) == COALESCE  # a quiet ensemble: changes wait 20 ms for others
     assert coalescing(0.4) == 0.4  # a busy one: a connection lists at most half of its time
     assert coalescing(30.0) == COALESCE_MOST  # a loss is still seen within about a second
+
+
+def test_the_handlers_select_answers_as_select_does_for_sockets_to_read_and_to_write() -> None:
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        for rlist, wlist in (([ours], []), ([], [ours]), ([ours], [ours])):
+            assert poll_select(rlist, wlist, 0) == select.select(rlist, wlist, [], 0)
+        theirs.send(b"x")
+        assert poll_select([ours], [], None) == ([ours], [], [])
+        theirs.close()
+        ours.recv(1)
+        assert poll_select([ours], [], 0) == select.select([ours], [], [], 0)  # the end: readable
+    with pytest.raises(ValueError, match="Invalid file descriptor: -1"):
+        poll_select([ours], [], 0)  # closed
