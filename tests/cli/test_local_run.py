@@ -208,7 +208,12 @@ def test_churn_kills_and_adds_nodes_while_training_goes_on(tmp_path: Path, runs:
     assert kills, run.text()
     assert adds, run.text()
     sizes = {d.get("world_size") for k, d in kinds if k == "round"}
-    assert len(sizes) >= 2, sizes
+    timeline = "\n".join(
+        f"{event.get('time', 0):.1f} {event.get('slot')} round {event.get('round')} "
+        f"{event['kind']} {event.get('details', {})}"
+        for event in run.events()
+    )
+    assert len(sizes) >= 2, f"round sizes {sizes}; events:\n{timeline}\n{run.story()}"
     assert any(k == "done" for k, _ in kinds)
     assert "succeeded" in run.text()
     assert not leftover_agents(run.job_dir)
