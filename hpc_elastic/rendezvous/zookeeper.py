@@ -90,11 +90,7 @@ RETRY_DEADLINE = 60.0
 ROUNDS_SEEN = 8
 """Rounds' nodes for marks a connection remembers to exist (``_round_made``)."""
 COALESCE = 0.02
-"""Seconds a membership change waits for others before the member list is fetched again; as
-long as the last fetch took, when that is longer (``coalescing``), up to ``COALESCE_MOST``."""
-COALESCE_MOST = 1.0
-"""Seconds at most that a change waits for others: a node lost is still seen within about a
-second of its session's end, however busy the ensemble."""
+"""Seconds a membership change waits for others before the member list is fetched again."""
 ANSWER_WAIT = 2.0
 """Seconds a connect attempt first waits for the server's answer (``answer_wait``)."""
 
@@ -1051,15 +1047,6 @@ _CONNECTION_STATES = {
 }
 
 
-def coalescing(last_fetch: float) -> float:
-    """Seconds a change waits for others before a list is fetched again: ``COALESCE``, or as
-    long as the last fetch took. A fetch that took long says the ensemble or this process is
-    busy (a join storm of thousands: a list of 4,096 members took seconds a connection); the
-    wait keeps a connection to at most half of its time listing, and each list carries more
-    changes. On a quiet ensemble a fetch takes milliseconds and nothing changes."""
-    return min(max(COALESCE, last_fetch), COALESCE_MOST)
-
-
 class _CoalescedChildrenWatch:
     """kazoo's ChildrenWatch, except that a burst of changes costs one fetch of the list: when
     N agents join at once, each connection would otherwise fetch the growing list N times."""
@@ -1076,8 +1063,6 @@ class _CoalescedChildrenWatch:
         self._scheduled = False
         self._established = False
         self._stopped = False
-        self._last_fetch = 0.0
-        """Seconds the last fetch of the list took (``coalescing``)."""
         client.add_listener(self._on_session)
         with self._fetching:
             self._fetch_once()
@@ -1103,7 +1088,7 @@ class _CoalescedChildrenWatch:
             if self._scheduled:
                 return
             self._scheduled = True
-        timer = threading.Timer(coalescing(self._last_fetch), self._refetch)
+        timer = threading.Timer(COALESCE, self._refetch)
         timer.daemon = True
         timer.start()
 
@@ -1119,7 +1104,9 @@ class _CoalescedChildrenWatch:
         if self._stopped:
             return
         try:
-            children = self._client.retry(self._timed_fetch)
+            children = self._client.retry(
+                self._client.get_children, self._path, watch=self._on_event
+            )
         except NoNodeError:
             # Only close_job removes the members node: the job is closed and nobody is left
             # (a member whose deletion fired this watch must not linger in alive()). A
@@ -1127,13 +1114,6 @@ class _CoalescedChildrenWatch:
             children = []
         self._established = True
         self._on_children(children)
-
-    def _timed_fetch(self) -> list[str]:
-        """One attempt at the list, timed: a retry's waits say nothing of the load."""
-        started = time.monotonic()
-        children: list[str] = self._client.get_children(self._path, watch=self._on_event)
-        self._last_fetch = time.monotonic() - started
-        return children
 
 
 def connect(

@@ -43,13 +43,10 @@ from hpc_elastic.rendezvous.handler import StoreRendezvous
 from hpc_elastic.rendezvous.state import JobState as State
 from hpc_elastic.rendezvous.state import encode, encode_node
 from hpc_elastic.rendezvous.zookeeper import (
-    COALESCE,
-    COALESCE_MOST,
     ZooKeeperAddress,
     ZooKeeperStore,
     bad_node_book,
     close_job,
-    coalescing,
     connect,
     describe_job,
     open_client,
@@ -594,12 +591,6 @@ def test_another_users_secret_cannot_read_or_squat_a_users_bad_nodes(
     attacker.create(path, acl=MALLORY_ONLY, makepath=True)
     with pytest.raises(RendezvousAccessError, match="not guarded by user 'carol'"):
         remember_bad_node(chroot, "carol", SECRET, remembered("node1", "x", time.time(), 60.0))
-
-
-def test_a_list_that_was_slow_to_fetch_makes_the_next_one_wait_as_long_up_to_a_second() -> None:
-    assert coalescing(0.001) == COALESCE  # a quiet ensemble: changes wait 20 ms for others
-    assert coalescing(0.4) == 0.4  # a busy one: a connection lists at most half of its time
-    assert coalescing(30.0) == COALESCE_MOST  # a loss is still seen within about a second
 
 
 def test_the_handlers_select_answers_as_select_does_for_sockets_to_read_and_to_write() -> None:
