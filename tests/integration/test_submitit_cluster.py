@@ -81,12 +81,16 @@ class Counter(submitit.helpers.Checkpointable):
         self.folder = pathlib.Path(folder)
 
     def __call__(self, until):
-        if submitit.JobEnvironment().global_rank == 0:
+        # Rank 0's counts only: its state is the one checkpointed and requeued, and the
+        # other rank, started a little earlier, may be a step or more ahead of it.
+        rank0 = submitit.JobEnvironment().global_rank == 0
+        if rank0:
             with (self.folder / "starts").open("a") as starts:
                 starts.write(f"{self.step}\\n")
         while self.step < until:
             self.step += 1
-            (self.folder / "progress").write_text(str(self.step))
+            if rank0:
+                (self.folder / "progress").write_text(str(self.step))
             time.sleep(0.1)  # a step's work, so the preemption lands mid-run
         return self.step
 """
