@@ -153,6 +153,19 @@ class Store(ABC):
     def alive(self) -> frozenset[str]:
         """Ids of the current members, as last reported by the store's watch."""
 
+    def alive_is_current(self) -> bool:
+        """Whether ``alive()`` is at least as new as ``get_state()``: it misses no member that
+        joined before the state was written. Only then may a member of the state's round that
+        ``alive()`` does not list be counted as gone: on an older list it may just not be
+        listed yet (it joined again, and the round that counts it was committed, between two
+        listings), and counting it gone ends a healthy round.
+
+        This default suits a store that pushes the state and the membership together (in one
+        view, or in order on one channel). A store that lists its members apart from reading
+        its state answers False while a listing it needs is on its way, and calls every
+        subscriber's ``on_change`` once the list catches up."""
+        return True
+
     @abstractmethod
     def members(self, node_ids: Iterable[str]) -> list[bytes]:
         """The records of those members that still exist, in the order they joined."""

@@ -261,6 +261,9 @@ class StoreRendezvous(Rendezvous):
         alive = self._store.alive()
         state = self._usable(self._decided_on(stored, alive))
         now = self._clock()
+        if not self._listed_for(state, alive):
+            log.debug("%s: round %d has a member not listed yet", self.node.node_id, state.round)
+            return Step(st.Action.WAIT, wake_at=now + MEMBERS_RETRY)
         if self._expected_nodes is not None:
             self._expected = self._expected_nodes()
             self._note_uncounted(state, alive)
@@ -737,6 +740,13 @@ class StoreRendezvous(Rendezvous):
         a new round's table goes first)."""
         return tables.write(self._store, new, token, after=after)
 
+    def _listed_for(self, state: st.JobState, alive: frozenset[str]) -> bool:
+        """Whether ``alive`` may be decided on with ``state``: a member of its round that the
+        list does not show is gone only if the list is as new as the state. Otherwise it may
+        have joined again just before the round that counts it was committed, and deciding
+        it gone would end a round nobody left (a restart of every member for nothing)."""
+        return not st.unlisted(state, alive) or self._store.alive_is_current()
+
     def _decided_on(self, state: st.JobState, alive: frozenset[str]) -> st.JobState:
         """The state a decision is made on: the stored one, and once its round is over, the
         members that are back from it (``_back``). While the round runs nobody is back."""
@@ -802,6 +812,8 @@ class StoreRendezvous(Rendezvous):
             return False  # A new round's table, not read yet: the loop reads it.
         alive = self._store.alive()
         state = self._decided_on(stored, alive)
+        if not self._listed_for(state, alive):
+            return True  # The store tells again once its list catches up with the state.
         if state.closed or state.failed:
             return False
         if waiting_on is st.Action.MARK_READY and st.round_over(state):
@@ -829,6 +841,8 @@ class StoreRendezvous(Rendezvous):
         data, _ = self._store.get_state()
         state = None if data is None else self._seen(data)
         alive = self._store.alive()
+        if state is not None and not self._listed_for(state, alive):
+            return  # The store tells again once its list catches up with the state.
         superseded = state is None or (
             state.round != self._round
             or state.closed

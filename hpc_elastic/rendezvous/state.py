@@ -550,12 +550,21 @@ def has_stragglers(state: JobState, alive: frozenset[str]) -> bool:
     return len(here) > len(here.intersection(state.ready))
 
 
+def unlisted(state: JobState, alive: frozenset[str]) -> bool:
+    """Whether a member of the latest round is missing from ``alive``: gone, or, on a list
+    of members older than the state (``Store.alive_is_current``), not listed yet."""
+    return len(_listed(state.member_ids, alive)) < len(state.member_ids)
+
+
 def _members_here(state: JobState, alive: frozenset[str]) -> frozenset[str]:
-    """The members of the latest round that count (``present``); computed once for all the
-    agents deciding on the same round and membership."""
-    here = present(state, alive)
-    member_ids = state.member_ids
-    return _MEMBERS_HERE.get((member_ids, here), lambda: member_ids & here)
+    """The members of the latest round that count (``present``)."""
+    return _listed(state.member_ids, present(state, alive))
+
+
+def _listed(member_ids: frozenset[str], alive: frozenset[str]) -> frozenset[str]:
+    """The members in ``alive``; computed once for all the agents deciding on the same
+    round and membership."""
+    return _MEMBERS_HERE.get((member_ids, alive), lambda: member_ids & alive)
 
 
 def proposer(state: JobState, alive: frozenset[str]) -> str | None:

@@ -57,7 +57,7 @@ from kazoo.exceptions import (
     SessionExpiredError,
 )
 from kazoo.handlers.threading import KazooTimeoutError, SequentialThreadingHandler
-from kazoo.protocol.states import WatchedEvent
+from kazoo.protocol.states import Callback, WatchedEvent
 from kazoo.recipe.watchers import DataWatch
 from kazoo.retry import RetryFailedError
 from kazoo.security import ACL, OPEN_ACL_UNSAFE, Id, Permissions, make_digest_acl
@@ -354,7 +354,7 @@ class ZooKeeperStore(CachedStore):
     or connection threads: kazoo forbids blocking there, and a subscriber may well block (the
     agent asks Slurm how many nodes to expect, which can take a minute).
 
-    Why 54 methods: it is the ``Store`` interface on ZooKeeper (nineteen methods, and
+    Why 56 methods: it is the ``Store`` interface on ZooKeeper (twenty methods, and
     ``session_id`` and ``job_exists`` for tests and ``close_job``), and under each request the
     one ZooKeeper operation that kazoo's ``retry`` may run twice, written so that a retry after
     a lost reply finds its own write (seventeen: the compare-and-set, the fenced mark, the
@@ -363,11 +363,12 @@ class ZooKeeperStore(CachedStore):
     with the session id they check (``_session_number``) and what this connection knows it
     made (``_joined_already``, ``_round_made``); the four steps that open a job's nodes
     and refuse one another user made, and the one that makes a round's nodes; kazoo's watch and
-    connection callbacks and the notifier thread that hands them on (six). All of them share one
-    client, one job path and one ACL, which is why they are one class. What needs none of that
-    lives apart: the cached state, members and subscribers (``CachedStore``), the client and its
-    retry and timeouts (``open_client``), the coalesced children watch
-    (``_CoalescedChildrenWatch``), the users' bad-node books (``BadNodeBook``).
+    connection callbacks, the notifier thread that hands them on, and the state remembered
+    (seven). All of them share one client, one job path and one ACL, which is why they are one
+    class. What needs none of that lives apart: the cached state, members and subscribers
+    (``CachedStore``), the client and its retry and timeouts (``open_client``), the coalesced
+    children watch (``_CoalescedChildrenWatch``), whether the list of members is as new as the
+    state (``_ListRecency``), the users' bad-node books (``BadNodeBook``).
     """
 
     def __init__(
@@ -421,6 +422,8 @@ class ZooKeeperStore(CachedStore):
             target=self._deliver, name=f"zk-notify-{run_id}", daemon=True
         )
         self._notifier.start()
+        self._recency = _ListRecency(client, partial(self._notices.put, _CHANGED))
+        """Whether the list of members is as new as the state (``alive_is_current``)."""
         with self._converted():
             if create:
                 self._ensure_job_node()
@@ -429,8 +432,10 @@ class ZooKeeperStore(CachedStore):
             if create:
                 self._ensure_members_node()
             client.add_listener(self._on_connection_state)
+            # Members first: every state remembered is placed against what this watch heard.
+            members = _CoalescedChildrenWatch(client, self._path("members"), self._on_members)
+            self._recency.follow(members)
             DataWatch(client, self._path("state"), self._on_state)
-            _CoalescedChildrenWatch(client, self._path("members"), self._on_members)
             _CoalescedChildrenWatch(client, self._path("notes"), self._on_notes)
 
     @property
@@ -970,26 +975,36 @@ class ZooKeeperStore(CachedStore):
         session: int = client_id[0]
         return session
 
+    def alive_is_current(self) -> bool:
+        return self._recency.current()
+
+    def _remember_state(self, data: bytes | None, token: int) -> None:
+        super()._remember_state(data, token)
+        self._recency.place_state()
+
     def _on_state(self, data: bytes | None, stat: Any) -> None:
         """Runs in kazoo's thread: remember and hand over to the notifier, nothing more."""
         self._remember_state(data, stat.version if stat is not None else ABSENT)
         self._notices.put(_CHANGED)
 
-    def _on_members(self, children: list[str]) -> None:
+    def _on_members(self, children: list[str], heard: int) -> None:
         with self._lock:
             self._alive = frozenset(children)
             for gone in self._records.keys() - self._alive:
                 del self._records[gone]
+        self._recency.listed(heard)  # after the list: it is never current before it is kept
         self._notices.put(_CHANGED)
 
-    def _on_marks(self, followed: tuple[Mark, int], children: list[str]) -> None:
+    def _on_marks(self, followed: tuple[Mark, int], children: list[str], heard: int) -> None:
+        del heard  # marks are decided on as heard: a mark missing yet is waited for
         with self._lock:
             if followed != self._followed:
                 return  # the late listing of marks this connection no longer follows
             self._heard_marks = frozenset(children)
         self._notices.put(_CHANGED)
 
-    def _on_notes(self, children: list[str]) -> None:
+    def _on_notes(self, children: list[str], heard: int) -> None:
+        del heard  # a note missing yet is waited for
         with self._lock:
             self._note_keys = frozenset(children)
         self._notices.put(_CHANGED)
@@ -1047,13 +1062,84 @@ _CONNECTION_STATES = {
 }
 
 
+class _ListRecency:
+    """Whether a connection's list of members is as new as the state it holds
+    (``Store.alive_is_current``).
+
+    The list comes from a children watch, fetched ``COALESCE`` and a round trip after each
+    change it hears, apart from the state, so a state may count a member the list does not
+    show yet. ZooKeeper tells a connection of changes in their order: every change of
+    ``members/`` made before a state was written is heard before that state arrives. So the
+    list is as new as the state once a listing asked for after all those changes were heard
+    has come back.
+    """
+
+    def __init__(self, client: KazooClient, tell: Callable[[], None]) -> None:
+        """``tell()``: called when the list catches up after ``current`` said no."""
+        self._client = client
+        self._tell = tell
+        self._lock = threading.Lock()
+        self._watch: _CoalescedChildrenWatch | None = None
+        self._listed = 0
+        """How many changes the watch had heard when the list kept was asked for."""
+        self._needed = 0
+        """How many it had heard when the latest state was placed among its events."""
+        self._placing = 0
+        """States remembered whose place among the events is not known yet."""
+        self._awaited = False
+        """Whether ``current`` said no since the list last caught up."""
+
+    def follow(self, watch: _CoalescedChildrenWatch) -> None:
+        self._watch = watch
+
+    def current(self) -> bool:
+        with self._lock:
+            current = self._current()
+            self._awaited = self._awaited or not current
+        return current
+
+    def listed(self, heard: int) -> None:
+        """A list was kept, asked for when the watch had heard ``heard`` changes."""
+        with self._lock:
+            self._listed = max(self._listed, heard)
+            self._awaited = self._awaited and not self._current()
+
+    def place_state(self) -> None:
+        """Find how many changes of the membership came before the state just remembered.
+
+        Trick: kazoo's connection thread reads the server's messages in order, queues each
+        watch event for its one callback thread, and hands each reply to the thread waiting
+        for it at once. So when a reply (the state a watch read, or the answer to a
+        compare-and-set) is in hand, the events that came before it may still wait in that
+        queue. A callback queued now runs after all of them: they are counted by then."""
+        with self._lock:
+            self._placing += 1
+        self._client.handler.dispatch_callback(Callback("completion", self._placed, ()))
+
+    def _placed(self) -> None:
+        """Runs in kazoo's callback thread, after every event that came before the state."""
+        assert self._watch is not None, "a state was placed before the members were watched"
+        with self._lock:
+            self._placing -= 1
+            self._needed = self._watch.heard
+            tell = self._awaited and self._current()
+            self._awaited = self._awaited and not tell
+        if tell:
+            self._tell()
+
+    def _current(self) -> bool:
+        return self._placing == 0 and self._listed >= self._needed
+
+
 class _CoalescedChildrenWatch:
     """kazoo's ChildrenWatch, except that a burst of changes costs one fetch of the list: when
     N agents join at once, each connection would otherwise fetch the growing list N times."""
 
     def __init__(
-        self, client: KazooClient, path: str, on_children: Callable[[list[str]], None]
+        self, client: KazooClient, path: str, on_children: Callable[[list[str], int], None]
     ) -> None:
+        """``on_children(children, heard)``: a new list, and how many changes the watch had
+        heard (``heard``) when it asked for it: the list shows each of them."""
         self._client = client
         self._path = path
         self._on_children = on_children
@@ -1063,6 +1149,9 @@ class _CoalescedChildrenWatch:
         self._scheduled = False
         self._established = False
         self._stopped = False
+        self.heard = 0
+        """Changes heard: watch events, and each time the connection was cut off (a change
+        may have gone unheard then)."""
         client.add_listener(self._on_session)
         with self._fetching:
             self._fetch_once()
@@ -1074,11 +1163,15 @@ class _CoalescedChildrenWatch:
         self._client.remove_listener(self._on_session)
 
     def _on_event(self, event: WatchedEvent) -> None:
+        with self._lock:
+            self.heard += 1
         self._schedule()
 
     def _on_session(self, state: str) -> None:
         """Runs in kazoo's connection thread: it must not block, so it only schedules."""
         if state in (KazooState.LOST, KazooState.SUSPENDED):
+            with self._lock:
+                self.heard += 1
             self._established = False
         elif not self._established:
             self._schedule()
@@ -1103,6 +1196,8 @@ class _CoalescedChildrenWatch:
     def _fetch_once(self) -> None:
         if self._stopped:
             return
+        with self._lock:
+            asked = self.heard
         try:
             children = self._client.retry(
                 self._client.get_children, self._path, watch=self._on_event
@@ -1113,7 +1208,7 @@ class _CoalescedChildrenWatch:
             # round's marks go with forget_rounds, and then none is left either.
             children = []
         self._established = True
-        self._on_children(children)
+        self._on_children(children, asked)
 
 
 def connect(

@@ -276,6 +276,55 @@ def test_a_session_expiry_counts_as_losing_the_node(
 
 
 @integration
+def test_a_member_whose_list_trails_the_round_waits_for_it_instead_of_ending_the_round(
+    zk: str, pool: ThreadPoolExecutor, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A round that grows counts its newcomer, and a member whose connection has not listed
+    the newcomer yet reads that round: it must wait for its list, not count the newcomer gone
+    and end the round (every member would restart once more, for nothing). The observer's
+    listings of ``members/`` are held back by the test until the observer has read the round."""
+    address = ZooKeeperAddress.parse(zk)
+    first = connect(zk, settings(), NodeInfo("first", "127.0.0.1", 1), secret=SECRET)
+    client = open_client(address, SECRET, SESSION)
+    store = ZooKeeperStore(client, address, "job", SECRET)
+    observer = StoreRendezvous(settings(), NodeInfo("observer", "127.0.0.1", 1), store)
+    newcomer = connect(zk, settings(), NodeInfo("newcomer", "127.0.0.1", 1), secret=SECRET)
+    held = threading.Event()
+    listing = client.get_children
+
+    def held_back(path: str, *args: Any, **kwargs: Any) -> Any:
+        if path.endswith("/members") and held.is_set():
+            assert wait_until(lambda: not held.is_set(), DEADLINE * 2), "never let go"
+        return listing(path, *args, **kwargs)
+
+    try:
+        # ``first`` joins first, so it is rank 0 and completes the next round, not the observer.
+        leading = pool.submit(first.next_round)
+        wait_for_member(zk, "first")
+        formed = [leading, pool.submit(observer.next_round)]
+        assert {future.result(DEADLINE).number for future in formed} == {1}
+        monkeypatch = pytest.MonkeyPatch()
+        monkeypatch.setattr(client, "get_children", held_back)
+        held.set()
+        futures = [pool.submit(newcomer.next_round)]
+        wait_for_member(zk, "newcomer")
+        assert first.changed.wait(DEADLINE), "the newcomer's arrival never ended round 1"
+        futures += [pool.submit(agent.next_round) for agent in (first, observer)]
+        waited = "observer: round 2 has a member not listed yet"
+        assert wait_until(lambda: waited in caplog.text, DEADLINE), "it never waited for its list"
+        assert not store.alive_is_current()
+        held.clear()
+        numbers = {future.result(DEADLINE).number for future in futures}
+        monkeypatch.undo()
+        assert numbers == {2}, "a round was ended for a member that was there"
+    finally:
+        held.clear()
+        close_job(zk, "job", SECRET)  # ends every round still waited for, had one gone wrong
+        for agent in (first, observer, newcomer):
+            agent.leave()
+
+
+@integration
 def test_a_join_this_session_made_asks_nothing_until_the_member_is_gone(
     zk: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -298,6 +298,31 @@ def test_every_subscriber_of_every_connection_hears_each_kind_of_change(
     )
 
 
+def test_a_connection_lists_every_member_that_joined_before_its_state_or_says_it_does_not_yet(
+    harness: Harness,
+) -> None:
+    """A state may count a member that joined just before it was written: a connection that
+    holds that state and says its list is current must list that member (or the rendezvous
+    would count it gone and end a round nobody left); one whose list trails must say so, and
+    tell its subscribers once it catches up."""
+    writer, reader = harness.connect(), harness.connect()
+    recorder = Recorder(reader)
+    _, token, _ = writer.set_state(b"one", ABSENT)
+    eventually(lambda: reader.get_state()[0] == b"one", "the first state reach the reader")
+    writer.join("newcomer", b"{}")
+    writer.set_state(b"two", token)
+
+    def listed_once_current() -> bool:
+        holds_two = reader.get_state()[0] == b"two"  # read first: a state never goes back
+        current = reader.alive_is_current()
+        listed = "newcomer" in reader.alive()
+        assert listed or not (holds_two and current), "a current list misses the newcomer"
+        return holds_two and current
+
+    eventually(listed_once_current, "the reader's list catch up with its state")
+    assert recorder.was_told(lambda view: view[0][0] == b"two" and "newcomer" in view[1])
+
+
 def test_an_unsubscribed_callback_hears_nothing_more(harness: Harness) -> None:
     store = harness.connect()
     dropped, kept = Recorder(store), Recorder(store)
