@@ -96,6 +96,15 @@ class ComputedOnce(Generic[Key, Result]):
         running.set()
         return result
 
+    def remember(self, key: Key, result: Result) -> None:
+        """Keep ``result`` as ``function(key)``, known without computing it."""
+        hashed = _Hashed(key)
+        with self._lock:
+            self._results[hashed] = result
+            self._results.move_to_end(hashed)
+            while len(self._results) > self._size:
+                self._results.popitem(last=False)
+
     def forget(self) -> None:
         """Drop every kept result."""
         with self._lock:

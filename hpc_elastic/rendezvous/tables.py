@@ -126,6 +126,7 @@ def _filled(
 ) -> st.JobState | None:
     """``read``'s work, under ``held.reading``: the table fetched unless held, the state filled."""
     table = held.tables.get(document.table)
+    new = table is None
     if table is None:
         if not fetch:
             return None
@@ -134,6 +135,8 @@ def _filled(
             return None
         held.tables.put(document.table, table)
     state = document.filled(table)
+    if new:
+        st.remember_table(state.members, table, document.table)
     held.states.put(data, state)
     if held.latest is None or state.round > held.latest.round:
         held.latest = state

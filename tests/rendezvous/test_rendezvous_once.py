@@ -85,6 +85,23 @@ def test_the_oldest_result_goes_first_once_size_are_kept() -> None:
     assert calls[-1] == "c"
 
 
+def test_a_remembered_result_is_answered_without_computing_and_ages_like_the_others() -> None:
+    calls: list[str] = []
+
+    @computed_once(size=2)
+    def upper(key: str) -> str:
+        calls.append(key)
+        return key.upper()
+
+    upper.remember("a", "known")
+    assert upper("a") == "known"
+    assert (calls, upper.computed) == ([], 0)
+    upper("b")
+    upper("c")
+    assert upper("a") == "A", "the remembered result outlived two newer ones"
+    assert calls == ["b", "c", "a"]
+
+
 @pytest.mark.parametrize("size", [1, 8])
 def test_equal_keys_share_a_result(size: int) -> None:
     @computed_once(size=size)

@@ -77,6 +77,26 @@ def test_a_connection_reads_a_rounds_table_once_for_every_state_of_the_round() -
     assert asked == [1], "the table of round 1 was read once"
 
 
+def test_a_state_written_on_a_round_read_from_the_store_names_its_table_without_encoding_it() -> (
+    None
+):
+    """Every member that comes back writes the round's end (the first fifty at once); each
+    write names the round's table, which a connection that read the table already has."""
+    server = MemoryServer()
+    writer, reader = connect(server), connect(server)
+    started(writer, "abc")
+    st.encode_table.forget()
+    st.table_name.forget()
+    state, _ = tables.current(reader)
+    assert state is not None
+    encoded = st.encode_table.computed
+    commit(reader, lambda state: st.publish_master(state, 1, 29500))
+    assert st.encode_table.computed == encoded, "the table read was encoded again"
+    data, _ = reader.get_state()
+    assert data is not None
+    assert reader.table(1, st.decode(data).table) == st.encode_table(state.members)
+
+
 def test_a_new_rounds_table_is_there_before_the_commit_that_names_it() -> None:
     server = MemoryServer()
     store = connect(server)
