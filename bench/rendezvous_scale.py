@@ -14,7 +14,9 @@ per server kind (one standalone server, a 3-server ensemble on loopback ports):
     the victims' sessions expire, and form the next round without them (detect, re-form);
   * on the ensemble, a leader kill: the leader is SIGKILLed in the middle of a restart round;
   * a mass departure: the drivers that hold half of the agents left are SIGKILLed at once,
-    and the others form the next round without them.
+    and the others form the next round without them;
+  * the job's end: every agent left reports its workers' success at once and waits in the
+    exit barrier until the job closes (time until the last agent is let out).
 
 Per round: time from the trigger (the common start, the failure report, the kill) until the
 last agent holds the new round; bytes, requests and watch events each agent's sessions read
@@ -214,6 +216,8 @@ class Driver:
         ]
         for agent in self.agents:
             agent.changed = Stamped()
+        self._held: dict[int, Outcome] = {}
+        """What each agent (by index) held after the last round it formed."""
         self._digests: dict[int, tuple[tuple[NodeInfo, ...], str]] = {}
         """Digests of the members tuples this round's agents hold, by ``id``: each tuple is
         kept here with its digest, so that no id is reused for another tuple meanwhile."""
@@ -228,9 +232,10 @@ class Driver:
         before = self.traffic.snapshot()
         self._digests.clear()
         outcomes = [Outcome() for _ in self.agents]
+        one = self._finish if command.get("finish") else self._one
         threads = [
-            threading.Thread(target=self._one, args=(agent, outcome, command), daemon=True)
-            for agent, outcome in zip(self.agents, outcomes, strict=True)
+            threading.Thread(target=one, args=(index, outcome, command), daemon=True)
+            for index, outcome in enumerate(outcomes)
         ]
         for thread in threads:
             thread.start()
@@ -246,7 +251,8 @@ class Driver:
         traffic.subtract(before)
         return self._report(command, outcomes, traffic)
 
-    def _one(self, agent: StoreRendezvous, outcome: Outcome, command: dict[str, Any]) -> None:
+    def _one(self, index: int, outcome: Outcome, command: dict[str, Any]) -> None:
+        agent = self.agents[index]
         try:
             if command["k"] == 1:
                 until(command["at"])
@@ -262,6 +268,22 @@ class Driver:
             outcome.rank = got.group_rank(agent.node.node_id)
             outcome.members = len(got.members)
             outcome.digest = self._digest(got)
+            self._held[index] = outcome
+        except Exception as error:  # reported, never raised: one agent must not end the bench
+            outcome.error = f"error: {type(error).__name__}: {error}"
+
+    def _finish(self, index: int, outcome: Outcome, command: dict[str, Any]) -> None:
+        """The job's end for one agent: its workers succeeded; it waits in the exit barrier
+        until every member's did and the job closes. It reports the round it held."""
+        try:
+            until(command["at"])
+            if not self.agents[index].report_success():
+                outcome.error = "the exit barrier let it out without the job succeeding"
+                return
+            held = self._held[index]
+            outcome.done = time.time()
+            outcome.number, outcome.rank = held.number, held.rank
+            outcome.members, outcome.digest = held.members, held.digest
         except Exception as error:  # reported, never raised: one agent must not end the bench
             outcome.error = f"error: {type(error).__name__}: {error}"
 
@@ -490,9 +512,12 @@ class Bench:
         kind: str,
         drivers: list[DriverProcess],
         act: Callable[[float], None] | None = None,
+        *,
         trigger: bool = True,
+        finish: bool = False,
     ) -> dict[str, Any]:
-        """Send round ``k`` to ``drivers``; ``act(at)`` runs at the round's start (a kill)."""
+        """Send round ``k`` to ``drivers``; ``act(at)`` runs at the round's start (a kill);
+        ``finish``: every agent reports success instead of forming a round (the job's end)."""
         at = time.time() + 0.5
         pids = [server.process.pid for server in self.servers if server.process]
         zk_cpu = sum(cpu_seconds(pid) for pid in pids)
@@ -500,7 +525,9 @@ class Bench:
         counts = {id(driver): len(driver.lines) + 1 for driver in drivers}
         for index, driver in enumerate(drivers):
             first = trigger and index == 0
-            driver.send(do="round", k=k, at=at, trigger=first, timeout=self.plan.timeout)
+            driver.send(
+                do="round", k=k, at=at, trigger=first, finish=finish, timeout=self.plan.timeout
+            )
         if act is not None:
             until(at)
             act(at)
@@ -534,7 +561,9 @@ class Bench:
             k += 1
             if not self.kill_leader(k, survivors):
                 return
-        self.mass_departure(k + 1, survivors)
+        staying = self.mass_departure(k + 1, survivors)
+        if staying is not None:
+            self.round(k + 2, "job end", staying, trigger=False, finish=True)
 
     def kill_leader(self, k: int, drivers: list[DriverProcess]) -> bool:
         """Round ``k`` with the leader SIGKILLed halfway through a restart; whether it formed."""
@@ -554,19 +583,21 @@ class Bench:
         row["leader_killed_after_s"] = delay
         return bool(row["ok"])
 
-    def mass_departure(self, k: int, drivers: list[DriverProcess]) -> None:
-        """Round ``k``: the last ``plan.departing`` of ``drivers`` are SIGKILLed at once."""
+    def mass_departure(self, k: int, drivers: list[DriverProcess]) -> list[DriverProcess] | None:
+        """Round ``k``: the last ``plan.departing`` of ``drivers`` are SIGKILLed at once; the
+        drivers left, if they formed the round."""
         leaving = self.plan.departing
         if not leaving:
             print("one driver only: the mass departure is skipped", flush=True)
-            return
+            return drivers
         gone, staying = drivers[-leaving:], drivers[:-leaving]
 
         def kill(_: float) -> None:
             for driver in gone:
                 driver.process.kill()
 
-        self.round(k, "half lost", staying, act=kill, trigger=False)
+        row = self.round(k, "half lost", staying, act=kill, trigger=False)
+        return staying if row["ok"] else None
 
 
 def summarize(
@@ -643,6 +674,8 @@ def table_row(plan: Plan, rows: list[dict[str, Any]]) -> str:
         row = found[0]
         if row["round_s"] is None:
             return f"no round ({row['returned']} of {row['agents']} returned)"
+        if kind == "job end":
+            return f"{row['round_s']:.2f} s ({row['agents']} agents)"
         noticed = f"detect {row['noticed_s']:.2f} s, " if kind != "leader killed" else ""
         return f"{noticed}re-form {row['round_s']:.2f} s"
 
@@ -667,7 +700,8 @@ def table_row(plan: Plan, rows: list[dict[str, Any]]) -> str:
         f"| {sessions} | {len(plan.slices())} | {median} | {p99} | {join} "
         f"| {f'{statistics.median(bytes_in):.1f} KiB' if bytes_in else '-'} "
         f"| {mean('zk_cpu_s')} | {mean('agents_cpu_s')} "
-        f"| {figure('1% killed')} | {figure('leader killed')} | {figure('half lost')} | {lost} |"
+        f"| {figure('1% killed')} | {figure('leader killed')} | {figure('half lost')} "
+        f"| {figure('job end')} | {lost} |"
     )
 
 
@@ -676,8 +710,8 @@ HEADER = (
     "| join storm | read per agent a restart (median) | ZooKeeper CPU a restart "
     "| agents' CPU a restart "
     "| 1 % killed (session {session:g} s) | leader killed mid-round | half lost at once "
-    "| sessions lost |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "| job end (every agent left succeeds) | sessions lost |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
