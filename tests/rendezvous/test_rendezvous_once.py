@@ -68,14 +68,20 @@ def test_an_error_is_kept_by_nobody_and_met_by_every_thread_that_asked() -> None
     assert blocking.cache.computed == 0
 
 
-def test_the_oldest_result_goes_first_once_size_are_kept() -> None:
+def upper_case(size: int) -> tuple[ComputedOnce[str, str], list[str]]:
+    """``str.upper`` kept ``size`` results at a time, and the keys it was computed for."""
     calls: list[str] = []
 
-    @computed_once(size=2)
+    @computed_once(size=size)
     def upper(key: str) -> str:
         calls.append(key)
         return key.upper()
 
+    return upper, calls
+
+
+def test_the_oldest_result_goes_first_once_size_are_kept() -> None:
+    upper, calls = upper_case(size=2)
     assert [upper("a"), upper("b"), upper("a"), upper("c"), upper("b")] == list("ABACB")
     assert calls == ["a", "b", "c"]  # "a" was asked again, yet it is the oldest
     assert upper("a") == "A"
@@ -86,13 +92,7 @@ def test_the_oldest_result_goes_first_once_size_are_kept() -> None:
 
 
 def test_a_remembered_result_is_answered_without_computing_and_ages_like_the_others() -> None:
-    calls: list[str] = []
-
-    @computed_once(size=2)
-    def upper(key: str) -> str:
-        calls.append(key)
-        return key.upper()
-
+    upper, calls = upper_case(size=2)
     upper.remember("a", "known")
     assert upper("a") == "known"
     assert (calls, upper.computed) == ([], 0)
