@@ -50,6 +50,13 @@ SPREAD = 0.1
 """The fraction of a gap between the turns of node ids past ``STAGGERED``. Once capped, the
 turns made every node beyond the fiftieth propose at once whenever the first fifty had not
 committed by then (a loaded join storm)."""
+SUCCESSES_IN_STATE = 50
+"""The members of a round that records each of their workers' successes in the state, by
+compare-and-set, at the most. A larger round records its first success there (every agent
+then knows it is finishing) and each other one as a ``Mark.DONE`` of its own. N successes in
+the state were N compare-and-sets that every member raced at the job's end: 52 attempts an
+agent at 496 agents, and at 1,904 the race expired sessions and failed a job whose workers
+all succeeded."""
 MEMBERS_RETRY = 1.0
 """Seconds before a step is tried again after the store failed to list members or to give a
 round's table."""
@@ -107,6 +114,12 @@ def port_range(text: str | None) -> tuple[int, int]:
         return 0, 0
     low, high = parse_port_range(text).split(":")
     return int(low), int(high)
+
+
+def _marked_successes(state: st.JobState) -> bool:
+    """Whether ``state``'s round records its successes but the first as marks
+    (``SUCCESSES_IN_STATE``, ``StoreRendezvous._record_success``)."""
+    return len(state.members) > SUCCESSES_IN_STATE
 
 
 def turn(position: int, candidates: int = 0) -> float:
@@ -432,9 +445,7 @@ class StoreRendezvous(Rendezvous):
         """Record our success and enter the exit barrier; True if ours was the last success
         (then the job is closed and there is nothing to wait for)."""
         try:
-            state = self._update(
-                lambda state: st.record_success(state, self._round, self.node.node_id)
-            )
+            state = self._record_success()
         except RendezvousClosedError:
             # Closed before our write: only the last success (or a cancel) closes a job, and
             # the barrier reads a removed state as done (``state.barrier_action``). Seen in
@@ -462,29 +473,71 @@ class StoreRendezvous(Rendezvous):
         if read is None:
             return Step(st.Barrier.WAIT, wake_at=self._clock() + MEMBERS_RETRY)
         state, token = read
+        if state is None:
+            return Step(st.Barrier.DONE, done=True)  # removed: only a close does that
+        view = self._with_done(state)
         timeout = self.settings.exit_barrier_timeout
         deadline = self._deadlines.barrier_ends()
-        decision = st.barrier_action(state, alive, self._round, self._clock(), deadline)
+        decision = st.barrier_action(view, alive, self._round, self._clock(), deadline)
+        if decision is st.Barrier.MEMBER_LOST and _marked_successes(view):
+            # The marks as this connection last heard them may trail the member's going: a
+            # member that finished and then died is not lost. Asked once, before failing.
+            view = st.with_done(state, self._store.marks(Mark.DONE, state.round))
+            decision = st.barrier_action(view, alive, self._round, self._clock(), deadline)
         log.debug("%s: exit barrier decided %s", self.node.node_id, decision.value)
         if decision is st.Barrier.DONE:
+            if not view.closed and _marked_successes(view):
+                return self._closing_step(view, alive)
             return Step(decision, done=True)
         if decision is st.Barrier.RESTART:
             return Step(decision, done=False)
-        assert state is not None
         if decision is st.Barrier.FAILED:
             raise JobFailedError(f"Job '{self.settings.run_id}' failed: {state.failure_summary}")
         if decision is st.Barrier.MEMBER_LOST:
-            lost = sorted(st.unfinished(state) - alive)[0]
+            lost = sorted(st.unfinished(view) - alive)[0]
             summary = f"node '{lost}' left round {state.round} before its workers finished"
             return self._fail_barrier(decision, state, token, summary)
         if decision is st.Barrier.TIMED_OUT:
-            slow = sorted(st.unfinished(state))[0]
+            slow = sorted(st.unfinished(view))[0]
             summary = (
                 f"node '{slow}' did not finish round {state.round} within {timeout:g} s of node "
                 f"'{self.node.node_id}'; its workers may hang, see its log"
             )
             return self._fail_barrier(decision, state, token, summary)
         return Step(decision, wake_at=deadline)
+
+    def _closing_step(self, state: st.JobState, alive: frozenset[str]) -> Step:
+        """Every member of a round whose successes are marks succeeded: the round's proposer
+        closes the job, and the others wait for the close. Leaving before it, their going
+        could reach the closer before their marks do, and look like members lost."""
+        if st.proposer(state, alive) != self.node.node_id:
+            return Step(st.Barrier.WAIT, wake_at=self._clock() + MEMBERS_RETRY)
+        log.debug("%s: every member of round %d succeeded; closing", self.node.node_id, state.round)
+        self.close()
+        return Step(st.Barrier.DONE, done=True)
+
+    def _record_success(self) -> st.JobState:
+        """Record this node's success in its round (``st.record_success``) and return the
+        state it went on, unchanged where there is nothing to record (the round ended, the job
+        failed or closed). The round's first success goes into the state, so that every agent
+        learns the round is finishing, and so does every success of a round of up to
+        ``SUCCESSES_IN_STATE`` members; any other is a fenced ``Mark.DONE``, which races
+        nobody (``_with_done``)."""
+        me = self.node.node_id
+        while True:
+            state, token = tables.current(self._store)
+            if state is None:
+                raise RendezvousClosedError(f"Job '{self.settings.run_id}' is closed.")
+            recorded = st.record_success(state, self._round, me)
+            if recorded is state:
+                return state
+            if not state.succeeded or not _marked_successes(state):
+                if self._write(recorded, state, token)[2]:
+                    return recorded
+            elif self._store.mark(Mark.DONE, state.round, me, token):
+                return state
+            else:
+                self._write(state, state, token)  # refused: the state moved; this reads it
 
     def _fail_barrier(
         self, decision: st.Barrier, state: st.JobState, token: int, summary: str
@@ -740,6 +793,14 @@ class StoreRendezvous(Rendezvous):
         a new round's table goes first)."""
         return tables.write(self._store, new, token, after=after)
 
+    def _with_done(self, state: st.JobState) -> st.JobState:
+        """``state`` with the ``Mark.DONE`` marks of its round as successes, where the round
+        is finishing and records its successes as marks (``_record_success``), as this
+        connection last heard them; any other state as it is."""
+        if not state.succeeded or not _marked_successes(state) or st.round_over(state):
+            return state
+        return st.with_done(state, self._store.seen_marks(Mark.DONE, state.round))
+
     def _listed_for(self, state: st.JobState, alive: frozenset[str]) -> bool:
         """Whether ``alive`` may be decided on with ``state``: a member of its round that the
         list does not show is gone only if the list is as new as the state. Otherwise it may
@@ -750,8 +811,10 @@ class StoreRendezvous(Rendezvous):
     def _decided_on(self, state: st.JobState, alive: frozenset[str]) -> st.JobState:
         """The state a decision is made on: the stored one, and once its round is over, the
         members that are back from it (``_back``). While the round runs nobody is back."""
-        if state.round == 0 or not st.round_over(state):
+        if state.round == 0:
             return state
+        if not st.round_over(state):
+            return self._with_done(state)
         return st.with_back(state, self._back(state, alive))
 
     def _back(self, state: st.JobState, alive: frozenset[str]) -> frozenset[str]:
@@ -839,7 +902,7 @@ class StoreRendezvous(Rendezvous):
         if not first and not self._arrivals_only:
             return  # Already superseded for a reason other than arrivals: nothing to learn.
         data, _ = self._store.get_state()
-        state = None if data is None else self._seen(data)
+        state = None if data is None else self._with_done(self._seen(data))
         alive = self._store.alive()
         if state is not None and not self._listed_for(state, alive):
             return  # The store tells again once its list catches up with the state.

@@ -699,6 +699,15 @@ def with_back(state: JobState, back: frozenset[str]) -> JobState:
     return state if ready == state.ready else replace(state, ready=ready)
 
 
+def with_done(state: JobState, done: frozenset[str]) -> JobState:
+    """The state to decide on in a finishing round: the document and the ``Mark.DONE`` marks
+    of its round, as ``succeeded``. Only members count, the state's own successes first (in
+    the order written), then the marks in rank order, so one set of marks is one state."""
+    known = set(state.succeeded)
+    marked = tuple(m.node_id for m in state.members if m.node_id in done and m.node_id not in known)
+    return replace(state, succeeded=(*state.succeeded, *marked)) if marked else state
+
+
 def rank_of(state: JobState, node_id: str) -> int:
     """``node_id``'s rank in the latest round (it is a member)."""
     return member_ranks(state.members)[node_id]

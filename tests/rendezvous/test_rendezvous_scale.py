@@ -13,7 +13,7 @@ ZooKeeper is not installed.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -45,6 +45,7 @@ def address(private_zookeeper: str) -> ZooKeeperAddress:
 @dataclass
 class Crowd:
     agents: list[StoreRendezvous]
+    stores: list[ZooKeeperStore]
 
 
 @pytest.fixture
@@ -67,7 +68,7 @@ def crowd(address: ZooKeeperAddress) -> Iterator[Crowd]:
         )
         for index in range(AGENTS)
     ]
-    yield Crowd(agents)
+    yield Crowd(agents, stores)
     for agent in agents:
         agent.leave()
     for store in stores:
@@ -186,3 +187,43 @@ def test_a_restart_of_512_agents_marks_each_back_once_and_commits_once(
     document, tables = document_and_tables(address, 2)
     assert len(document) < DOCUMENT_BYTES, f"a state of {len(document)} bytes for 512 members"
     assert tables == {st.table_name(first[0].members)}, "the same ranks, the same table"
+
+
+@pytest.mark.timeout(2 * DEADLINE + 60)
+def test_a_job_end_of_512_agents_lets_each_out_and_closes_without_a_race_of_every_member(
+    address: ZooKeeperAddress, crowd: Crowd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At a job's end every member's workers succeed at about the same step. In a round this
+    large only the first success is a compare-and-set of the state; each other one is a mark
+    of its own, not a compare-and-set that every member races (those grew as N an agent: 52
+    attempts at 496 agents), and the round's proposer closes the job once every member's mark
+    is there."""
+    agents = crowd.agents
+    attempts: list[int] = []
+    with ThreadPoolExecutor(len(agents)) as pool:
+        for future in [pool.submit(agent.next_round) for agent in agents]:
+            future.result(timeout=DEADLINE)
+        for store in crowd.stores:
+            monkeypatch.setattr(store, "set_state", counted(store.set_state, attempts))
+        outcomes = [
+            f.result(timeout=DEADLINE) for f in [pool.submit(a.report_success) for a in agents]
+        ]
+
+    assert all(outcomes), "an agent was let out of the exit barrier without the job succeeding"
+    assert crowd.stores[0].is_closed(), "nobody closed the job"
+    # Every member may race for the first success (none is there yet when they finish), and
+    # a mark refused because that success moved the state reads it with one lost write: two
+    # attempts an agent, and the close. Were every success a compare-and-set, N·(N+1)/2.
+    assert len(attempts) <= 2 * AGENTS + 1, f"{len(attempts)} writes of the state"
+
+
+def counted(
+    call: Callable[[bytes, int], tuple[bytes | None, int, bool]], calls: list[int]
+) -> Callable[[bytes, int], tuple[bytes | None, int, bool]]:
+    """``call``, each call of it appended to ``calls``."""
+
+    def counting(data: bytes, token: int) -> tuple[bytes | None, int, bool]:
+        calls.append(token)
+        return call(data, token)
+
+    return counting

@@ -270,6 +270,18 @@ def test_the_marks_seen_fill_in_who_is_back_among_the_members_in_rank_order() ->
     assert stored(seen) == document, "marks are never written into the document"
 
 
+def test_the_done_marks_seen_count_as_successes_after_the_documents_own_in_rank_order() -> None:
+    document = stored(st.record_success(running("a", "b", "c", "d"), 1, "c"))
+    seen = st.with_done(document, frozenset({"d", "a", "c", "stranger"}))
+    assert seen.succeeded == ("c", "a", "d")
+    assert st.unfinished(seen) == {"b"}
+    assert st.barrier_action(seen, frozenset("acd"), 1, 0.0, 300.0) is st.Barrier.MEMBER_LOST
+    assert st.barrier_action(seen, frozenset("abcd"), 1, 0.0, 300.0) is st.Barrier.WAIT
+    assert st.all_succeeded(st.with_done(seen, frozenset("b")))
+    assert st.with_done(document, frozenset({"c"})) is document, "nothing new, the same state"
+    assert document.succeeded == ("c",), "the document keeps its own successes"
+
+
 SETTINGS = RendezvousSettings("job", ONE_TO_FOUR, session_timeout=6.0, stop_grace=2.0)
 
 
