@@ -795,13 +795,16 @@ class ZooKeeperStore(CachedStore):
     def close_job(self) -> None:
         """Tombstone first, so a late agent never takes the empty job for a new one; then the
         members node, whose absence also stops anyone from creating the state again (see
-        ``_compare_and_set``); then the state."""
+        ``_compare_and_set``); then the state. Each tree goes in transactions of
+        ``FORGET_BATCH`` deletes (``_delete_tree``): one by one, the members, marks and tables
+        of a job of 496 agents took the closer seconds."""
         with self._converted():
             self._client.retry(self._create, self._path("closed"), b"", False)
-            self._client.retry(self._delete, self._path("members"), True)
-            self._client.retry(self._delete, self._path("notes"), True)
-            for records in (*(mark.value for mark in Mark), "rounds"):
-                self._client.retry(self._delete, self._path(records), True)
+            self._client.retry(self._delete_tree, self._path("members"), 1)
+            self._client.retry(self._delete_tree, self._path("notes"), 1)
+            for kind in Mark:  # <kind>/<round>/<node_id>
+                self._client.retry(self._delete_tree, self._path(kind.value), 2)
+            self._client.retry(self._delete_tree, self._path("rounds"), 3)  # <r>/<digest>/<i>
             self._client.retry(self._delete, self._path("state"))
         logger.debug("zookeeper: job %s closed", self._run_id)
 
