@@ -354,7 +354,7 @@ class ZooKeeperStore(CachedStore):
     or connection threads: kazoo forbids blocking there, and a subscriber may well block (the
     agent asks Slurm how many nodes to expect, which can take a minute).
 
-    Why 56 methods: it is the ``Store`` interface on ZooKeeper (twenty methods, and
+    Why 57 methods: it is the ``Store`` interface on ZooKeeper (twenty methods, and
     ``session_id`` and ``job_exists`` for tests and ``close_job``), and under each request the
     one ZooKeeper operation that kazoo's ``retry`` may run twice, written so that a retry after
     a lost reply finds its own write (seventeen: the compare-and-set, the fenced mark, the
@@ -363,12 +363,12 @@ class ZooKeeperStore(CachedStore):
     with the session id they check (``_session_number``) and what this connection knows it
     made (``_joined_already``, ``_round_made``); the four steps that open a job's nodes
     and refuse one another user made, and the one that makes a round's nodes; kazoo's watch and
-    connection callbacks, the notifier thread that hands them on, and the state remembered
-    (seven). All of them share one client, one job path and one ACL, which is why they are one
-    class. What needs none of that lives apart: the cached state, members and subscribers
-    (``CachedStore``), the client and its retry and timeouts (``open_client``), the coalesced
-    children watch (``_CoalescedChildrenWatch``), whether the list of members is as new as the
-    state (``_ListRecency``), the users' bad-node books (``BadNodeBook``).
+    connection callbacks, the notifier thread that hands them on, the state remembered and the
+    marks seen (eight). All of them share one client, one job path and one ACL, which is why
+    they are one class. What needs none of that lives apart: the cached state, members and
+    subscribers (``CachedStore``), the client and its retry and timeouts (``open_client``), the
+    coalesced children watch (``_CoalescedChildrenWatch``), whether the list of members is as
+    new as the state (``_ListRecency``), the users' bad-node books (``BadNodeBook``).
     """
 
     def __init__(
@@ -576,10 +576,18 @@ class ZooKeeperStore(CachedStore):
         with self._following:
             with self._lock:
                 if self._followed == (kind, round_number):
-                    return self._heard_marks | self._own_marks
+                    return self._seen_marks()
             self.follow_marks(kind, round_number)
             with self._lock:
-                return self._heard_marks | self._own_marks
+                return self._seen_marks()
+
+    def _seen_marks(self) -> frozenset[str]:
+        """The marks heard and this connection's own, under ``_lock``: the very set the watch
+        last listed while it holds our own, so that the agents of this connection decide on
+        one object (``state.with_done`` computes once an object)."""
+        if self._own_marks <= self._heard_marks:
+            return self._heard_marks
+        return self._heard_marks | self._own_marks
 
     def follow_marks(self, kind: Mark, round_number: int) -> None:
         path = self._path(kind.value, str(round_number))
