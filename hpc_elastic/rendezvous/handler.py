@@ -116,6 +116,10 @@ def port_range(text: str | None) -> tuple[int, int]:
     return int(low), int(high)
 
 
+_FAILING = (st.Barrier.MEMBER_LOST, st.Barrier.TIMED_OUT)
+"""The exit barrier's decisions that fail the job."""
+
+
 def _marked_successes(state: st.JobState) -> bool:
     """Whether ``state``'s round records its successes but the first as marks
     (``SUCCESSES_IN_STATE``, ``StoreRendezvous._record_success``)."""
@@ -209,6 +213,8 @@ class StoreRendezvous(Rendezvous):
         self._stale = False
         """Set by a disconnection: the cached view must be read from the server once more."""
         self._back_from: int | None = None
+        self._done_in: int | None = None
+        """The round this node's ``Mark.DONE`` was written for (``_record_success``)."""
         """The round this node's ``Mark.BACK`` was last written for, in its current session."""
         self._members: tuple[NodeInfo, ...] = ()
         """The members of ``_round``, which the round's table holds (``_seen``)."""
@@ -475,13 +481,14 @@ class StoreRendezvous(Rendezvous):
         state, token = read
         if state is None:
             return Step(st.Barrier.DONE, done=True)  # removed: only a close does that
-        view = self._with_done(state)
+        view = self._with_done(state, alive)
         timeout = self.settings.exit_barrier_timeout
         deadline = self._deadlines.barrier_ends()
         decision = st.barrier_action(view, alive, self._round, self._clock(), deadline)
-        if decision is st.Barrier.MEMBER_LOST and _marked_successes(view):
-            # The marks as this connection last heard them may trail the member's going: a
-            # member that finished and then died is not lost. Asked once, before failing.
+        if decision in _FAILING and _marked_successes(view):
+            # Only the round's proposer follows the marks, and as its watch last listed them:
+            # a member that finished, then died, is not lost, nor one that finished is slow.
+            # The marks are read from the server once, before failing the job.
             view = st.with_done(state, self._store.marks(Mark.DONE, state.round))
             decision = st.barrier_action(view, alive, self._round, self._clock(), deadline)
         log.debug("%s: exit barrier decided %s", self.node.node_id, decision.value)
@@ -535,6 +542,7 @@ class StoreRendezvous(Rendezvous):
                 if self._write(recorded, state, token)[2]:
                     return recorded
             elif self._store.mark(Mark.DONE, state.round, me, token):
+                self._done_in = state.round
                 return state
             else:
                 self._write(state, state, token)  # refused: the state moved; this reads it
@@ -793,13 +801,19 @@ class StoreRendezvous(Rendezvous):
         a new round's table goes first)."""
         return tables.write(self._store, new, token, after=after)
 
-    def _with_done(self, state: st.JobState) -> st.JobState:
+    def _with_done(self, state: st.JobState, alive: frozenset[str]) -> st.JobState:
         """``state`` with the ``Mark.DONE`` marks of its round as successes, where the round
-        is finishing and records its successes as marks (``_record_success``), as this
-        connection last heard them; any other state as it is."""
+        is finishing and records its successes as marks (``_record_success``); any other
+        state as it is. The round's proposer, which closes the job, follows the marks (as its
+        connection last heard them); the others know their own, as they know their own
+        ``Mark.BACK`` (``_back``): a finishing round of N costs each of them no listing of
+        N marks, and they read them once before failing the job (``barrier_step``)."""
         if not state.succeeded or not _marked_successes(state) or st.round_over(state):
             return state
-        return st.with_done(state, self._store.seen_marks(Mark.DONE, state.round))
+        me = self.node.node_id
+        if st.proposer(state, alive) == me:
+            return st.with_done(state, self._store.seen_marks(Mark.DONE, state.round))
+        return st.with_done(state, frozenset({me})) if self._done_in == state.round else state
 
     def _listed_for(self, state: st.JobState, alive: frozenset[str]) -> bool:
         """Whether ``alive`` may be decided on with ``state``: a member of its round that the
@@ -814,7 +828,7 @@ class StoreRendezvous(Rendezvous):
         if state.round == 0:
             return state
         if not st.round_over(state):
-            return self._with_done(state)
+            return self._with_done(state, alive)
         return st.with_back(state, self._back(state, alive))
 
     def _back(self, state: st.JobState, alive: frozenset[str]) -> frozenset[str]:
@@ -902,8 +916,8 @@ class StoreRendezvous(Rendezvous):
         if not first and not self._arrivals_only:
             return  # Already superseded for a reason other than arrivals: nothing to learn.
         data, _ = self._store.get_state()
-        state = None if data is None else self._with_done(self._seen(data))
         alive = self._store.alive()
+        state = None if data is None else self._with_done(self._seen(data), alive)
         if state is not None and not self._listed_for(state, alive):
             return  # The store tells again once its list catches up with the state.
         superseded = state is None or (
