@@ -213,9 +213,9 @@ class StoreRendezvous(Rendezvous):
         self._stale = False
         """Set by a disconnection: the cached view must be read from the server once more."""
         self._back_from: int | None = None
+        """The round this node's ``Mark.BACK`` was last written for, in its current session."""
         self._done_in: int | None = None
         """The round this node's ``Mark.DONE`` was written for (``_record_success``)."""
-        """The round this node's ``Mark.BACK`` was last written for, in its current session."""
         self._members: tuple[NodeInfo, ...] = ()
         """The members of ``_round``, which the round's table holds (``_seen``)."""
         store.subscribe(self._on_change, self._on_session_lost)
