@@ -12,12 +12,16 @@ ZooKeeper is not installed.
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass
+from functools import partial
 
 import pytest
+from cluster import wait_until
 
 from hpc_elastic.rendezvous import state as st
 from hpc_elastic.rendezvous.api import Failure, NodeInfo, RendezvousSettings, Round
@@ -227,3 +231,56 @@ def counted(
         return call(data, token)
 
     return counting
+
+
+@pytest.mark.timeout(2 * DEADLINE + 60)
+def test_a_member_that_finished_and_then_left_does_not_fail_the_job_of_512_agents(
+    address: ZooKeeperAddress, crowd: Crowd
+) -> None:
+    """Only the round's proposer follows the successes marked in a large round: any other
+    agent that sees a member gone reads the marks from the server before failing the job, and
+    a member that finished before its node died has its mark there."""
+    agents = crowd.agents
+    first, leaver = agents[300], agents[100]
+    with ThreadPoolExecutor(len(agents)) as pool:
+        for future in [pool.submit(agent.next_round) for agent in agents]:
+            future.result(timeout=DEADLINE)
+        waiting = [pool.submit(first.report_success)]  # the first success goes into the state
+        assert wait_until(lambda: first_success(address) == (first.node.node_id,), DEADLINE)
+        # A later one is a mark. The leaver's node dies in the barrier: its thread is left
+        # behind (a daemon), not waited for, as no process of a dead node is.
+        threading.Thread(target=partial(dies_waiting, leaver), daemon=True).start()
+        done = f"{address.job_path(RUN)}/{Mark.DONE.value}/1/{leaver.node.node_id}"
+        assert wait_until(lambda: exists(address, done), DEADLINE), (
+            "the leaver's success was not marked"
+        )
+        leaver.leave()
+        rest = [a for a in agents if a not in (first, leaver)]
+        outcomes = [
+            f.result(timeout=DEADLINE) for f in [pool.submit(a.report_success) for a in rest]
+        ]
+        assert all(future.result(timeout=DEADLINE) for future in waiting)
+
+    assert all(outcomes), "the job failed for a member that had finished"
+    assert crowd.stores[0].is_closed(), "nobody closed the job"
+
+
+def first_success(address: ZooKeeperAddress) -> tuple[str, ...]:
+    """The successes the job's state holds, read on the server."""
+    data, _ = document_and_tables(address, 1)
+    return tuple(st.decode(data).state.succeeded)
+
+
+def exists(address: ZooKeeperAddress, path: str) -> bool:
+    client = open_client(address, None, SESSION)
+    try:
+        return client.exists(path) is not None
+    finally:
+        client.stop()
+        client.close()
+
+
+def dies_waiting(agent: StoreRendezvous) -> None:
+    """``agent`` reports its success and waits in the exit barrier until its node is gone."""
+    with suppress(Exception):
+        agent.report_success()
