@@ -284,3 +284,50 @@ def dies_waiting(agent: StoreRendezvous) -> None:
     """``agent`` reports its success and waits in the exit barrier until its node is gone."""
     with suppress(Exception):
         agent.report_success()
+
+
+class NodeDied(Exception):
+    """What a closer's thread raises in the test below, once its node is gone."""
+
+
+@pytest.mark.timeout(2 * DEADLINE + 60)
+def test_a_closer_that_dies_before_closing_a_job_of_512_agents_is_replaced_by_the_next(
+    address: ZooKeeperAddress, crowd: Crowd
+) -> None:
+    """In a round whose successes are marks, the round's proposer closes the job and every
+    other agent waits for the close. If the proposer's node dies in that moment, after every
+    mark is there and before the close, the next lowest-ranked member present closes it, and
+    every other agent is let out with the job succeeded, not failed for a member lost."""
+    agents = crowd.agents
+    closers: list[str] = []
+    lock = threading.Lock()
+
+    def closing(agent: StoreRendezvous, close: Callable[[], None]) -> None:
+        with lock:
+            closers.append(agent.node.node_id)
+            dies = len(closers) == 1
+        if not dies:
+            close()
+            return
+        agent.leave()
+        raise NodeDied(agent.node.node_id)
+
+    for agent in agents:
+        agent.close = partial(closing, agent, agent.close)  # type: ignore[method-assign]
+    with ThreadPoolExecutor(len(agents)) as pool:
+        for future in [pool.submit(agent.next_round) for agent in agents]:
+            future.result(timeout=DEADLINE)
+        finishing = {pool.submit(agent.report_success): agent for agent in agents}
+        outcomes: dict[str, bool] = {}
+        died: list[str] = []
+        for finished, agent in finishing.items():
+            try:
+                outcomes[agent.node.node_id] = finished.result(timeout=DEADLINE)
+            except NodeDied:
+                died.append(agent.node.node_id)
+
+    assert died == closers[:1], f"closers {closers}, died {died}"
+    assert len(closers) == 2, f"the job was closed by {closers[1:]} after {closers[0]} died"
+    assert all(outcomes.values()), "an agent was let out without the job succeeding"
+    assert len(outcomes) == AGENTS - 1
+    assert crowd.stores[0].is_closed(), "nobody closed the job"
