@@ -25,6 +25,7 @@ from hpc_elastic.rendezvous.handler import (
     PROPOSER_STAGGER,
     SPREAD,
     STAGGERED,
+    SUCCESSES_IN_STATE,
     Step,
     StoreRendezvous,
     turn,
@@ -944,3 +945,65 @@ def test_past_the_first_fifty_ranks_a_member_back_waits_its_turn_to_end_the_roun
     assert training.changed.is_set(), "rank 0 ended the round at once"
     assert last.round_step().action is st.Action.MARK_READY
     assert last.round_step().action is st.Action.STRAGGLERS, "marked back, without a turn"
+
+
+def round_of_marks() -> tuple[Stepped, list[StoreRendezvous]]:
+    """A round of ``SUCCESSES_IN_STATE + 2`` members, which records its successes but the
+    first as ``Mark.DONE`` marks, and its handlers in rank order (rank 0 is its proposer)."""
+    count = SUCCESSES_IN_STATE + 2
+    world = Stepped(RendezvousSettings(run_id="job", nodes=NodeRange(count, count)))
+    handlers = {name: world.handler(name) for name in (f"n{index:03d}" for index in range(count))}
+    members = world.rounds(list(handlers.values()))[0].members
+    return world, [handlers[member.node_id] for member in members]
+
+
+def stored_state(world: Stepped) -> st.JobState | None:
+    """The job's state on the server; None once the job is closed."""
+    return world.handler("reader").snapshot()
+
+
+def test_past_fifty_members_one_success_is_in_the_state_and_the_proposer_closes_on_the_marks() -> (
+    None
+):
+    """At a job's end every member finishes at about the same step: in a round this large only
+    the first success is a compare-and-set of the state, which every member would race; the
+    others are marks, and the proposer closes the job once every member's mark is there. The
+    others wait for the close: leaving first, they could look lost to the closer."""
+    world, ranked = round_of_marks()
+    proposer, others = ranked[0], ranked[1:]
+    assert not any(handler.begin_barrier() for handler in others)
+    state = stored_state(world)
+    assert state is not None
+    assert state.succeeded == (others[0].node.node_id,)
+    assert all(handler.barrier_step().action is st.Barrier.WAIT for handler in others)
+    assert not proposer.begin_barrier()
+    assert proposer.barrier_step().done is True
+    assert world.server.closed
+    assert all(handler.barrier_step().done is True for handler in others)
+
+
+def test_past_fifty_members_a_closer_gone_before_closing_is_replaced_by_the_next_ranked() -> None:
+    """The proposer finished and its node died before it closed: the others, who follow only
+    their own marks, see a member gone, read every mark from the server before failing the
+    job, and the next member present closes it."""
+    world, ranked = round_of_marks()
+    proposer, successor, others = ranked[0], ranked[1], ranked[2:]
+    assert not any(handler.begin_barrier() for handler in [*ranked[1:], proposer])
+    proposer.leave()  # its success a mark, not the one in the state
+    assert all(handler.barrier_step().action is st.Barrier.WAIT for handler in others)
+    assert successor.barrier_step().done is True
+    assert world.server.closed, "the job failed or nobody closed it"
+    assert stored_state(world) is None
+    assert all(handler.barrier_step().done is True for handler in others)
+
+
+def test_past_fifty_members_a_member_lost_before_finishing_fails_the_job() -> None:
+    """Marks count only the members that finished: one that left before is lost."""
+    world, ranked = round_of_marks()
+    proposer, lost = ranked[0], ranked[-1]
+    assert not any(handler.begin_barrier() for handler in ranked[:-1])
+    lost.leave()
+    assert proposer.barrier_step().again
+    with pytest.raises(JobFailedError, match=f"node '{lost.node.node_id}' left round 1"):
+        proposer.barrier_step()
+    assert not world.server.closed
