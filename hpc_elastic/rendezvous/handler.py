@@ -218,6 +218,9 @@ class StoreRendezvous(Rendezvous):
         """The round this node's ``Mark.DONE`` was written for (``_record_success``)."""
         self._members: tuple[NodeInfo, ...] = ()
         """The members of ``_round``, which the round's table holds (``_seen``)."""
+        self._record = st.encode_node(node)
+        """This node's member record, encoded once: every round's join hands it to the store
+        (a restart of thousands of agents spent an eighth of its CPU encoding them again)."""
         store.subscribe(self._on_change, self._on_session_lost)
         store.subscribe_connection(self._on_connection)
 
@@ -527,11 +530,14 @@ class StoreRendezvous(Rendezvous):
         """Record this node's success in its round (``st.record_success``) and return the
         state it went on, unchanged where there is nothing to record (the round ended, the job
         failed or closed). The round's first success goes into the state, so that every agent
-        learns the round is finishing, and so does every success of a round of up to
+        learns the round is finishing (its first ranks race for it, the others wait their
+        turn: ``_first_success_turn``), and so does every success of a round of up to
         ``SUCCESSES_IN_STATE`` members; any other is a fenced ``Mark.DONE``, which races
         nobody (``_with_done``)."""
         me = self.node.node_id
+        since = self._clock()
         while True:
+            generation = self._generation
             state, token = tables.current(self._store)
             if state is None:
                 raise RendezvousClosedError(f"Job '{self.settings.run_id}' is closed.")
@@ -539,13 +545,33 @@ class StoreRendezvous(Rendezvous):
             if recorded is state:
                 return state
             if not state.succeeded or not _marked_successes(state):
-                if self._write(recorded, state, token)[2]:
+                first_at = self._first_success_turn(state, since)
+                if first_at is not None:
+                    self._sleep(generation, first_at)
+                elif self._write(recorded, state, token)[2]:
                     return recorded
             elif self._store.mark(Mark.DONE, state.round, me, token):
                 self._done_in = state.round
                 return state
             else:
                 self._write(state, state, token)  # refused: the state moved; this reads it
+
+    def _first_success_turn(self, state: st.JobState, since: float) -> float | None:
+        """When this member, finished in a round of marked successes that holds none yet,
+        writes the first one into the state itself (None: now), having finished at
+        ``since``. The first ``STAGGERED`` ranks write it at once, and one of their
+        compare-and-sets wins; the ranks past them take turns (``turn``) in case all of those
+        are slow or gone, and mark as soon as the first success is there (its write wakes
+        them). At a job's end every member finishes at about the same step, and each raced
+        that compare-and-set: at 1,904 agents, 1.2 writes and 1.3 reads of the state an
+        agent, and a session lost on a saturated machine."""
+        if not _marked_successes(state):
+            return None
+        rank = st.rank_of(state, self.node.node_id)
+        if rank < STAGGERED:
+            return None
+        at = since + turn(rank - STAGGERED + 1)
+        return None if self._clock() >= at else at
 
     def _fail_barrier(
         self, decision: st.Barrier, state: st.JobState, token: int, summary: str
@@ -666,7 +692,7 @@ class StoreRendezvous(Rendezvous):
 
     def _join(self) -> None:
         self._rejoin.clear()
-        self._store.join(self.node.node_id, st.encode_node(self.node))
+        self._store.join(self.node.node_id, self._record)
 
     def _create_state(self) -> None:
         if self._store.is_closed():

@@ -1007,3 +1007,41 @@ def test_past_fifty_members_a_member_lost_before_finishing_fails_the_job() -> No
     with pytest.raises(JobFailedError, match=f"node '{lost.node.node_id}' left round 1"):
         proposer.barrier_step()
     assert not world.server.closed
+
+
+class CountedWrites(StateHook):
+    """A ``StateHook`` that counts the writes of the state made through it."""
+
+    writes = 0
+
+    def set_state(self, data: bytes, token: int) -> tuple[bytes | None, int, bool]:
+        self.writes += 1
+        return super().set_state(data, token)
+
+
+def test_past_the_first_fifty_ranks_a_finished_member_waits_for_the_first_success_not_racing() -> (
+    None
+):
+    """At a job's end every member finishes at about the same step and finds no success in
+    the state yet. Each once wrote it by compare-and-set, and all but one were refused: the
+    first ranks race for it, and one past them waits its turn and marks once it is there."""
+    count = SUCCESSES_IN_STATE + 2
+    world = Stepped(RendezvousSettings(run_id="job", nodes=NodeRange(count, count)))
+    store = CountedWrites(world.server, "job", world.config.session_timeout)
+    names = [f"n{index:03d}" for index in range(count)]
+    late = StoreRendezvous(
+        world.config, NodeInfo(names[-1], "host", 1), store, clock=world.clock, pick_port=lambda: 1
+    )
+    handlers = [*(world.handler(name) for name in names[:-1]), late]
+    members = world.rounds(handlers)[0].members
+    assert [member.node_id for member in members].index(late.node.node_id) >= STAGGERED
+    first = next(handler for handler in handlers if handler.node.node_id == members[0].node_id)
+    before = store.writes
+    store.after_state = first.begin_barrier  # its success lands after late read the state
+    assert not late.begin_barrier()
+    assert store.writes == before, "a member past the first fifty ranks raced for the success"
+    state = stored_state(world)
+    assert state is not None
+    assert state.succeeded == (first.node.node_id,)
+    marks = world.server.connect("job").marks(Mark.DONE, state.round)
+    assert late.node.node_id in marks
