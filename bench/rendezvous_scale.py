@@ -221,6 +221,7 @@ class Driver:
         self._digests: dict[int, tuple[tuple[NodeInfo, ...], str]] = {}
         """Digests of the members tuples this round's agents hold, by ``id``: each tuple is
         kept here with its digest, so that no id is reused for another tuple meanwhile."""
+        self._digesting = threading.Lock()
 
     def _on_connection(self, state: ConnectionState) -> None:
         self.connection_states[state.value] += 1
@@ -289,13 +290,16 @@ class Driver:
 
     def _digest(self, got: Round) -> str:
         """The round's identity: every agent of one round holds the same decoded members tuple,
-        so it is hashed once per tuple (with sha256: ``hash`` differs between processes)."""
+        so it is hashed once per tuple (with sha256: ``hash`` differs between processes), under
+        a lock: the driver's agents return at once, and each one that found no digest yet
+        hashed the 4,096 ids itself (a seventh of a driver's CPU in a restart)."""
         key = id(got.members)
-        if key not in self._digests:
-            ids = ",".join(member.node_id for member in got.members).encode()
-            digest = hashlib.sha256(ids).hexdigest()[:16]
-            self._digests[key] = (got.members, f"{got.number}:{digest}:{got.master_port}")
-        return self._digests[key][1]
+        with self._digesting:
+            if key not in self._digests:
+                ids = ",".join(member.node_id for member in got.members).encode()
+                digest = hashlib.sha256(ids).hexdigest()[:16]
+                self._digests[key] = (got.members, f"{got.number}:{digest}:{got.master_port}")
+            return self._digests[key][1]
 
     def _report(
         self, command: dict[str, Any], outcomes: list[Outcome], traffic: Counter[str]
