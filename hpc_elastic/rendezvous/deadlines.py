@@ -74,6 +74,9 @@ class Deadlines:
         self._ending: Since | None = None
         """The round this node is back from, nobody having ended it yet, and since when."""
         self._barrier_since = 0.0
+        self._gone: Since | None = None
+        """The round in whose exit barrier this node sees a member gone unfinished, and
+        since when."""
         self._suspended_at: float | None = None
         self._cut_off = 0.0
         """Seconds the connection was down, summed over the outages that have ended."""
@@ -175,6 +178,23 @@ class Deadlines:
         """This node's success is recorded: the exit barrier's timeout runs from now."""
         with self._lock:
             self._barrier_since = self._clock()
+            self._gone = None
+
+    def member_gone(self, round_: int, now: float) -> float | None:
+        """When this node fails the job for a member of ``round_`` gone from the exit barrier
+        before its success was recorded (None: now): a session timeout after it first saw one
+        gone. A live agent whose session expired as its workers finished (a node frozen for a
+        moment, or one starved on a loaded machine) comes back with a new session and records
+        its success within that time; a node that died is no more than that late to fail."""
+        with self._lock:
+            self._gone = _since(self._gone, round_, now)
+            ends = self._gone[1] + self._settings.session_timeout
+            return None if now >= ends else ends
+
+    def nobody_gone(self) -> None:
+        """No member is gone unfinished any more: one gone later waits afresh."""
+        with self._lock:
+            self._gone = None
 
     def barrier_ends(self) -> float:
         """When the exit barrier times out (``state.barrier_action`` compares, not this)."""

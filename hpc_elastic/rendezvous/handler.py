@@ -495,6 +495,8 @@ class StoreRendezvous(Rendezvous):
             view = st.with_done(state, self._store.marks(Mark.DONE, state.round))
             decision = st.barrier_action(view, alive, self._round, self._clock(), deadline)
         log.debug("%s: exit barrier decided %s", self.node.node_id, decision.value)
+        if decision is not st.Barrier.MEMBER_LOST:
+            self._deadlines.nobody_gone()
         if decision is st.Barrier.DONE:
             if not view.closed and _marked_successes(view):
                 return self._closing_step(view, alive)
@@ -504,9 +506,7 @@ class StoreRendezvous(Rendezvous):
         if decision is st.Barrier.FAILED:
             raise JobFailedError(f"Job '{self.settings.run_id}' failed: {state.failure_summary}")
         if decision is st.Barrier.MEMBER_LOST:
-            lost = sorted(st.unfinished(view) - alive)[0]
-            summary = f"node '{lost}' left round {state.round} before its workers finished"
-            return self._fail_barrier(decision, state, token, summary)
+            return self._member_lost_step(view, alive, state, token)
         if decision is st.Barrier.TIMED_OUT:
             slow = sorted(st.unfinished(view))[0]
             summary = (
@@ -515,6 +515,22 @@ class StoreRendezvous(Rendezvous):
             )
             return self._fail_barrier(decision, state, token, summary)
         return Step(decision, wake_at=deadline)
+
+    def _member_lost_step(
+        self, view: st.JobState, alive: frozenset[str], state: st.JobState, token: int
+    ) -> Step:
+        """A member is gone from the exit barrier before its success was recorded: fail the
+        job, once it has been gone for a session timeout (``Deadlines.member_gone``). Its
+        agent may live on: its session expired as its workers finished (frozen for a moment,
+        or starved on a loaded machine: a job of 1,904 agents whose workers all succeeded
+        failed so), and it records its success with a new session meanwhile."""
+        lost = sorted(st.unfinished(view) - alive)[0]
+        fails_at = self._deadlines.member_gone(state.round, self._clock())
+        if fails_at is not None:
+            log.debug("%s: node '%s' gone unfinished; waiting for it", self.node.node_id, lost)
+            return Step(st.Barrier.MEMBER_LOST, wake_at=fails_at)
+        summary = f"node '{lost}' left round {state.round} before its workers finished"
+        return self._fail_barrier(st.Barrier.MEMBER_LOST, state, token, summary)
 
     def _closing_step(self, state: st.JobState, alive: frozenset[str]) -> Step:
         """Every member of a round whose successes are marks succeeded: the round's proposer

@@ -85,6 +85,22 @@ def test_the_exit_barrier_times_out_its_timeout_after_it_began() -> None:
     assert deadlines.barrier_ends() == 550.0
 
 
+def test_a_member_gone_from_the_exit_barrier_is_waited_for_a_session_timeout_once() -> None:
+    """From the first sight of a member gone unfinished; a member seen again stops the clock,
+    and one gone later, or in the barrier of another round, waits afresh."""
+    session = SETTINGS.session_timeout
+    deadlines = Deadlines(SETTINGS, Clock())
+    deadlines.begin_barrier()
+    assert deadlines.member_gone(1, 100.0) == 100.0 + session
+    assert deadlines.member_gone(1, 101.0) == 100.0 + session
+    assert deadlines.member_gone(1, 100.0 + session) is None
+    deadlines.nobody_gone()
+    assert deadlines.member_gone(1, 200.0) == 200.0 + session
+    assert deadlines.member_gone(2, 201.0) == 201.0 + session
+    deadlines.begin_barrier()
+    assert deadlines.member_gone(2, 300.0) == 300.0 + session
+
+
 def test_an_outage_counts_from_its_first_report_and_adds_its_time_once_it_ends() -> None:
     clock = Clock()
     deadlines = Deadlines(SETTINGS, clock)

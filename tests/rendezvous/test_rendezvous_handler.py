@@ -340,12 +340,36 @@ def test_a_node_arriving_once_a_member_succeeded_waits_and_exits_at_the_close() 
         late.round_step()
 
 
-def test_a_member_lost_during_the_exit_barrier_fails_the_job() -> None:
-    _, a, b = one_member_finished()
+def test_a_member_lost_during_the_exit_barrier_fails_the_job_after_a_session_timeout() -> None:
+    """A member gone before its success was recorded may be a live agent whose session
+    expired: it is waited for one session timeout, then the job fails naming it."""
+    world, a, b = one_member_finished()
     b.leave()
+    waiting = a.barrier_step()
+    assert waiting.action is st.Barrier.MEMBER_LOST
+    assert waiting.wake_at == pytest.approx(world.clock.now + world.config.session_timeout)
+    assert waiting.wake_at is not None
+    world.clock.now = waiting.wake_at
     assert a.barrier_step().again
     with pytest.raises(JobFailedError, match="node 'b' left round 1"):
         a.barrier_step()
+
+
+def test_a_member_whose_session_expired_as_it_finished_comes_back_and_the_job_succeeds() -> None:
+    """Its workers finished as its node froze for a moment (or starved on a loaded machine:
+    at 1,904 agents one connection missed its heartbeats at the job's end): its session
+    expired, and the others' exit barrier failed a job whose every worker succeeded. Back
+    within a session timeout, with a new session, it records its success; the job succeeds."""
+    world, a, b = one_member_finished()
+    store = b._store
+    assert isinstance(store, MemoryStore)
+    store.expire_session()
+    waiting = a.barrier_step()
+    assert waiting.action is st.Barrier.MEMBER_LOST
+    world.clock.now += world.config.session_timeout / 2
+    assert b.report_success()
+    assert a.barrier_step().done is True
+    assert world.server.closed
 
 
 class MembershipHook(MemoryStore):
@@ -696,6 +720,9 @@ def test_a_member_that_wakes_after_the_barrier_failed_the_job_neither_closes_nor
     store = b._store
     assert isinstance(store, MemoryStore)
     store.expire_session()
+    waiting = a.barrier_step()
+    assert waiting.wake_at is not None
+    world.clock.now = waiting.wake_at  # b is still frozen a session timeout later
     assert a.barrier_step().again
     with pytest.raises(JobFailedError, match="node 'b' left round 1"):
         a.barrier_step()
@@ -721,7 +748,8 @@ class StateHook(MemoryStore):
 
 def barrier_with_a_late_peer(names: str) -> tuple[Stepped, StoreRendezvous, StoreRendezvous]:
     """Round 1 of ``names``; a (reading through a ``StateHook``) waits in the exit barrier,
-    and b's session has expired while its agent lives on (it still writes the state)."""
+    and b's session has expired while its agent lives on (it still writes the state), a
+    session timeout ago: a fails the job at its next step."""
     world = Stepped(RendezvousSettings(run_id="job", nodes=NodeRange(len(names), len(names))))
     store = StateHook(world.server, "job", world.config.session_timeout)
     a = StoreRendezvous(world.config, NodeInfo("a", "host-a", 1), store, clock=world.clock)
@@ -731,6 +759,10 @@ def barrier_with_a_late_peer(names: str) -> tuple[Stepped, StoreRendezvous, Stor
     b_store = others[0]._store
     assert isinstance(b_store, MemoryStore)
     b_store.expire_session()
+    waiting = a.barrier_step()
+    assert waiting.action is st.Barrier.MEMBER_LOST
+    assert waiting.wake_at is not None
+    world.clock.now = waiting.wake_at  # a waited a session timeout for b
     return world, a, others[0]
 
 
@@ -1003,6 +1035,10 @@ def test_past_fifty_members_a_member_lost_before_finishing_fails_the_job() -> No
     proposer, lost = ranked[0], ranked[-1]
     assert not any(handler.begin_barrier() for handler in ranked[:-1])
     lost.leave()
+    waiting = proposer.barrier_step()
+    assert waiting.action is st.Barrier.MEMBER_LOST
+    assert waiting.wake_at is not None
+    world.clock.now = waiting.wake_at
     assert proposer.barrier_step().again
     with pytest.raises(JobFailedError, match=f"node '{lost.node.node_id}' left round 1"):
         proposer.barrier_step()
