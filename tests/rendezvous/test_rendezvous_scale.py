@@ -22,10 +22,13 @@ from functools import partial
 
 import pytest
 from cluster import wait_until
+from kazoo.client import KazooClient
+from test_rendezvous_zookeeper import expire
 
 from hpc_elastic.rendezvous import state as st
 from hpc_elastic.rendezvous.api import Failure, NodeInfo, RendezvousSettings, Round
 from hpc_elastic.rendezvous.backend import Mark
+from hpc_elastic.rendezvous.deadlines import Deadlines
 from hpc_elastic.rendezvous.handler import STAGGERED, StoreRendezvous
 from hpc_elastic.rendezvous.zookeeper import ZooKeeperAddress, ZooKeeperStore, open_client
 from hpc_elastic.spec import NodeRange
@@ -50,6 +53,7 @@ def address(private_zookeeper: str) -> ZooKeeperAddress:
 class Crowd:
     agents: list[StoreRendezvous]
     stores: list[ZooKeeperStore]
+    clients: list[KazooClient]
 
 
 @pytest.fixture
@@ -59,10 +63,8 @@ def crowd(address: ZooKeeperAddress) -> Iterator[Crowd]:
     settings = RendezvousSettings(
         run_id=RUN, nodes=NodeRange(AGENTS, AGENTS), session_timeout=SESSION
     )
-    stores = [
-        ZooKeeperStore(open_client(address, None, SESSION), address, RUN, None)
-        for _ in range(AGENTS // SHARE)
-    ]
+    clients = [open_client(address, None, SESSION) for _ in range(AGENTS // SHARE)]
+    stores = [ZooKeeperStore(client, address, RUN, None) for client in clients]
     agents = [
         StoreRendezvous(
             settings,
@@ -72,7 +74,7 @@ def crowd(address: ZooKeeperAddress) -> Iterator[Crowd]:
         )
         for index in range(AGENTS)
     ]
-    yield Crowd(agents, stores)
+    yield Crowd(agents, stores, clients)
     for agent in agents:
         agent.leave()
     for store in stores:
@@ -332,4 +334,36 @@ def test_a_closer_that_dies_before_closing_a_job_of_512_agents_is_replaced_by_th
     assert len(closers) == 2, f"the job was closed by {closers[1:]} after {closers[0]} died"
     assert all(outcomes.values()), "an agent was let out without the job succeeding"
     assert len(outcomes) == AGENTS - 1
+    assert crowd.stores[0].is_closed(), "nobody closed the job"
+
+
+@pytest.mark.timeout(2 * DEADLINE + 60)
+def test_a_session_that_expired_as_its_agents_finished_does_not_fail_the_job_of_512_agents(
+    address: ZooKeeperAddress, crowd: Crowd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At a job's end on a saturated machine, a connection missed its heartbeats and its
+    session expired as its agents' workers finished: every other agent's exit barrier saw
+    those members gone before their successes were recorded and failed a job whose every
+    worker had succeeded. The barrier waits a session timeout for them, and, back with a new
+    session, they record their successes and the job closes."""
+    agents = crowd.agents
+    theirs = agents[5 * SHARE : 6 * SHARE]
+    seen_gone = threading.Event()
+    member_gone = Deadlines.member_gone
+
+    def gone(self: Deadlines, round_: int, now: float) -> float | None:
+        seen_gone.set()
+        return member_gone(self, round_, now)
+
+    monkeypatch.setattr(Deadlines, "member_gone", gone)
+    with ThreadPoolExecutor(len(agents)) as pool:
+        for future in [pool.submit(agent.next_round) for agent in agents]:
+            future.result(timeout=DEADLINE)
+        waiting = [pool.submit(agent.report_success) for agent in agents if agent not in theirs]
+        expire(crowd.clients[5], address)
+        assert seen_gone.wait(DEADLINE), "no agent saw the members of the expired session gone"
+        back = [pool.submit(agent.report_success) for agent in theirs]
+        outcomes = [future.result(timeout=DEADLINE) for future in waiting + back]
+
+    assert all(outcomes), "an agent was let out without the job succeeding"
     assert crowd.stores[0].is_closed(), "nobody closed the job"
