@@ -381,9 +381,14 @@ def assert_untouched(job_dir: Path, log: Path, before: dict[int, int], lines_at_
     at_fault = logged[lines_at_fault - 1]
     since = logged[lines_at_fault - 1 :]
     assert since == list(range(at_fault, at_fault + len(since))), since[:50]
-    kinds = [event.kind for event in events.read(job_dir / "events.jsonl")]
-    assert "failure" not in kinds
-    assert "restart" not in kinds
+    timeline = events.read(job_dir / "events.jsonl")
+    kinds = [event.kind for event in timeline]
+    told = "\n".join(
+        f"{event.time:.2f} {event.slot} round {event.round} {event.kind} {event.details}"
+        for event in timeline
+    )
+    assert "failure" not in kinds, told
+    assert "restart" not in kinds, told
 
 
 def wait_for(probe: Any, timeout: float) -> Any:
