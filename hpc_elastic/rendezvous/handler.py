@@ -756,7 +756,9 @@ class StoreRendezvous(Rendezvous):
                 st.straggler_timeout(self.settings),
             )
         candidates = [st.decode_node(record) for record in records]
-        new = st.complete_round(state, candidates, self.settings.nodes, exclude=exclude)
+        new = self._with_own_port(
+            st.complete_round(state, candidates, self.settings.nodes, exclude=exclude)
+        )
         _, _, won = self._write(new, state, token)
         if won:
             log.debug(
@@ -769,6 +771,17 @@ class StoreRendezvous(Rendezvous):
             # them any more (those of the one that ended, laggards may still read).
             self._store.forget_rounds(state.round)
         return Step(action, again=True)
+
+    def _with_own_port(self, new: st.JobState) -> st.JobState:
+        """``new`` with this node's master port when this node is its rank 0, as the proposer
+        of a round after a round usually is (``st.proposer``: survivors keep their order).
+        The round is then committed ready to start: one write through the quorum, one wave
+        of notifications and one read a connection, where the commit and then the port made
+        two of each. A port picked for a proposal that loses its compare-and-set is dropped
+        with it."""
+        if new.members and new.members[0].node_id == self.node.node_id:
+            return self._written(st.Action.PUBLISH_PORT, new)
+        return new
 
     def _mark_ready_step(
         self, action: st.Action, state: st.JobState, token: int, now: float

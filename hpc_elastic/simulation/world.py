@@ -1185,7 +1185,9 @@ class Properties:
             agent = self.world.by_id.get(member.node_id)
             if agent is None or member != agent.node:
                 raise Violation(f"ranks: round {new.round} names a node nobody runs: {member}")
-        fresh = not (new.succeeded or new.ended or new.master_port is not None)
+        # Its port is none yet, or the one its rank 0 picked as it proposed the round.
+        port = new.master_port in (None, port_of(new.members[0]))
+        fresh = port and not (new.succeeded or new.ended)
         if not fresh or new.restarts_used != old.restarts_used:
             raise Violation(f"state: round {new.round} does not start afresh: {new}")
         survivors = [node for node in self.last_members if node in members]

@@ -1081,3 +1081,21 @@ def test_past_the_first_fifty_ranks_a_finished_member_waits_for_the_first_succes
     assert state.succeeded == (first.node.node_id,)
     marks = world.server.connect("job").marks(Mark.DONE, state.round)
     assert late.node.node_id in marks
+
+
+def test_a_restart_is_committed_with_its_rank_zeros_port_in_one_write() -> None:
+    """After a worker failure the proposer of the next round is its rank 0 (survivors keep
+    their order), and it commits the round with its master port: the failure and the commit
+    are the state's only writes, and nobody waits for a port."""
+    world = Stepped(RendezvousSettings(run_id="job", nodes=NodeRange(3, 3)))
+    handlers = [world.handler(name) for name in "abc"]
+    first = world.rounds(handlers)[0]
+    reader = world.server.connect("job")
+    before = reader.get_state()[1]
+    handlers[-1].report_failure(Failure("c", "host-c", 2, 1, None, "boom", 0.0))
+    again = world.rounds(handlers)
+    assert {got.number for got in again} == {2}
+    assert all(got.members == first.members for got in again), "the ranks moved"
+    assert {got.master_port for got in again} == {1}
+    writes = reader.get_state()[1] - before
+    assert writes == 2, f"{writes} writes of the state for one restart (the port apart?)"
