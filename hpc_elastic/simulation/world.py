@@ -1186,8 +1186,8 @@ class Properties:
             if agent is None or member != agent.node:
                 raise Violation(f"ranks: round {new.round} names a node nobody runs: {member}")
         # Its port is none yet, or the one its rank 0 picked as it proposed the round.
-        port = new.master_port in (None, port_of(new.members[0]))
-        fresh = port and not (new.succeeded or new.ended)
+        own_port = new.master_port in (None, port_of(new.members[0]))
+        fresh = own_port and not (new.succeeded or new.ended)
         if not fresh or new.restarts_used != old.restarts_used:
             raise Violation(f"state: round {new.round} does not start afresh: {new}")
         survivors = [node for node in self.last_members if node in members]
