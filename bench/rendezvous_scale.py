@@ -1,10 +1,11 @@
 """Rendezvous at scale: N simulated agents over P driver processes against a real ZooKeeper.
 
 Each agent is the real ``StoreRendezvous`` on a real ``ZooKeeperStore``; a driver process
-runs its share of the agents, one thread each, over sessions of its own (one per agent, or
-one per 16 agents where N sessions do not fit the machine: ``--share``). The drivers are
-the 16-process harness of ``bench/rendezvous_bench.py`` grown into a scenario. Per N and
-per server kind (one standalone server, a 3-server ensemble on loopback ports):
+runs its share of the agents, one thread each in ``next_round`` (or, with ``--workers W``,
+stepped by their step functions on W threads: ``Stepper``), over sessions of its own (one
+per agent, or one per 16 agents where N sessions do not fit the machine: ``--share``). The
+drivers are the 16-process harness of ``bench/rendezvous_bench.py`` grown into a scenario.
+Per N and per server kind (one standalone server, a 3-server ensemble on loopback ports):
 
   * round 1, a join storm: every agent joins at once and calls ``next_round``;
   * then ``--rounds`` restarts (5): one agent reports a worker failure, and every agent, once
@@ -38,9 +39,11 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import heapq
 import json
 import math
 import os
+import queue
 import signal
 import statistics
 import subprocess
@@ -52,12 +55,14 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from hpc_elastic.rendezvous import state as st  # noqa: E402
 from hpc_elastic.rendezvous import testing  # noqa: E402
 from hpc_elastic.rendezvous.api import (  # noqa: E402
     Failure,
@@ -66,7 +71,7 @@ from hpc_elastic.rendezvous.api import (  # noqa: E402
     Round,
 )
 from hpc_elastic.rendezvous.backend import ConnectionState  # noqa: E402
-from hpc_elastic.rendezvous.handler import StoreRendezvous  # noqa: E402
+from hpc_elastic.rendezvous.handler import Step, StoreRendezvous  # noqa: E402
 from hpc_elastic.rendezvous.zookeeper import (  # noqa: E402
     ZooKeeperAddress,
     ZooKeeperStore,
@@ -180,6 +185,192 @@ class Outcome:
     error: str = ""
 
 
+@dataclass
+class Task:
+    """One agent's part of one round: ``next_round``, or the exit barrier (``finish``)."""
+
+    index: int
+    outcome: Outcome
+    finish: bool
+    epoch: int
+    started: bool = False
+    generation: int = -1
+    """The handler's ``generation`` when it last went to sleep."""
+    alarm: int = 0
+    """Which of its ``wake_at`` alarms is the live one (an earlier one is stale)."""
+
+
+class Stepper:
+    """Steps a driver's agents through their rounds on ``workers`` threads.
+
+    A handler's blocking loops (``next_round``, ``report_success``) are its step functions
+    (``round_step``, ``barrier_step``) run until a round or a verdict, sleeping between
+    steps until a store notification moves its ``generation`` or the clock reaches the
+    step's ``wake_at``; the simulation drives the same steps. This does that for all of a
+    driver's agents: a step runs on one of a few threads, a sleeping agent is woken by its
+    connection's notifications (subscribed after its handlers', so its ``generation`` has
+    moved by then) or by an alarm. A thread an agent, as a real agent's loop runs, costs the
+    harness more than the agents: a thousand threads a driver, woken at every round, spent
+    the driver's CPU waking each other and starved the connections' threads of the
+    interpreter (a real agent has a process of its own)."""
+
+    def __init__(
+        self, agents: list[StoreRendezvous], stores: list[ZooKeeperStore], workers: int
+    ) -> None:
+        self.agents = agents
+        share = math.ceil(len(agents) / len(stores))
+        self._of_store = {
+            id(store): range(i * share, min((i + 1) * share, len(agents)))
+            for i, store in enumerate(stores)
+        }
+        """The agents (indices) on each store (by ``id``), ``share`` a store in order."""
+        self._lock = threading.Lock()
+        self._ready: queue.SimpleQueue[Task | None] = queue.SimpleQueue()
+        self._sleeping: dict[int, Task] = {}
+        self._unchanged: dict[int, Task] = {}
+        """Agents waiting for their round to be superseded (``changed``) before they start."""
+        self._alarms: list[tuple[float, int, int]] = []
+        """A heap of (``wake_at``, alarm, agent index)."""
+        self._alarm_set = threading.Condition(self._lock)
+        self._epoch = 0
+        self._left = 0
+        self._finished = threading.Event()
+        self._done: Callable[[Task, Step], None] = lambda task, step: None
+        for store in stores:
+            woken = partial(self._notified, id(store))
+            store.subscribe(woken, woken)
+            store.subscribe_connection(partial(self._reconnected, id(store)))
+        for _ in range(workers):
+            threading.Thread(target=self._work, daemon=True).start()
+        threading.Thread(target=self._ring, daemon=True).start()
+
+    def run(
+        self,
+        tasks: list[Task],
+        at: float,
+        after_change: bool,
+        timeout: float,
+        done: Callable[[Task, Step], None],
+    ) -> None:
+        """Run ``tasks`` from ``at`` (or, ``after_change``, each once its round is
+        superseded) until each is done or ``timeout`` passed; ``done`` records a result."""
+        self._done = done
+        with self._lock:
+            self._epoch += 1
+            self._sleeping.clear()
+            self._unchanged.clear()
+            self._alarms.clear()
+            self._left = len(tasks)
+            self._finished.clear()
+            for task in tasks:
+                task.epoch = self._epoch
+        if not tasks:
+            return
+        until(at)
+        for task in tasks:
+            if after_change and not self.agents[task.index].changed.is_set():
+                with self._lock:
+                    self._unchanged[task.index] = task
+                if not self.agents[task.index].changed.is_set():
+                    continue
+                with self._lock:
+                    if self._unchanged.pop(task.index, None) is None:
+                        continue  # a notification took it meanwhile
+            self._ready.put(task)
+        self._finished.wait(timeout)
+        with self._lock:
+            self._epoch += 1  # whatever is still asleep or queued is of a round that ended
+            for task in self._unchanged.values():
+                task.outcome.error = "never superseded"
+
+    def _notified(self, store: int) -> None:
+        """A notification of one connection: wake its agents whose decision may change."""
+        with self._lock:
+            for index in self._of_store.get(store, ()):
+                agent = self.agents[index]
+                task = self._sleeping.get(index)
+                if task is not None and agent.generation != task.generation:
+                    del self._sleeping[index]
+                    self._ready.put(task)
+                task = self._unchanged.get(index)
+                if task is not None and agent.changed.is_set():
+                    del self._unchanged[index]
+                    self._ready.put(task)
+
+    def _reconnected(self, store: int, _state: ConnectionState) -> None:
+        """A connection's state changed: its handlers may have a new decision to make."""
+        self._notified(store)
+
+    def _ring(self) -> None:
+        """Wake the agents whose ``wake_at`` came."""
+        with self._lock:
+            while True:
+                now = time.monotonic()
+                while self._alarms and self._alarms[0][0] <= now:
+                    _, alarm, index = heapq.heappop(self._alarms)
+                    task = self._sleeping.get(index)
+                    if task is not None and task.alarm == alarm:
+                        del self._sleeping[index]
+                        self._ready.put(task)
+                wait = self._alarms[0][0] - now if self._alarms else None
+                self._alarm_set.wait(wait)
+
+    def _work(self) -> None:
+        while True:
+            task = self._ready.get()
+            if task is None:
+                return
+            if task.epoch == self._epoch:
+                self._step(task)
+
+    def _step(self, task: Task) -> None:
+        """Step one agent until it is done or has to wait, as its own loop would."""
+        agent = self.agents[task.index]
+        try:
+            if not task.started:
+                task.started = True
+                task.outcome.noticed = getattr(agent.changed, "at", None)
+                if task.finish and agent.begin_barrier():
+                    return self._end(task, Step(st.Barrier.DONE, done=True))
+                if not task.finish:
+                    agent.begin_round()
+            while True:
+                generation = agent.generation
+                step = agent.barrier_step() if task.finish else agent.round_step()
+                if step.round is not None or step.done is not None:
+                    return self._end(task, step)
+                if not step.again:
+                    return self._sleep(task, generation, step.wake_at)
+        except Exception as error:  # reported, never raised: one agent must not end the bench
+            task.outcome.error = f"error: {type(error).__name__}: {error}"
+            self._end(task, None)
+
+    def _sleep(self, task: Task, generation: int, wake_at: float | None) -> None:
+        with self._lock:
+            if task.epoch != self._epoch:
+                return
+            if self.agents[task.index].generation != generation:
+                self._ready.put(task)  # notified between the step's read and now
+                return
+            task.generation = generation
+            self._sleeping[task.index] = task
+            if wake_at is not None:
+                task.alarm += 1
+                heapq.heappush(self._alarms, (wake_at, task.alarm, task.index))
+                if self._alarms[0][2] == task.index:
+                    self._alarm_set.notify()
+
+    def _end(self, task: Task, step: Step | None) -> None:
+        if step is not None:
+            self._done(task, step)
+        with self._lock:
+            if task.epoch != self._epoch:
+                return
+            self._left -= 1
+            if self._left == 0:
+                self._finished.set()
+
+
 class Driver:
     """``job["agents"]`` agents (global indices from ``job["first"]``) over sessions of their
     own, ``job["share"]`` agents a session."""
@@ -216,6 +407,8 @@ class Driver:
         ]
         for agent in self.agents:
             agent.changed = Stamped()
+        self.stepper = Stepper(self.agents, self.stores, job["workers"]) if job["workers"] else None
+        """None: a thread an agent, each in its own ``next_round``."""
         self._held: dict[int, Outcome] = {}
         """What each agent (by index) held after the last round it formed."""
         self._digests: dict[int, tuple[tuple[NodeInfo, ...], str]] = {}
@@ -233,6 +426,44 @@ class Driver:
         before = self.traffic.snapshot()
         self._digests.clear()
         outcomes = [Outcome() for _ in self.agents]
+        if self.stepper is not None:
+            self._stepped(command, outcomes)
+        else:
+            self._threaded(command, outcomes)
+        traffic = self.traffic.snapshot()
+        traffic.subtract(before)
+        return self._report(command, outcomes, traffic)
+
+    def _stepped(self, command: dict[str, Any], outcomes: list[Outcome]) -> None:
+        assert self.stepper is not None
+        finish = bool(command.get("finish"))
+        tasks = [Task(index, outcome, finish, 0) for index, outcome in enumerate(outcomes)]
+        if command.get("trigger"):
+            threading.Thread(target=self._trigger, args=(command["at"],), daemon=True).start()
+        self.stepper.run(
+            tasks,
+            command["at"],
+            after_change=command["k"] > 1 and not finish,
+            timeout=command["timeout"],
+            done=self._ended,
+        )
+
+    def _ended(self, task: Task, step: Step) -> None:
+        """Record what one stepped agent got: its round, or the exit barrier's verdict."""
+        if step.round is not None:
+            self._hold(task.index, task.outcome, step.round)
+        elif step.done:
+            self._held_again(task.index, task.outcome)
+        else:
+            task.outcome.error = "the exit barrier let it out without the job succeeding"
+
+    def _trigger(self, at: float) -> None:
+        until(at)
+        self.agents[0].report_failure(
+            Failure(self.agents[0].node.node_id, "127.0.0.1", 0, 1, None, "bench", time.time())
+        )
+
+    def _threaded(self, command: dict[str, Any], outcomes: list[Outcome]) -> None:
         one = self._finish if command.get("finish") else self._one
         threads = [
             threading.Thread(target=one, args=(index, outcome, command), daemon=True)
@@ -241,16 +472,10 @@ class Driver:
         for thread in threads:
             thread.start()
         if command.get("trigger"):
-            until(command["at"])
-            self.agents[0].report_failure(
-                Failure(self.agents[0].node.node_id, "127.0.0.1", 0, 1, None, "bench", time.time())
-            )
+            self._trigger(command["at"])
         deadline = time.monotonic() + command["timeout"]
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-        traffic = self.traffic.snapshot()
-        traffic.subtract(before)
-        return self._report(command, outcomes, traffic)
 
     def _one(self, index: int, outcome: Outcome, command: dict[str, Any]) -> None:
         agent = self.agents[index]
@@ -263,13 +488,7 @@ class Driver:
                     return
                 assert isinstance(agent.changed, Stamped)
                 outcome.noticed = agent.changed.at
-            got = agent.next_round()
-            outcome.done = time.time()
-            outcome.number = got.number
-            outcome.rank = got.group_rank(agent.node.node_id)
-            outcome.members = len(got.members)
-            outcome.digest = self._digest(got)
-            self._held[index] = outcome
+            self._hold(index, outcome, agent.next_round())
         except Exception as error:  # reported, never raised: one agent must not end the bench
             outcome.error = f"error: {type(error).__name__}: {error}"
 
@@ -281,12 +500,26 @@ class Driver:
             if not self.agents[index].report_success():
                 outcome.error = "the exit barrier let it out without the job succeeding"
                 return
-            held = self._held[index]
-            outcome.done = time.time()
-            outcome.number, outcome.rank = held.number, held.rank
-            outcome.members, outcome.digest = held.members, held.digest
+            self._held_again(index, outcome)
         except Exception as error:  # reported, never raised: one agent must not end the bench
             outcome.error = f"error: {type(error).__name__}: {error}"
+
+    def _hold(self, index: int, outcome: Outcome, got: Round) -> None:
+        """Agent ``index`` holds round ``got`` now."""
+        outcome.done = time.time()
+        outcome.number = got.number
+        outcome.rank = got.group_rank(self.agents[index].node.node_id)
+        outcome.members = len(got.members)
+        outcome.digest = self._digest(got)
+        self._held[index] = outcome
+
+    def _held_again(self, index: int, outcome: Outcome) -> None:
+        """Agent ``index`` was let out of the exit barrier, the job succeeded: it reports the
+        round it held."""
+        held = self._held[index]
+        outcome.done = time.time()
+        outcome.number, outcome.rank = held.number, held.rank
+        outcome.members, outcome.digest = held.members, held.digest
 
     def _digest(self, got: Round) -> str:
         """The round's identity: every agent of one round holds the same decoded members tuple,
@@ -411,6 +644,8 @@ class Plan:
     rounds: int
     session: float
     timeout: float
+    workers: int = 0
+    """Threads a driver steps its agents on (``Stepper``); 0: a thread an agent."""
 
     @property
     def victims(self) -> int:
@@ -486,6 +721,7 @@ class Bench:
                 "min": self.plan.floor,
                 "max": self.plan.n,
                 "session": self.plan.session,
+                "workers": self.plan.workers,
             }
             first += count
             process = subprocess.Popen(
@@ -760,6 +996,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="restart rounds after the storm")
     parser.add_argument("--session", type=float, default=SESSION, help="session timeout, s")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a round may take")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="threads a driver steps its agents on (0: a thread an agent, in next_round)",
+    )
     parser.add_argument("--json", type=Path, help="write every round's figures here")
     parser.add_argument("--fit", type=Path, nargs="+", help="only fit the --json files given")
     args = parser.parse_args()
@@ -777,7 +1019,7 @@ def main() -> None:
     for n in sizes:
         for servers in (int(s) for s in args.servers.split(",")):
             share = args.share or (16 if n > SHARE_ABOVE else 1)
-            plan = Plan(n, servers, processes, share, rounds, args.session, timeout)
+            plan = Plan(n, servers, processes, share, rounds, args.session, timeout, args.workers)
             print(
                 f"# N={n}, servers={servers}, share={share}, drivers={len(plan.slices())}",
                 flush=True,
