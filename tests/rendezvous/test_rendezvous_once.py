@@ -110,3 +110,39 @@ def test_equal_keys_share_a_result(size: int) -> None:
 
     assert length(b"x" * 1000) == length(bytes(bytearray(b"x" * 1000))) == 1000
     assert length.computed == 1
+
+
+class Counted:
+    """A key that counts how often it is hashed and compared (equal to any other one)."""
+
+    def __init__(self) -> None:
+        self.hashes = 0
+        self.compares = 0
+
+    def __hash__(self) -> int:
+        self.hashes += 1
+        return 7
+
+    def __eq__(self, other: object) -> bool:
+        self.compares += 1
+        return isinstance(other, Counted)
+
+
+def test_a_key_remembered_again_as_the_same_object_is_neither_hashed_nor_compared() -> None:
+    """Every connection of a process remembers the table of the members it decoded once:
+    4,096 of them, which hash and compare in O(N)."""
+
+    @computed_once(size=2)
+    def named(key: Counted) -> str:
+        return "computed"
+
+    key, equal = Counted(), Counted()
+    named.remember(key, "known")
+    named(equal)  # a lookup by value: compared with the kept key
+    named.remember(object(), "another")  # type: ignore[arg-type]
+    before = (key.hashes, key.compares)
+    named.remember(key, "known")
+    assert (key.hashes, key.compares) == before
+    named.remember(object(), "a third")  # type: ignore[arg-type]
+    assert named(key) == "known", "remembered again, it did not become the newest"
+    assert named.computed == 0
