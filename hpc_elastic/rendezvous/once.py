@@ -113,8 +113,9 @@ class ComputedOnce(Generic[Key, Result]):
                 return
         hashed = _Hashed(key)
         with self._lock:
+            # Kept under this very key from now on: a dict keeps the first of equal keys.
+            self._results.pop(hashed, None)
             self._results[hashed] = result
-            self._results.move_to_end(hashed)
             while len(self._results) > self._size:
                 self._results.popitem(last=False)
 

@@ -159,7 +159,11 @@ class Document:
         """The state with its members, from the table this document names (the store
         returns a table only under the digest it has); raises RendezvousError for a table
         that does not hold ``size`` distinct members."""
-        members = decode_table(table) if self.size else ()
+        return self.with_members(decode_table(table) if self.size else ())
+
+    def with_members(self, members: tuple[NodeInfo, ...]) -> JobState:
+        """The state with ``members``, its table's (decoded, or made from the last round's
+        table); raises RendezvousError unless they are ``size`` distinct members."""
         if len(members) != self.size:
             raise RendezvousError(
                 f"The table of round {self.state.round} holds {len(members)} members where "

@@ -25,6 +25,7 @@ from weakref import WeakKeyDictionary
 
 from hpc_elastic.errors import RendezvousClosedError, RendezvousError
 from hpc_elastic.rendezvous import state as st
+from hpc_elastic.rendezvous.api import NodeInfo
 from hpc_elastic.rendezvous.backend import Store, table_digest
 
 KEPT = 16
@@ -72,8 +73,9 @@ class _Held:
     """What one connection holds of its job's tables."""
 
     def __init__(self) -> None:
-        self.tables: _Recent[str, bytes] = _Recent()
-        """Digest -> table: the store returns a table only under its own digest."""
+        self.tables: _Recent[str, tuple[NodeInfo, ...]] = _Recent()
+        """Digest -> the table's members, decoded once (or made from the last round's): the
+        store returns a table only under its own digest."""
         self.states: _Recent[bytes, st.JobState] = _Recent()
         """Document -> the state filled from its table: every agent sharing the connection
         decides on one object, whose ``member_ids`` is computed once."""
@@ -124,32 +126,41 @@ def read(store: Store, data: bytes, *, fetch: bool = True) -> st.JobState | None
 def _filled(
     store: Store, held: _Held, document: st.Document, data: bytes, fetch: bool
 ) -> st.JobState | None:
-    """``read``'s work, under ``held.reading``: the table fetched unless held, the state filled."""
-    table = held.tables.get(document.table)
-    new = table is None
-    if table is None:
+    """``read``'s work, under ``held.reading``: the table's members held, made from the last
+    round's (``_derived``) or fetched; the state filled with them."""
+    members = held.tables.get(document.table)
+    fetched: bytes | None = None
+    if members is None:
         if not fetch:
             return None
-        table = _derived(store, held, document) or _fetched(store, document)
-        if table is None:
-            return None
-        held.tables.put(document.table, table)
-    state = document.filled(table)
-    if new:
-        st.remember_table(state.members, table, document.table)
+        members = _derived(store, held, document)
+        if members is None:
+            fetched = _fetched(store, document)
+            if fetched is None:
+                return None
+            members = st.decode_table(fetched)
+    state = document.with_members(members)
+    if fetched is not None:
+        # Kept as its members' encoding and name: a state of the round written later names
+        # it without encoding thousands of members (a table made here was encoded to be
+        # made, under its members: ``_derived``).
+        st.remember_table(state.members, fetched, document.table)
+    held.tables.put(document.table, members)
     held.states.put(data, state)
     if held.latest is None or state.round > held.latest.round:
         held.latest = state
     return state
 
 
-def _derived(store: Store, held: _Held, document: st.Document) -> bytes | None:
-    """The table of a round that only lost members, made here instead of read: survivors
+def _derived(store: Store, held: _Held, document: st.Document) -> tuple[NodeInfo, ...] | None:
+    """The members of a round that only lost members, made here instead of read: survivors
     keep their order and their records (``st.complete_round``), so the last round's members
     that count now, in that order, are the new table when its size and digest say so. A loss
     then costs no connection the table (N·T served otherwise: 1.2 GB at 4,096 agents with a
-    session each). None, and the table is read, when they do not match: a newcomer, or a
-    view of the members other than the proposer's."""
+    session each), and the members are the very objects of the last round: none decoded
+    again, and each connection's tuple of them hashes to the one its encoding is kept under.
+    None, and the table is read, when they do not match: a newcomer, or a view of the
+    members other than the proposer's."""
     last = held.latest
     if last is None or last.round >= document.state.round:
         return None
@@ -161,7 +172,7 @@ def _derived(store: Store, held: _Held, document: st.Document) -> bytes | None:
     if table_digest(table) != document.table:
         return None
     log.debug("made the table of round %d (%d members)", document.state.round, document.size)
-    return table
+    return survivors
 
 
 def _fetched(store: Store, document: st.Document) -> bytes | None:
@@ -208,7 +219,7 @@ def write(
     of the commit must find the table it names. Idempotent, like the table itself."""
     if new.members and (after is None or new.members != after.members or new.round != after.round):
         table = st.encode_table(new.members)
-        _of(store).tables.put(store.put_table(new.round, table), table)
+        _of(store).tables.put(store.put_table(new.round, table), new.members)
     return store.set_state(st.encode(new), token)
 
 

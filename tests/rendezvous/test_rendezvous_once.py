@@ -146,3 +146,19 @@ def test_a_key_remembered_again_as_the_same_object_is_neither_hashed_nor_compare
     named.remember(object(), "a third")  # type: ignore[arg-type]
     assert named(key) == "known", "remembered again, it did not become the newest"
     assert named.computed == 0
+
+
+def test_a_key_remembered_in_place_of_an_equal_one_is_then_found_as_the_same_object() -> None:
+    """A table read is remembered under its decoded members where an equal tuple (the one it
+    was made from) is kept already: the decoded one is kept from then on."""
+
+    @computed_once(size=2)
+    def named(key: Counted) -> str:
+        return "computed"
+
+    made, decoded = Counted(), Counted()
+    named.remember(made, "known")
+    named.remember(decoded, "known")
+    before = (decoded.hashes, decoded.compares)
+    named.remember(decoded, "known")
+    assert (decoded.hashes, decoded.compares) == before

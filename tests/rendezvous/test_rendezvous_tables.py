@@ -144,6 +144,28 @@ def test_a_round_that_only_lost_members_is_made_from_the_last_table_not_read() -
     assert asked == [1, 3, 4]
 
 
+def test_a_loss_round_made_here_holds_the_last_rounds_member_objects_decoded_nowhere() -> None:
+    """Its members are the very records of the last round, in every state of the round: each
+    connection's tuple of them then hashes and compares with the one the table's encoding
+    is kept under in O(N) identity checks, not O(N) calls of a record's equality."""
+    server = MemoryServer()
+    writer, reader = connect(server), connect(server)
+    lives = {name: connect(server) for name in "abc"}
+    for name in "abc":
+        lives[name].join(name, st.encode_node(node(name)))
+    started(writer, "abc")
+    first, _ = tables.current(reader)
+    assert first is not None
+    lives["b"].release()
+    commit(writer, lambda state: st.complete_round(state, [node("a"), node("c")], NODES))
+    commit(writer, lambda state: st.publish_master(state, 2, 29500))
+    state, _ = tables.current(reader)
+    assert state is not None
+    assert state.master_port == 29500
+    last = {member.node_id: member for member in first.members}
+    assert all(member is last[member.node_id] for member in state.members), state.members
+
+
 def test_a_state_whose_table_was_forgotten_is_read_again_from_the_server() -> None:
     """A view two rounds behind names a table ``forget_rounds`` removed: the state is read
     again (a compare-and-set on the stale token, which cannot win), not taken for damage."""
