@@ -51,6 +51,14 @@ def commit(store: Store, step: Callable[[st.JobState], st.JobState]) -> st.JobSt
     return state
 
 
+def joined(server: MemoryServer, names: str) -> dict[str, Store]:
+    """A connection for each of ``names``, joined as that member (released, it leaves)."""
+    lives = {name: connect(server) for name in names}
+    for name, store in lives.items():
+        store.join(name, st.encode_node(node(name)))
+    return lives
+
+
 def started(store: Store, names: str) -> st.JobState:
     """A job whose round 1 has ``names`` as members."""
     tables.write(store, st.JobState(max_restarts=3), ABSENT, after=None)
@@ -114,9 +122,7 @@ def test_a_round_that_only_lost_members_is_made_from_the_last_table_not_read() -
     A round with a newcomer, or a view of the members other than the proposer's, is read."""
     server = MemoryServer()
     writer, reader = connect(server), connect(server)
-    lives = {name: connect(server) for name in "abcd"}
-    for name in "abc":
-        lives[name].join(name, st.encode_node(node(name)))
+    lives = joined(server, "abc")
     started(writer, "abc")
     asked = counted(reader)
     tables.current(reader)
@@ -129,7 +135,7 @@ def test_a_round_that_only_lost_members_is_made_from_the_last_table_not_read() -
     assert state is not None
     assert state.master_port == 29500
     assert asked == [1], "the loss round's table was read"
-    lives["d"].join("d", st.encode_node(node("d")))
+    lives.update(joined(server, "d"))
     grown = [node("a"), node("c"), node("d")]
     commit(writer, lambda state: st.complete_round(state, grown, NODES))
     state, _ = tables.current(reader)
@@ -150,9 +156,7 @@ def test_a_loss_round_made_here_holds_the_last_rounds_member_objects_decoded_now
     is kept under in O(N) identity checks, not O(N) calls of a record's equality."""
     server = MemoryServer()
     writer, reader = connect(server), connect(server)
-    lives = {name: connect(server) for name in "abc"}
-    for name in "abc":
-        lives[name].join(name, st.encode_node(node(name)))
+    lives = joined(server, "abc")
     started(writer, "abc")
     first, _ = tables.current(reader)
     assert first is not None
