@@ -40,6 +40,7 @@ TEST_FILES = (
     "tests/rendezvous/test_rendezvous_state.py",
     "tests/rendezvous/test_rendezvous_handler.py",
     "tests/rendezvous/test_rendezvous_tables.py",
+    "tests/rendezvous/test_rendezvous_once.py",
     "tests/agent/test_watchdog.py",
     "tests/agent/test_agent_rules.py",
     "tests/simulation/test_simulation.py",
