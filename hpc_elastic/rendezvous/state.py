@@ -53,6 +53,7 @@ MARGIN = 2.0
 
 _MEMBER_IDS: Memo[frozenset[str]] = Memo()
 _MEMBERS_HERE: Memo[frozenset[str]] = Memo()
+_PROPOSER: Memo[str | None] = Memo()
 _SORTED: Memo[tuple[str, ...]] = Memo()
 _WITH_DONE: Memo[JobState] = Memo()
 
@@ -598,9 +599,17 @@ def proposer(state: JobState, alive: frozenset[str]) -> str | None:
     Every agent knows it from the state and the membership alone. The others do not read the
     marks: they wait for the commit, and read them only once the stragglers are overdue
     (the proposer may be the one that is stuck). Survivors keep their order, so it is rank 0
-    of the round it commits."""
-    here = present(state, alive)
-    return next((member.node_id for member in state.members if member.node_id in here), None)
+    of the round it commits.
+
+    Found once for all the agents deciding on the same round and membership: where the
+    first members do not count, every agent scanned past them (a fifth of a 4,096-agent
+    driver's time in a round after a loss)."""
+
+    def first_present() -> str | None:
+        here = present(state, alive)
+        return next((member.node_id for member in state.members if member.node_id in here), None)
+
+    return _PROPOSER.get((state.members, state.excluded, state.departed, alive), first_present)
 
 
 def candidates(state: JobState, alive: frozenset[str]) -> frozenset[str]:

@@ -88,6 +88,12 @@ class _Held:
         """The state of the newest round filled here (``_derived`` starts from it)."""
 
 
+_made: _Recent[str, tuple[NodeInfo, ...]] = _Recent()
+"""Digest -> the members of a table made from the last round's (``_derived``), once a
+process: every connection of a process makes the same, and their agents then share one tuple,
+whose ranks and ids are computed once (found by identity)."""
+_made_lock = threading.Lock()
+
 _held: WeakKeyDictionary[Store, _Held] = WeakKeyDictionary()
 """Per connection, not per process: each agent of a simulation (or of a benchmark's
 driver) reads through its own connection what its own node would read."""
@@ -172,7 +178,11 @@ def _derived(store: Store, held: _Held, document: st.Document) -> tuple[NodeInfo
     if table_digest(table) != document.table:
         return None
     log.debug("made the table of round %d (%d members)", document.state.round, document.size)
-    return survivors
+    with _made_lock:
+        made = _made.get(document.table)
+        if made is None:
+            _made.put(document.table, survivors)
+        return made or survivors
 
 
 def _fetched(store: Store, document: st.Document) -> bytes | None:

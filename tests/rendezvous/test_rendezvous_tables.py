@@ -151,15 +151,16 @@ def test_a_round_that_only_lost_members_is_made_from_the_last_table_not_read() -
 
 
 def test_a_loss_round_made_here_holds_the_last_rounds_member_objects_decoded_nowhere() -> None:
-    """Its members are the very records of the last round, in every state of the round: each
-    connection's tuple of them then hashes and compares with the one the table's encoding
-    is kept under in O(N) identity checks, not O(N) calls of a record's equality."""
+    """Its members are the very records of the last round, in every state of the round, and
+    one tuple of them for every connection of the process that made it: their ranks, ids
+    and encoding are then computed once, and found by identity."""
     server = MemoryServer()
-    writer, reader = connect(server), connect(server)
+    writer, reader, other = connect(server), connect(server), connect(server)
     lives = joined(server, "abc")
     started(writer, "abc")
     first, _ = tables.current(reader)
     assert first is not None
+    tables.current(other)
     lives["b"].release()
     commit(writer, lambda state: st.complete_round(state, [node("a"), node("c")], NODES))
     commit(writer, lambda state: st.publish_master(state, 2, 29500))
@@ -168,6 +169,9 @@ def test_a_loss_round_made_here_holds_the_last_rounds_member_objects_decoded_now
     assert state.master_port == 29500
     last = {member.node_id: member for member in first.members}
     assert all(member is last[member.node_id] for member in state.members), state.members
+    also, _ = tables.current(other)
+    assert also is not None
+    assert also.members is state.members, "each connection made a tuple of its own"
 
 
 def test_a_state_whose_table_was_forgotten_is_read_again_from_the_server() -> None:
