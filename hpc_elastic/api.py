@@ -302,13 +302,12 @@ def listing(found: Sequence[Job]) -> tuple[list[Listing], list[str]]:
     """Each job's state and what its events say, asking Slurm once for all of them (``state``
     of each job would ask once per job), and the warnings: when Slurm does not answer, the
     states are what the events say."""
-    from hpc_elastic.ops import status, timeline  # noqa: PLC0415
+    from hpc_elastic.ops import status  # noqa: PLC0415
 
-    summaries = [(job.record, timeline.summarize(job.events())) for job in found]
-    states, warnings = status.job_states(summaries)
+    summaries, states, warnings = status.job_states([job.record for job in found])
     rows = [
         Listing(job, state, summary)
-        for job, state, (_, summary) in zip(found, states, summaries, strict=True)
+        for job, state, summary in zip(found, states, summaries, strict=True)
     ]
     return rows, warnings
 

@@ -21,7 +21,7 @@ from hpc_elastic.contract import NOTIFY_URL_ENV
 from hpc_elastic.errors import UsageError, one_line
 from hpc_elastic.jobdir import JobRecord
 from hpc_elastic.ops import goodput as lost_time
-from hpc_elastic.ops import jobs, status, timeline
+from hpc_elastic.ops import jobs, status
 from hpc_elastic.ops import watch as rules
 from hpc_elastic.slurm import commands
 
@@ -109,8 +109,7 @@ def run_once(
         for record in (jobs.everywhere(directory) if all_jobs else jobs.scan(directory))
         if not record.local and record.job_id is not None
     ]
-    summaries = [(record, timeline.summarize(record.events())) for record in records]
-    states, warnings = status.job_states(summaries)
+    _, states, warnings = status.job_states(records)
     for warning in warnings:
         click.echo(f"warning: {one_line(warning)}", err=True)
     if warnings:
@@ -119,7 +118,7 @@ def run_once(
     queue = commands.squeue(ids) if records else []
     now = time.time()
     seen = []
-    for (record, _), state in zip(summaries, states, strict=True):
+    for record, state in zip(records, states, strict=True):
         history = record.events()
         figures = lost_time.goodput(history, now=now)
         seen.append(

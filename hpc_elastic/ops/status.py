@@ -85,9 +85,8 @@ class JobView:
 
 
 def gather(record: JobRecord, squeue: SlurmQuery = commands.squeue) -> JobView:
-    """Combine the events with Slurm's queue and the live rendezvous; never raises for them."""
-    history = record.events()
-    summary = timeline.summarize(history)
+    """Combine the events with Slurm's queue and the live rendezvous; never raises for them.
+    Slurm is asked first, the events read after (``job_states`` says why)."""
     warnings: list[str] = []
     slurm: list[JobStatus] = []
     if record.job_id is not None:
@@ -95,6 +94,8 @@ def gather(record: JobRecord, squeue: SlurmQuery = commands.squeue) -> JobView:
             slurm = squeue(list(record.job_ids))
         except HpcElasticError as error:
             warnings.append(str(error))
+    history = record.events()
+    summary = timeline.summarize(history)
     live = _live(record, summary, slurm)
     overall = job_state(record, summary, slurm)
     round_number, world, members = summary.round, summary.world_size, list(summary.members)
@@ -265,10 +266,16 @@ def of_job(record: JobRecord, queue: Sequence[JobStatus]) -> list[JobStatus]:
 
 
 def job_states(
-    jobs: Sequence[tuple[JobRecord, timeline.Summary]], squeue: SlurmQuery = commands.squeue
-) -> tuple[list[str], list[str]]:
-    """Each job's ``job_state``, asking Slurm once for all of them, and the warnings."""
-    records = [record for record, _ in jobs]
+    records: Sequence[JobRecord], squeue: SlurmQuery = commands.squeue
+) -> tuple[list[timeline.Summary], list[str], list[str]]:
+    """What each job's events say and its ``job_state``, asking Slurm once for all of them,
+    and the warnings.
+
+    Slurm is asked first and the events read after: a job's agents write their last event
+    (``done``, ``failed``) before they exit and Slurm lets the job go. Read the other way
+    round, a job that ended between the two reads was taken for stopped (its events still
+    running, Slurm no longer listing it), and ``wait()`` returned that for a job that had
+    succeeded."""
     ids = [job_id for record in records for job_id in record.job_ids]
     queue: list[JobStatus] = []
     warnings: list[str] = []
@@ -277,8 +284,12 @@ def job_states(
             queue = squeue(ids)
         except HpcElasticError as error:
             warnings.append(str(error))
-    states = [job_state(record, summary, of_job(record, queue)) for record, summary in jobs]
-    return states, warnings
+    summaries = [timeline.summarize(record.events()) for record in records]
+    states = [
+        job_state(record, summary, of_job(record, queue))
+        for record, summary in zip(records, summaries, strict=True)
+    ]
+    return summaries, states, warnings
 
 
 _AGENT_WORDS: dict[str, str] = {

@@ -122,6 +122,26 @@ def test_status_combines_slurm_and_events_and_reports_slurm_trouble(tmp_path: Pa
     assert view.warnings == ["squeue was not found on PATH; run this on a Slurm login node."]
 
 
+def test_a_job_that_ends_while_its_state_is_read_is_never_taken_for_stopped(
+    tmp_path: Path,
+) -> None:
+    """Its agent writes ``done`` and exits, and Slurm lets the job go, between the two reads
+    of a status: asked first, Slurm's answer can only be older than the events read after."""
+    job_dir = make_job(tmp_path)
+    done = events.Event(events.Kind.DONE, slot="0", round=2, details={"node_id": "a"}, time=8.0)
+
+    def ended_meanwhile(ids: Sequence[str]) -> list[JobStatus]:
+        events.append(job_dir / "events.jsonl", done)
+        return []  # the job left the queue
+
+    assert status.gather(jobs.load(job_dir), ended_meanwhile).state == "succeeded"
+    (job_dir / "events.jsonl").write_text(
+        "".join(line + "\n" for line in (job_dir / "events.jsonl").read_text().splitlines()[:-1])
+    )
+    _, states, _ = status.job_states([jobs.load(job_dir)], ended_meanwhile)
+    assert states == ["succeeded"]
+
+
 def test_an_agent_that_arrived_after_the_job_finished_shows_as_exited(tmp_path: Path) -> None:
     job_dir = make_job(tmp_path, job_id=None)
     for event in (
