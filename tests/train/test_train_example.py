@@ -61,7 +61,16 @@ def run(command: list[str], cwd: Path) -> None:
             launcher.terminate()
             output, _ = launcher.communicate(timeout=60)
             pytest.fail(f"torchrun hung: {output.decode()[-3000:]}")
-    assert launcher.returncode == 0, output.decode()[-3000:]
+    assert launcher.returncode == 0, first_error(output.decode())
+
+
+def first_error(output: str) -> str:
+    """What a failed launch said: its first worker traceback (torchrun's own summary of a
+    failed rank names only its exit code, and a C++ error's frames follow the message), then
+    the output's end."""
+    start = output.find("Traceback (most recent call last)")
+    first = output[start : start + 3000] if start >= 0 else ""
+    return f"{first}\n...\n{output[-3000:]}"
 
 
 def losses(log: Path) -> dict[int, list[str]]:
