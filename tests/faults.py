@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import ranks
 from cluster import MARKER, Cluster, wait_until
 
 from hpc_elastic import events
@@ -934,24 +935,17 @@ def reference_run(
     workdir: Path, world: int = 2, train_args: tuple[str, ...] = (), steps: int = STEPS
 ) -> Reference:
     """The uninterrupted run of ``steps`` steps at world size ``world``, under plain torchrun."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    env = {key: value for key, value in os.environ.items() if key != MARKER}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    env.pop(events.EVENTS_FILE_ENV, None)
+    env = {key: value for key, value in ranks.environment().items() if key != MARKER}
     subprocess.run(
-        [
-            str(torchrun),
-            "--nnodes=1",
-            f"--nproc-per-node={world}",
-            "--rdzv-backend=c10d",
-            "--rdzv-endpoint=127.0.0.1:0",
-            str(TRAIN),
+        ranks.torchrun_command(
+            world,
+            TRAIN,
             *TRAIN_ARGS,
             f"--steps={steps}",
             f"--checkpoint-dir={workdir / 'reference-checkpoints'}",
             f"--log-file={workdir / 'reference.log'}",
             *train_args,
-        ],
+        ),
         cwd=workdir,
         env=env,
         capture_output=True,

@@ -2,8 +2,8 @@
 one plain Python process; the tests assert on what the ranks print.
 
 torchrun's ``--tee=3`` prefixes every line with its rank (``[default0]:``), which ``lines`` reads
-back. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` keeps the rendezvous store apart from the
-process group's, so a port picked with ``:0`` is never handed to two stores.
+back. Every plain torchrun of the tests is built here (``torchrun_command``,
+``environment``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,14 @@ from pathlib import Path
 
 import pytest
 
+from hpc_elastic import contract
+
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
+SHARE_OFF = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+"""Set, torchrun gives the workers a store of their own, on a port it picked and let go."""
+AGENT_SET = (contract.CHECKPOINT_DIR_ENV, contract.EVENTS_FILE_ENV, contract.ROUND_ENV)
+"""What an agent sets for its workers, and a plain torchrun must not inherit."""
 GLOO_RANKS = """
 import datetime, os, torch, torch.distributed as dist
 from pathlib import Path
@@ -36,6 +42,45 @@ process group's timeout (120 s) is far longer than any step needs, so a rank lef
 shows as a timeout error, not as a hang of the test."""
 
 
+def torchrun_command(
+    nproc: int, script: Path, *args: str, options: tuple[str, ...] = ()
+) -> list[str]:
+    """Plain torchrun: ``nproc`` ranks of ``script`` on this machine, never restarted; ``options``
+    are torchrun's own (``--tee=3``).
+
+    The ranks' store is the one torchrun's rendezvous opened on a port the kernel gave it as it
+    listened (``:0``), shared with the workers (``environment``). With a store of their
+    own, torchrun picks the workers' ``MASTER_PORT`` by binding a socket and closing it
+    (``get_free_port``), and rank 0 binds that port again seconds later: on a busy machine
+    another process's connection can take it in between, and rank 0 then fails with EADDRINUSE
+    while the other ranks wait for its store until torchrun kills them.
+    """
+    return [
+        str(TORCHRUN),
+        "--nnodes=1",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=127.0.0.1:0",
+        "--max-restarts=0",
+        *options,
+        str(script),
+        *args,
+    ]
+
+
+def environment(**extra: str) -> dict[str, str]:
+    """This process's environment for what a test starts (a plain torchrun, an agent, the CLI):
+    this checkout first on the path, one thread a rank, nothing an agent would have set, and
+    torchrun's rendezvous store shared with its workers (``torchrun_command``); ``extra`` on
+    top."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    for name in (SHARE_OFF, *AGENT_SET):
+        env.pop(name, None)
+    return {**env, **extra}
+
+
 def torchrun(
     script: Path,
     *args: str,
@@ -46,22 +91,8 @@ def torchrun(
 ) -> subprocess.CompletedProcess[str]:
     """``script`` on ``nproc`` local ranks, with this checkout first on the path."""
     return subprocess.run(
-        [
-            str(TORCHRUN),
-            "--nnodes=1",
-            f"--nproc-per-node={nproc}",
-            "--rdzv-backend=c10d",
-            "--rdzv-endpoint=127.0.0.1:0",
-            "--tee=3",
-            str(script),
-            *args,
-        ],
-        env={
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-            **(env or {}),
-        },
+        torchrun_command(nproc, script, *args, options=("--tee=3",)),
+        env=environment(**(env or {})),
         cwd=cwd,
         capture_output=True,
         text=True,

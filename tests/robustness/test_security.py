@@ -9,7 +9,6 @@ import ast
 import os
 import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 from datetime import datetime
 from functools import partial
@@ -21,7 +20,7 @@ from cluster import REPO, Cluster, wait_until
 from faults import submit
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoAuthError, NotEmptyError
-from ranks import LEAVE
+from ranks import LEAVE, torchrun
 from slurm_fake import mocked_submit
 
 from hpc_elastic import cli, events
@@ -307,23 +306,7 @@ dist.destroy_process_group()
 def test_two_ranks_exchange_paths_and_rng_states_without_pickle(tmp_path: Path) -> None:
     script = tmp_path / "ranks.py"
     script.write_text(TWO_RANKS)
-    torchrun = Path(sys.executable).with_name("torchrun")
-    result = subprocess.run(
-        [
-            str(torchrun),
-            "--nnodes=1",
-            "--nproc-per-node=2",
-            "--rdzv-backend=c10d",
-            "--rdzv-endpoint=127.0.0.1:0",
-            "--tee=3",
-            str(script),
-        ],
-        env={**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+    result = torchrun(script, cwd=tmp_path, timeout=240)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     lines = sorted(
         line.split("]:", 1)[-1] for line in result.stdout.splitlines() if "rank " in line

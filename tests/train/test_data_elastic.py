@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ranks import environment, torchrun_command
 
 from hpc_elastic.jobdir import JobRecord
 from hpc_elastic.rendezvous import local_store
@@ -38,34 +39,13 @@ from hpc_elastic.rendezvous.local_store import LocalStoreServer
 
 pytestmark = pytest.mark.timeout(900)
 REPO = Path(__file__).resolve().parents[2]
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 EXAMPLE = REPO / "examples" / "train.py"
 TOKENS = REPO / "tests" / "workloads" / "train_tokens.py"
 
 
-def environment(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    env["OMP_NUM_THREADS"] = "1"
-    for name in ("HPC_ELASTIC_CHECKPOINT_DIR", "HPC_ELASTIC_EVENTS_FILE", "HPC_ELASTIC_ROUND"):
-        env.pop(name, None)
-    return {**env, **extra}
-
-
 def torchrun(nproc: int, script: Path, *args: str, cwd: Path, ok: bool = True) -> str:
-    command = [
-        str(TORCHRUN),
-        "--nnodes=1",
-        f"--nproc-per-node={nproc}",
-        "--rdzv-backend=c10d",
-        "--rdzv-endpoint=127.0.0.1:0",
-        "--max-restarts=0",
-        str(script),
-        *args,
-    ]
     result = subprocess.run(
-        command,
+        torchrun_command(nproc, script, *args),
         cwd=cwd,
         env=environment(),
         capture_output=True,

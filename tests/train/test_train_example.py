@@ -10,7 +10,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -18,42 +17,23 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import ranks
 
 pytestmark = pytest.mark.timeout(900)  # three torchrun launches each; slow on a busy 2-core box
 ROOT = Path(__file__).resolve().parents[2]
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 SMALL = ["--hidden", "32", "--lr", "0.01", "--checkpoint-every", "5"]
 STEP_LINE = re.compile(r"^step=(\d+) loss=(\S+) world=(\d+)$")
+EXAMPLE = ROOT / "examples" / "train.py"
 
 
 def torchrun_command(nproc: int, *example_args: str) -> list[str]:
-    return [
-        str(TORCHRUN),
-        "--nnodes=1",
-        f"--nproc-per-node={nproc}",
-        "--rdzv-backend=c10d",
-        "--rdzv-endpoint=127.0.0.1:0",
-        "--max-restarts=0",
-        str(ROOT / "examples" / "train.py"),
-        *SMALL,
-        *example_args,
-    ]
-
-
-def environment() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    env["OMP_NUM_THREADS"] = "1"
-    for name in ("HPC_ELASTIC_CHECKPOINT_DIR", "HPC_ELASTIC_EVENTS_FILE"):
-        env.pop(name, None)
-    return env
+    return ranks.torchrun_command(nproc, EXAMPLE, *SMALL, *example_args)
 
 
 def run(command: list[str], cwd: Path) -> None:
     """Run torchrun to completion; on a hang, SIGTERM it so it takes its workers down too."""
     with subprocess.Popen(
-        command, cwd=cwd, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        command, cwd=cwd, env=ranks.environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     ) as launcher:
         try:
             output, _ = launcher.communicate(timeout=180)
@@ -99,7 +79,7 @@ def launched(
     launcher = subprocess.Popen(
         torchrun_command(nproc, *args),
         cwd=cwd,
-        env=environment(),
+        env=ranks.environment(),
         stdout=output,
         stderr=subprocess.STDOUT,
     )
@@ -118,6 +98,23 @@ def wait_for_step(log: Path, step: int, process: subprocess.Popen[bytes]) -> Non
             return
         time.sleep(0.05)
     pytest.fail(f"run never reached step {step}")
+
+
+def test_plain_torchrun_hands_its_ranks_the_store_it_already_listens_on(tmp_path: Path) -> None:
+    """Every torchrun of these tests gives its ranks the rendezvous' own store, bound as it was
+    opened. A port torchrun picks and lets go for rank 0 to bind seconds later can be taken
+    meanwhile on a busy machine: rank 0 then fails with EADDRINUSE (``ranks.torchrun_command``)."""
+    script = tmp_path / "where.py"
+    script.write_text(
+        "import os\n"
+        "print('rank', os.environ['RANK'], 'store:', os.environ['TORCHELASTIC_USE_AGENT_STORE'],"
+        " os.environ['MASTER_PORT'])\n"
+    )
+    output = ranks.torchrun_ok(script, cwd=tmp_path)
+    seen = ranks.lines(output, "store")  # "<uses torchrun's store> <port>", a line a rank
+    assert len(seen) == 2, seen
+    assert len(set(seen)) == 1, seen
+    assert seen[0].startswith("True "), seen
 
 
 @pytest.mark.parametrize("asynchronous", ["0", "1"], ids=["synchronous", "asynchronous"])
