@@ -62,6 +62,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from hpc_elastic import contract  # noqa: E402
+from hpc_elastic.ensemble import zoocfg  # noqa: E402
 from hpc_elastic.rendezvous import state as st  # noqa: E402
 from hpc_elastic.rendezvous import testing  # noqa: E402
 from hpc_elastic.rendezvous.api import (  # noqa: E402
@@ -90,7 +92,8 @@ THREAD_STACK = 256 * 1024
 """Bytes of stack per agent thread: a thousand threads a driver must fit in memory."""
 ZK_HEAP = "2g"
 SERVER_OPTIONS = {"maxClientCnxns": "0"}
-"""Unlimited connections per client address: every bench client is 127.0.0.1."""
+"""Unlimited connections per client address: every bench client is 127.0.0.1. The servers tick
+as the product's ensemble does (``zoocfg.timing``), unless ``--tick`` says otherwise."""
 
 
 # ------------------------------------------------------ counting a driver's ZooKeeper traffic
@@ -682,11 +685,14 @@ class Plan:
 
 
 @contextmanager
-def zookeeper(servers: int, scratch: Path) -> Iterator[list[testing.ZooKeeperServer]]:
+def zookeeper(
+    servers: int, scratch: Path, tick_ms: int = contract.ZK_TICK_MS
+) -> Iterator[list[testing.ZooKeeperServer]]:
+    options = {**SERVER_OPTIONS, **zoocfg.timing(tick_ms)}
     if servers == 1:
-        made = [testing.ZooKeeperServer(scratch / "zk", heap=ZK_HEAP, options=SERVER_OPTIONS)]
+        made = [testing.ZooKeeperServer(scratch / "zk", heap=ZK_HEAP, options=options)]
     else:
-        made = testing.ensemble(scratch, servers, heap=ZK_HEAP, options=SERVER_OPTIONS)
+        made = testing.ensemble(scratch, servers, heap=ZK_HEAP, options=options)
     for server in made:
         server.start(wait=0)
     try:
@@ -1002,6 +1008,12 @@ def main() -> None:
         default=0,
         help="threads a driver steps its agents on (0: a thread an agent, in next_round)",
     )
+    parser.add_argument(
+        "--tick",
+        type=int,
+        default=contract.ZK_TICK_MS,
+        help="the servers' tickTime, ms (default: the product ensemble's)",
+    )
     parser.add_argument("--json", type=Path, help="write every round's figures here")
     parser.add_argument("--fit", type=Path, nargs="+", help="only fit the --json files given")
     args = parser.parse_args()
@@ -1010,6 +1022,7 @@ def main() -> None:
         return
     load = os.getloadavg()
     print(f"load average at the start: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}", flush=True)
+    print(f"servers tick every {args.tick} ms", flush=True)
     sizes = [64, 256] if args.quick else [int(n) for n in args.sizes.split(",")]
     processes = 4 if args.quick else args.processes
     rounds = 3 if args.quick else args.rounds
@@ -1024,7 +1037,10 @@ def main() -> None:
                 f"# N={n}, servers={servers}, share={share}, drivers={len(plan.slices())}",
                 flush=True,
             )
-            with tempfile.TemporaryDirectory() as scratch, zookeeper(servers, Path(scratch)) as zk:
+            with (
+                tempfile.TemporaryDirectory() as scratch,
+                zookeeper(servers, Path(scratch), args.tick) as zk,
+            ):
                 bench = Bench(plan, zk)
                 try:
                     bench.run()

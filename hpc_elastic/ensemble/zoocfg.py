@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import math
 import random
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -25,11 +26,11 @@ from hpc_elastic.errors import EnsembleError, UsageError
 
 PORTS_PER_SERVER = 3
 """Client, quorum (followers to the leader) and leader election."""
-INIT_LIMIT_TICKS = 30
-"""Ticks a follower may take to connect and sync to a new leader (30 s)."""
-SYNC_LIMIT_TICKS = 10
-"""Ticks a follower may lag behind the leader before it is dropped (10 s: a loaded node's
-JVM pauses for seconds, and a dropped follower disconnects its clients)."""
+INIT_LIMIT_S = 30
+"""Seconds a follower may take to connect and sync to a new leader (``initLimit``)."""
+SYNC_LIMIT_S = 10
+"""Seconds a follower may lag behind the leader before it is dropped (``syncLimit``): a loaded
+node's JVM pauses for seconds, and a dropped follower disconnects its clients."""
 SNAP_RETAIN = 3
 PURGE_INTERVAL_HOURS = 1
 DIGEST_PROVIDER = "org.apache.zookeeper.server.auth.DigestAuthenticationProvider"
@@ -109,6 +110,20 @@ class ServerConfig:
     max_session_ms: int = contract.ZK_MAX_SESSION_MS
 
 
+def timing(tick_ms: int = contract.ZK_TICK_MS) -> dict[str, str]:
+    """``zoo.cfg``'s timing: the tick, and the followers' limits in ticks of it."""
+    return {
+        "tickTime": str(tick_ms),
+        "initLimit": str(ticks(INIT_LIMIT_S, tick_ms)),
+        "syncLimit": str(ticks(SYNC_LIMIT_S, tick_ms)),
+    }
+
+
+def ticks(seconds: float, tick_ms: int) -> int:
+    """A limit of ``seconds`` in ZooKeeper's ticks of ``tick_ms``, never shorter."""
+    return math.ceil(seconds * 1000 / tick_ms)
+
+
 def render_zoo_cfg(config: ServerConfig) -> str:
     """The server's configuration, secure by default (docs/cluster-setup.md, "Security"):
 
@@ -135,9 +150,7 @@ def render_zoo_cfg(config: ServerConfig) -> str:
     lines = [
         f"# hpc-elastic: ZooKeeper server {config.myid}"
         + (f" of {len(config.peers)}" if config.peers else " (standalone)"),
-        f"tickTime={config.tick_ms}",
-        f"initLimit={INIT_LIMIT_TICKS}",
-        f"syncLimit={SYNC_LIMIT_TICKS}",
+        *(f"{key}={value}" for key, value in timing(config.tick_ms).items()),
         f"minSessionTimeout={config.min_session_ms}",
         f"maxSessionTimeout={config.max_session_ms}",
         f"dataDir={config.data_dir}",

@@ -244,11 +244,19 @@ def test_zoo_cfg_names_every_server_and_is_secure_by_default() -> None:
     assert {"dataDir=/l/d", "dataLogDir=/l/t", "clientPort=21002"} <= set(lines)
     assert {"autopurge.snapRetainCount=3", "autopurge.purgeInterval=1"} <= set(lines)
     assert {"minSessionTimeout=2000", "maxSessionTimeout=60000"} <= set(lines)
+    assert {"tickTime=250", "initLimit=120", "syncLimit=40"} <= set(lines)  # 30 s and 10 s
     assert [line for line in lines if line.startswith("server.")] == [
         "server.1=10.0.0.1:22001:23001",
         "server.2=10.0.0.2:22002:23002",
         "server.3=10.0.0.3:22003:23003",
     ]
+
+
+def test_the_followers_limits_stay_in_seconds_whatever_the_tick() -> None:
+    config = zoocfg.ServerConfig(1, "/d", "/t", 2181, (peer(1),), tick_ms=2000)
+    lines = zoocfg.render_zoo_cfg(config).splitlines()
+    assert {"tickTime=2000", "initLimit=15", "syncLimit=5"} <= set(lines)
+    assert zoocfg.ticks(10, 3000) == 4  # never shorter than asked
 
 
 def test_a_standalone_server_names_no_peers() -> None:
