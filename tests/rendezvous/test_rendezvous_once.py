@@ -162,3 +162,23 @@ def test_a_key_remembered_in_place_of_an_equal_one_is_then_found_as_the_same_obj
     before = (decoded.hashes, decoded.compares)
     named.remember(decoded, "known")
     assert (decoded.hashes, decoded.compares) == before
+
+
+def test_a_key_asked_for_again_as_the_same_object_is_neither_hashed_nor_compared() -> None:
+    """Every write of a round's state names its table by the digest of the round's members:
+    the same tuple of 4,096 of them, asked for again at each write."""
+
+    @computed_once(size=2)
+    def named(key: Counted) -> str:
+        return "computed"
+
+    key = Counted()
+    assert named(key) == "computed"
+    named(Counted())  # another key, equal: found by value, and kept no more than once
+    before = (key.hashes, key.compares)
+    assert named(key) == "computed"
+    assert (key.hashes, key.compares) == before
+    assert named.computed == 1
+    named.forget()
+    assert named(key) == "computed"
+    assert named.computed == 2, "a forgotten result was still found by identity"
