@@ -12,7 +12,8 @@ Per N and per server kind (one standalone server, a 3-server ensemble on loopbac
     its round is superseded (``changed``), calls ``next_round`` again, as after a failure.
     The round time of the table (median, p99) is theirs: a job pays it at every restart;
   * a kill: the driver that holds 1 % of the agents is SIGKILLed; the others notice once
-    the victims' sessions expire, and form the next round without them (detect, re-form);
+    the victims' sessions expire, and form the next round without them (detect: the first
+    and the last survivor to see the loss; re-form);
   * on the ensemble, a leader kill: the leader is SIGKILLed in the middle of a restart round;
   * a mass departure: the drivers that hold half of the agents left are SIGKILLed at once,
     and the others form the next round without them;
@@ -551,6 +552,7 @@ class Driver:
             "agents": len(outcomes),
             "first_done": min(done, default=None),
             "last_done": max(done, default=None),
+            "first_noticed": min(noticed, default=None),
             "last_noticed": max(noticed, default=None),
             "numbers": sorted({o.number for o in outcomes if o.done is not None}),
             "ranks": [o.rank for o in outcomes if o.done is not None],
@@ -864,6 +866,7 @@ def summarize(
         problems.update(report["problems"])
     last = max((r["last_done"] for r in reports if r["last_done"]), default=None)
     noticed = max((r["last_noticed"] for r in reports if r["last_noticed"]), default=None)
+    first = min((r["first_noticed"] for r in reports if r["first_noticed"]), default=None)
     ok = (
         len(reports) == drivers
         and returned == agents
@@ -882,6 +885,7 @@ def summarize(
         "ok": ok,
         "round_s": (last - at) if last and ok else None,
         "noticed_s": (noticed - at) if noticed else None,
+        "first_noticed_s": (first - at) if first else None,
         "numbers": sorted(numbers),
         "problems": dict(problems),
         "per_agent": {key: value / max(agents, 1) for key, value in sorted(traffic.items())},
@@ -922,7 +926,9 @@ def table_row(plan: Plan, rows: list[dict[str, Any]]) -> str:
             return f"no round ({row['returned']} of {row['agents']} returned)"
         if kind == "job end":
             return f"{row['round_s']:.2f} s ({row['agents']} agents)"
-        noticed = f"detect {row['noticed_s']:.2f} s, " if kind != "leader killed" else ""
+        noticed = ""
+        if kind != "leader killed":
+            noticed = f"detect {row['first_noticed_s']:.2f}-{row['noticed_s']:.2f} s, "
         return f"{noticed}re-form {row['round_s']:.2f} s"
 
     def mean(key: str) -> str:
