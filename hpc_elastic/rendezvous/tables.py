@@ -20,12 +20,13 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from itertools import chain
 from typing import Generic, TypeVar
 from weakref import WeakKeyDictionary
 
 from hpc_elastic.errors import RendezvousClosedError, RendezvousError
 from hpc_elastic.rendezvous import state as st
-from hpc_elastic.rendezvous.api import NodeInfo
+from hpc_elastic.rendezvous.api import NodeInfo, member_ranks
 from hpc_elastic.rendezvous.backend import Store, table_digest
 
 KEPT = 16
@@ -170,10 +171,10 @@ def _derived(store: Store, held: _Held, document: st.Document) -> tuple[NodeInfo
     last = held.latest
     if last is None or last.round >= document.state.round:
         return None
-    here = st.present(document.state, store.alive())
-    survivors = tuple(member for member in last.members if member.node_id in here)
-    if len(survivors) != document.size or len(survivors) == len(last.members):
+    gone = last.member_ids - st.present(document.state, store.alive())
+    if not gone or len(last.members) - len(gone) != document.size:
         return None
+    survivors = _without(last.members, gone)
     table = st.encode_table(survivors)
     if table_digest(table) != document.table:
         return None
@@ -183,6 +184,19 @@ def _derived(store: Store, held: _Held, document: st.Document) -> tuple[NodeInfo
         if made is None:
             _made.put(document.table, survivors)
         return made or survivors
+
+
+def _without(members: tuple[NodeInfo, ...], gone: frozenset[str]) -> tuple[NodeInfo, ...]:
+    """``members`` in their order, less ``gone`` (some of them): the runs between the gone
+    members' ranks, sliced and joined in C. A test of every member's id, in Python, was a
+    seventh of a 16,384-agent driver's time in the round after 1 % were lost."""
+    ranks = member_ranks(members)  # found by identity: the round's tuple, ranked once
+    runs, start = [], 0
+    for rank in sorted(ranks[node_id] for node_id in gone):
+        runs.append(members[start:rank])
+        start = rank + 1
+    runs.append(members[start:])
+    return tuple(chain.from_iterable(runs))
 
 
 def _fetched(store: Store, document: st.Document) -> bytes | None:

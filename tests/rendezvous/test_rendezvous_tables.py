@@ -150,6 +150,18 @@ def test_a_round_that_only_lost_members_is_made_from_the_last_table_not_read() -
     assert asked == [1, 3, 4]
 
 
+@pytest.mark.parametrize(
+    "gone", ["a", "f", "cd", "af", "bdf", "abcde"], ids=lambda gone: f"without {gone}"
+)
+def test_a_loss_round_keeps_the_survivors_in_their_order_wherever_the_lost_ones_stood(
+    gone: str,
+) -> None:
+    members = tuple(node(name) for name in "abcdef")
+    kept = tables._without(members, frozenset(gone))
+    assert kept == tuple(member for member in members if member.node_id not in gone)
+    assert all(any(member is mine for mine in members) for member in kept), "records copied"
+
+
 def test_a_loss_round_made_here_holds_the_last_rounds_member_objects_decoded_nowhere() -> None:
     """Its members are the very records of the last round, in every state of the round, and
     one tuple of them for every connection of the process that made it: their ranks, ids
