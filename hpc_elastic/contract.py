@@ -39,7 +39,15 @@ SECRET_FILE_ENV = "HPC_ELASTIC_SECRET_FILE"
 SLOT_ENV = "HPC_ELASTIC_SLOT"
 ROUND_ENV = "HPC_ELASTIC_ROUND"
 MASTER_PORTS_ENV = "HPC_ELASTIC_MASTER_PORTS"
-"""``LOW:HIGH``: rank 0's agent picks the workers' MASTER_PORT in this range (default: any)."""
+"""``LOW:HIGH``: rank 0's agent picks the workers' MASTER_PORT in this range (default: a free
+port below the kernel's ephemeral range, ``DEFAULT_MASTER_PORTS``)."""
+DEFAULT_MASTER_PORTS = (20000, 32767)
+"""Where rank 0's agent picks the workers' MASTER_PORT when no range is given: below Linux's
+ephemeral range (32768-60999), from which every outgoing connection takes its local port, so
+none takes the port in the seconds between the pick and the bind of rank 0's store (the
+part of it that the kernel's range leaves out, ``ip_local_port_range``; any free port if
+none)."""
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 HOST_ENV = "HPC_ELASTIC_HOST"
 NOTIFY_URL_ENV = "HPC_ELASTIC_NOTIFY_URL"
 """``submit --notify``'s web hook, for the agent (never on a command line: see ``notify``).

@@ -852,7 +852,7 @@ class JobSpec:
         parse_port_range,
         None,
         metavar="LOW:HIGH",
-        show_default="any free port",
+        show_default="a free port below the ephemeral range",
         environment=schema.exported(contract.MASTER_PORTS_ENV),
     )
     notify: str | None = schema.text(

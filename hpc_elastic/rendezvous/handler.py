@@ -17,7 +17,9 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import partial
+from pathlib import Path
 
+from hpc_elastic import contract
 from hpc_elastic.errors import (
     RendezvousClosedError,
     RendezvousError,
@@ -87,13 +89,33 @@ def unreachable_sentence(where: str, settings: RendezvousSettings) -> str:
     )
 
 
-def free_port(environ: Mapping[str, str] = os.environ) -> int:
-    """A port that is free now; the master binds it moments later (the usual small race).
+def free_port(
+    environ: Mapping[str, str] = os.environ, ephemeral: Path = Path(contract.EPHEMERAL_RANGE_FILE)
+) -> int:
+    """A port that is free now, for a store that rank 0 opens moments later.
 
     With ``HPC_ELASTIC_MASTER_PORTS=LOW:HIGH`` (``submit --master-port-range``) only ports in
-    that range are tried, so a site can open just those between its nodes.
+    that range are tried, so a site can open just those between its nodes. Otherwise one below
+    the kernel's ephemeral range (``unraced_ports``): a port of that range, free now, can be
+    the local port of anyone's next outgoing connection before rank 0 binds it (rank 0 then
+    fails with EADDRINUSE, seen on a busy machine); any free port where there is none below.
     """
-    low, high = port_range(environ.get(MASTER_PORTS_ENV))
+    configured = environ.get(MASTER_PORTS_ENV)
+    low, high = port_range(configured) if configured else unraced_ports(ephemeral)
+    port = _probe(low, high)
+    if port is None and not configured:
+        port = _probe(0, 0)  # every candidate below the ephemeral range is taken: any port
+    if port is not None:
+        return port
+    raise RendezvousError(
+        f"No free port in {MASTER_PORTS_ENV} '{low}:{high}' for the workers' MASTER_PORT; "
+        "widen --master-port-range."
+    )
+
+
+def _probe(low: int, high: int) -> int | None:
+    """A port of ``low..high`` that binds now (0..0: the kernel's pick); None if none of up to
+    256 tried does."""
     for candidate in random.sample(range(low, high + 1), min(high - low + 1, 256)):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
             try:
@@ -102,10 +124,24 @@ def free_port(environ: Mapping[str, str] = os.environ) -> int:
                 continue
             port: int = probe.getsockname()[1]
             return port
-    raise RendezvousError(
-        f"No free port in {MASTER_PORTS_ENV} '{low}:{high}' for the workers' MASTER_PORT; "
-        "widen --master-port-range."
-    )
+    return None
+
+
+def unraced_ports(ephemeral: Path) -> tuple[int, int]:
+    """``contract.DEFAULT_MASTER_PORTS`` less the kernel's ephemeral range (read from
+    ``ephemeral``); (0, 0), any port, where nothing is left or the range cannot be read."""
+    low, high = contract.DEFAULT_MASTER_PORTS
+    try:
+        first, last = (int(part) for part in ephemeral.read_text().split())
+    except (OSError, ValueError):
+        return 0, 0
+    if first > low:
+        high = min(high, first - 1)
+    elif last < high:
+        low = max(low, last + 1)
+    else:
+        return 0, 0
+    return (low, high) if low <= high else (0, 0)
 
 
 def port_range(text: str | None) -> tuple[int, int]:
