@@ -186,6 +186,37 @@ def test_a_loss_round_made_here_holds_the_last_rounds_member_objects_decoded_now
     assert also.members is state.members, "each connection made a tuple of its own"
 
 
+def test_a_loss_round_made_by_one_connection_is_not_made_or_encoded_again_by_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The connections of a process hold the same last round and see the same members go:
+    the first one makes the table and checks its encoding against the digest, the others
+    find it made. Each encoding of its own was O(N) for every connection of the process."""
+    server = MemoryServer()
+    writer, reader, other = connect(server), connect(server), connect(server)
+    lives = joined(server, "abcd")
+    started(writer, "abcd")
+    tables.current(reader)
+    tables.current(other)
+    lives["b"].release()
+    commit(writer, lambda state: st.complete_round(state, [node("a"), node("c"), node("d")], NODES))
+    state, _ = tables.current(reader)
+    assert state is not None
+    encoded: list[tuple[NodeInfo, ...]] = []
+    encode = st.encode_table
+
+    def counting(members: tuple[NodeInfo, ...]) -> bytes:
+        encoded.append(members)
+        return encode(members)
+
+    monkeypatch.setattr(st, "encode_table", counting)
+    also, _ = tables.current(other)
+    assert also is not None
+    assert also.members is state.members
+    assert [member.node_id for member in also.members] == ["a", "c", "d"]
+    assert encoded == [], "a connection encoded the table another one of its process made"
+
+
 def test_a_state_whose_table_was_forgotten_is_read_again_from_the_server() -> None:
     """A view two rounds behind names a table ``forget_rounds`` removed: the state is read
     again (a compare-and-set on the stale token, which cannot win), not taken for damage."""
