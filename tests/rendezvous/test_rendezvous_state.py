@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import fields, replace
 from typing import Any, cast
 
@@ -333,6 +334,34 @@ def test_only_a_round_superseded_by_arrivals_gives_its_workers_the_long_grace() 
     assert not st.only_arrivals(st.record_success(state, 1, "a"), frozenset("abc"), 1)
     assert not st.only_arrivals(replace(state, excluded=("b",)), frozenset("abc"), 1)
     assert not st.only_arrivals(replace(state, round=2), frozenset("abc"), 1), "superseded"
+
+
+class _Compared(frozenset[str]):
+    """A membership that counts how often it is compared with, or intersected by, a round's
+    members (Python asks a subclass's reflected operator first)."""
+
+    compared = 0
+
+    def __ge__(self, other: AbstractSet[object]) -> bool:
+        _Compared.compared += 1
+        return frozenset(self) >= other
+
+    def __rand__(self, other: AbstractSet[str]) -> frozenset[str]:
+        _Compared.compared += 1
+        return frozenset(self) & other
+
+
+def test_the_agents_of_a_superseded_round_compare_its_members_with_the_list_once() -> None:
+    """Every agent that sees its round superseded asks whether only arrivals did it and
+    whether a peer was lost; with the same round and the same list, the members are compared
+    with the list once, not once an agent (O(N) each: N² in a process of N agents)."""
+    state = running("a", "b", "c")
+    alive = _Compared("abcd")
+    _Compared.compared = 0
+    for _ in range(100):
+        assert st.only_arrivals(state, alive, 1)
+        assert not st.peer_lost(state, alive, 1)
+    assert _Compared.compared <= 1
 
 
 def test_the_arrival_grace_ends_before_the_others_leave_the_node_out() -> None:
