@@ -589,7 +589,14 @@ def _members_here(state: JobState, alive: frozenset[str]) -> frozenset[str]:
 def _listed(member_ids: frozenset[str], alive: frozenset[str]) -> frozenset[str]:
     """The members in ``alive``; computed once for all the agents deciding on the same
     round and membership."""
-    return _MEMBERS_HERE.get((member_ids, alive), lambda: member_ids & alive)
+    return _MEMBERS_HERE.get((member_ids, alive), lambda: _intersection(member_ids, alive))
+
+
+def _intersection(member_ids: frozenset[str], alive: frozenset[str]) -> frozenset[str]:
+    """``member_ids & alive``, and ``member_ids`` itself when every member is listed: no
+    second set of N ids kept, and the same object for whatever is memoized on it next."""
+    here = member_ids & alive
+    return member_ids if len(here) == len(member_ids) else here
 
 
 def proposer(state: JobState, alive: frozenset[str]) -> str | None:

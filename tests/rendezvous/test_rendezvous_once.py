@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import threading
+from functools import partial
 
 import pytest
 from cluster import wait_until
 
-from hpc_elastic.rendezvous.once import ComputedOnce, computed_once
+from hpc_elastic.rendezvous.once import ComputedOnce, Memo, computed_once
 
 DEADLINE = 30.0
 
@@ -182,3 +183,23 @@ def test_a_key_asked_for_again_as_the_same_object_is_neither_hashed_nor_compared
     named.forget()
     assert named(key) == "computed"
     assert named.computed == 2, "a forgotten result was still found by identity"
+
+
+def test_a_memo_keeps_the_entries_used_last_and_lets_the_least_used_go() -> None:
+    """Each connection of a process brings a new ``alive`` at each change: an entry its
+    agents keep using must not be pushed out by the entries the others make meanwhile."""
+    memo: Memo[int] = Memo()
+    objects = [frozenset({index}) for index in range(Memo.SIZE + 1)]
+    computed: list[int] = []
+
+    def value(index: int) -> int:
+        computed.append(index)
+        return index
+
+    memo.get((objects[0],), lambda: value(0))
+    for index, made in enumerate(objects[1:], start=1):
+        assert memo.get((made,), partial(value, index)) == index
+        assert memo.get((objects[0],), lambda: value(0)) == 0
+    assert computed.count(0) == 1, "the entry used at every step was pushed out"
+    memo.get((objects[1],), lambda: value(1))
+    assert computed.count(1) == 2, "the entry used least was kept"

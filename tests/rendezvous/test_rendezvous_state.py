@@ -364,6 +364,14 @@ def test_the_agents_of_a_superseded_round_compare_its_members_with_the_list_once
     assert _Compared.compared <= 1
 
 
+def test_the_members_here_of_a_round_listed_whole_are_its_member_ids_themselves() -> None:
+    """No second set of N ids kept for each list, and the very object for whatever is
+    memoized on the members here next."""
+    state = running("a", "b", "c")
+    assert st._members_here(state, frozenset("abcd")) is state.member_ids
+    assert st._members_here(state, frozenset("acd")) == frozenset("ac")
+
+
 def test_the_arrival_grace_ends_before_the_others_leave_the_node_out() -> None:
     """An agent that spends the whole arrival grace still comes back within the others'
     wait for stragglers (a round ended by arrivals has no echo to wait for)."""
