@@ -193,7 +193,7 @@ def _derived(store: Store, held: _Held, document: st.Document) -> tuple[NodeInfo
         # The trick: the very members this process made the table from, less the same ids,
         # are the table made then, checked then against this digest. Found so, it is neither
         # made nor encoded again: each connection encoded its own copy of 4,096 members (and
-        # hashed it, to find the encoding kept), a fifth of a driver's time after a loss.
+        # hashed it, to find the encoding kept): a third of a driver's samples after a loss.
         if made is not None and made.source is last.members and made.gone == gone:
             return made.members
         survivors = _without(last.members, gone)
