@@ -13,7 +13,8 @@ Per N and per server kind (one standalone server, a 3-server ensemble on loopbac
     The round time of the table (median, p99) is theirs: a job pays it at every restart;
   * a kill: the driver that holds 1 % of the agents is SIGKILLed; the others notice once
     the victims' sessions expire, and form the next round without them (detect: the first
-    and the last survivor to see the loss; re-form);
+    and the last survivor to see the loss; sessions ended: when the servers let the last
+    victim go, as their logs say; re-form);
   * on the ensemble, a leader kill: the leader is SIGKILLed in the middle of a restart round;
   * a mass departure: the drivers that hold half of the agents left are SIGKILLed at once,
     and the others form the next round without them;
@@ -45,6 +46,7 @@ import json
 import math
 import os
 import queue
+import re
 import signal
 import statistics
 import subprocess
@@ -56,6 +58,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -787,6 +790,8 @@ class Bench:
         row["agents_cpu_s"] = sum(cpu_seconds(d.process.pid) for d in drivers) - agents_cpu
         row["zk_rss_mb"] = sum(rss_bytes(pid) for pid in pids) / 2**20
         row["agents_rss_mb"] = sum(rss_bytes(d.process.pid) for d in drivers) / 2**20
+        ended = sessions_ended(self.servers, at)
+        row["sessions_ended_s"] = (max(ended) - at) if ended else None
         self.rows.append(row)
         print(json.dumps(compact(row)), flush=True)
         return row
@@ -846,6 +851,30 @@ class Bench:
 
         row = self.round(k, "half lost", staying, act=kill, trigger=False)
         return staying if row["ok"] else None
+
+
+EXPIRED = re.compile(r"^(\d\d):(\d\d):(\d\d)\.(\d{3}) .*Expiring session 0x[0-9a-f]+, timeout of")
+"""A line of a server's log (``zk.out``, timestamped by ``testing.LOGGER_FLAGS``) that ends a
+session whose client fell silent: the moment the servers let a lost agent go."""
+
+
+def sessions_ended(servers: list[testing.ZooKeeperServer], since: float) -> list[float]:
+    """When the servers ended silent sessions (epoch seconds), from ``since`` on, as their
+    logs say: splits a loss round into ZooKeeper's wait for the session and the survivors'
+    work after it. Empty where the servers log nothing (no slf4j binding installed)."""
+    midnight = datetime.fromtimestamp(since).replace(hour=0, minute=0, second=0, microsecond=0)
+    ended = []
+    for server in servers:
+        log = server.data_dir / "zk.out"
+        text = log.read_text(errors="replace") if log.exists() else ""
+        for match in filter(None, map(EXPIRED.match, text.splitlines())):
+            hours, minutes, seconds, millis = map(int, match.groups())
+            at = midnight.timestamp() + hours * 3600 + minutes * 60 + seconds + millis / 1000
+            if at < since - 12 * 3600:
+                at += 24 * 3600  # logged after midnight
+            if at >= since:
+                ended.append(at)
+    return ended
 
 
 def summarize(
@@ -929,6 +958,8 @@ def table_row(plan: Plan, rows: list[dict[str, Any]]) -> str:
         noticed = ""
         if kind != "leader killed":
             noticed = f"detect {row['first_noticed_s']:.2f}-{row['noticed_s']:.2f} s, "
+        if row.get("sessions_ended_s") is not None:
+            noticed += f"sessions ended {row['sessions_ended_s']:.2f} s, "
         return f"{noticed}re-form {row['round_s']:.2f} s"
 
     def mean(key: str) -> str:
