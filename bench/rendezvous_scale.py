@@ -47,6 +47,7 @@ import math
 import os
 import queue
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -1027,6 +1028,17 @@ def fit(files: list[Path]) -> None:
             print(f"    fit: t = {a:.3g} * N^{b:.2f} s")
 
 
+def keep_logs(servers: list[testing.ZooKeeperServer], into: Path, prefix: str) -> None:
+    """Each server's log as ``<prefix>-zk<i>.out`` in ``into``: a round far slower than the
+    others (a leader's election that took 40 s) is explained only by the servers' logs, which
+    go with the bench's scratch directory."""
+    into.mkdir(parents=True, exist_ok=True)
+    for index, server in enumerate(servers, start=1):
+        log = server.data_dir / "zk.out"
+        if log.exists():
+            shutil.copyfile(log, into / f"{prefix}-zk{index}.out")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="N = 64 and 256, 3 rounds, 4 drivers")
@@ -1052,6 +1064,9 @@ def main() -> None:
         help="the servers' tickTime, ms (default: the product ensemble's)",
     )
     parser.add_argument("--json", type=Path, help="write every round's figures here")
+    parser.add_argument(
+        "--logs", type=Path, help="keep the servers' logs here (N-servers-zkI.out), to see why"
+    )
     parser.add_argument("--fit", type=Path, nargs="+", help="only fit the --json files given")
     args = parser.parse_args()
     if args.fit:
@@ -1083,6 +1098,8 @@ def main() -> None:
                     bench.run()
                 finally:
                     bench.stop()
+                    if args.logs:
+                        keep_logs(zk, args.logs, f"{n}-{servers}")
             table.append(table_row(plan, bench.rows))
             everything.extend(bench.rows)
             if args.json:
