@@ -854,6 +854,11 @@ class Bench:
         return staying if row["ok"] else None
 
 
+def server_log(server: testing.ZooKeeperServer) -> Path:
+    """Where ``testing.ZooKeeperServer`` writes the server's log."""
+    return server.data_dir / "zk.out"
+
+
 EXPIRED = re.compile(r"^(\d\d):(\d\d):(\d\d)\.(\d{3}) .*Expiring session 0x[0-9a-f]+, timeout of")
 """A line of a server's log (``zk.out``, timestamped by ``testing.LOGGER_FLAGS``) that ends a
 session whose client fell silent: the moment the servers let a lost agent go."""
@@ -866,7 +871,7 @@ def sessions_ended(servers: list[testing.ZooKeeperServer], since: float) -> list
     midnight = datetime.fromtimestamp(since).replace(hour=0, minute=0, second=0, microsecond=0)
     ended = []
     for server in servers:
-        log = server.data_dir / "zk.out"
+        log = server_log(server)
         text = log.read_text(errors="replace") if log.exists() else ""
         for match in filter(None, map(EXPIRED.match, text.splitlines())):
             hours, minutes, seconds, millis = map(int, match.groups())
@@ -1034,7 +1039,7 @@ def keep_logs(servers: list[testing.ZooKeeperServer], into: Path, prefix: str) -
     go with the bench's scratch directory."""
     into.mkdir(parents=True, exist_ok=True)
     for index, server in enumerate(servers, start=1):
-        log = server.data_dir / "zk.out"
+        log = server_log(server)
         if log.exists():
             shutil.copyfile(log, into / f"{prefix}-zk{index}.out")
 
