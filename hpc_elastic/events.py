@@ -11,7 +11,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
@@ -34,6 +34,11 @@ EVENTS_FILE_ENV = contract.EVENTS_FILE_ENV
 """Kept here too, where workers and helpers imported it before ``contract`` existed."""
 
 _MAX_LINE = 4000
+"""The longest line appended whole; a longer one loses its details (``append``)."""
+NAMES_IN_A_LINE = 2000
+"""Characters of names (slots or node ids, JSON-encoded) one event lists at most, so that with
+its other fields its line stays under ``_MAX_LINE``. A round of 400 members once overflowed
+it, and its event lost every detail: ``status`` showed world size 0."""
 _LATEST_TIME = 2.0**34
 """Seconds since 1970 in the year 2514: later times cannot be shown as dates, so a line
 carrying one was not written by a clock."""
@@ -287,20 +292,62 @@ def details_problem(event: Event) -> str | None:
     return None
 
 
+def in_lines(names: Iterable[str]) -> list[tuple[str, ...]]:
+    """``names`` in order, cut into runs that each fit one line (``NAMES_IN_A_LINE``): one
+    event a run records every name of thousands, as ``lost_slots`` needs of the nodes lost."""
+    return list(_runs(names))
+
+
+def leading(names: Iterable[str]) -> tuple[str, ...]:
+    """The first of ``names`` that fit one line: what a round's event lists of its members,
+    which every agent writes every round (all of them: N lines of N names)."""
+    run = next(_runs(names), ())
+    return run if _size(run) <= NAMES_IN_A_LINE else ()
+
+
+def _runs(names: Iterable[str]) -> Iterator[tuple[str, ...]]:
+    """Runs of ``names`` that fit a line; a name longer than a line is a run of its own."""
+    run: list[str] = []
+    used = 0
+    for name in names:
+        size = _size((name,))
+        if run and used + size > NAMES_IN_A_LINE:
+            yield tuple(run)
+            run, used = [], 0
+        run.append(name)
+        used += size
+    if run:
+        yield tuple(run)
+
+
+def _size(names: tuple[str, ...]) -> int:
+    """Characters ``names`` take in a line: each encoded, and a separator."""
+    return sum(len(json.dumps(name)) + 2 for name in names)
+
+
 @dataclass(frozen=True)
 class RoundDetails:
     """``Kind.ROUND``: the round every member agreed on."""
 
     world_size: int = 0
     members: tuple[str, ...] = ()
-    """Slots (or node ids) of the members, in rank order."""
+    """Slots (or node ids) of the members in rank order: the first ones (``leading``)."""
     restarts_used: int = 0
+    member_count: int = 0
+    """How many members the round has, listed or not; 0 where an agent before this field
+    wrote the event (it listed every member then)."""
+
+    @property
+    def count(self) -> int:
+        """How many members the round has."""
+        return self.member_count or len(self.members)
 
     def to_details(self) -> dict[str, Any]:
         return {
             "world_size": self.world_size,
             "members": list(self.members),
             "restarts_used": self.restarts_used,
+            "member_count": self.member_count,
         }
 
     @classmethod
@@ -503,7 +550,12 @@ _NODES = _details(NodesDetails, {"nodes": tuple_of(text())})
 DETAILS: dict[str, Check] = {
     Kind.ROUND: _details(
         RoundDetails,
-        {"world_size": whole(0), "members": tuple_of(text()), "restarts_used": whole(0)},
+        {
+            "world_size": whole(0),
+            "members": tuple_of(text()),
+            "restarts_used": whole(0),
+            "member_count": whole(0),
+        },
     ),
     Kind.FAILURE: _details(
         FailureDetails,

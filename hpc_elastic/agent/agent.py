@@ -526,16 +526,7 @@ class Agent:
         if self._links is not None:
             self._links.hold(rdzv_round)
         self._log_membership(rdzv_round)
-        members = [member.slot or member.node_id for member in rdzv_round.members]
-        self._event(
-            Kind.ROUND,
-            round=rdzv_round.number,
-            **RoundDetails(
-                world_size=rdzv_round.world_size,
-                members=tuple(members),
-                restarts_used=rdzv_round.restarts_used,
-            ).to_details(),
-        )
+        self._event(Kind.ROUND, round=rdzv_round.number, **round_details(rdzv_round).to_details())
         self._renew_lease()
         self._watch = watchdog.RankWatch(
             self._deadlines,
@@ -563,10 +554,10 @@ class Agent:
             return
         lost = sorted(previous[node] for node in previous.keys() - current.keys())
         arrived = sorted(current[node] for node in current.keys() - previous.keys())
-        if lost:
-            self._event(Kind.NODE_LOST, round=rdzv_round.number, nodes=lost)
-        if arrived:
-            self._event(Kind.NODE_ARRIVED, round=rdzv_round.number, nodes=arrived)
+        for nodes in events.in_lines(lost):
+            self._event(Kind.NODE_LOST, round=rdzv_round.number, nodes=list(nodes))
+        for nodes in events.in_lines(arrived):
+            self._event(Kind.NODE_ARRIVED, round=rdzv_round.number, nodes=list(nodes))
 
     def _start_workers(self, rdzv_round: Round) -> WorkerGroup:
         node = self.rdzv.node
@@ -1240,3 +1231,16 @@ def _reading(worker: Worker) -> tuple[float, int | None, bool] | None:
         return heartbeat.read_marked(worker.paths.heartbeat)
     except OSError:
         return None
+
+
+def round_details(rdzv_round: Round) -> RoundDetails:
+    """What a round's event records: its sizes, and the first of its members' slots (or node
+    ids) that fit the line. Every agent writes it every round, so listing every member was N
+    lines of N names, and past a few hundred members a line too long to append whole."""
+    slots = [member.slot or member.node_id for member in rdzv_round.members]
+    return RoundDetails(
+        world_size=rdzv_round.world_size,
+        members=events.leading(slots),
+        restarts_used=rdzv_round.restarts_used,
+        member_count=len(slots),
+    )

@@ -52,6 +52,8 @@ class JobView:
     round: int | None
     world_size: int | None
     members: list[str]
+    """Every member's slot from the live rendezvous; from the events, the first ones."""
+    member_count: int
     restarts_used: int
     max_restarts: int
     restarts: int
@@ -99,6 +101,7 @@ def gather(record: JobRecord, squeue: SlurmQuery = commands.squeue) -> JobView:
     live = _live(record, summary, slurm)
     overall = job_state(record, summary, slurm)
     round_number, world, members = summary.round, summary.world_size, list(summary.members)
+    member_count = summary.member_count
     restarts_used, failure = summary.restarts_used, summary.last_failure
     if live and record.zk:
         try:
@@ -109,6 +112,7 @@ def gather(record: JobRecord, squeue: SlurmQuery = commands.squeue) -> JobView:
             if state is not None:
                 round_number, world = state.round, state.world_size
                 members = [member.slot or member.host for member in state.members]
+                member_count = len(members)
                 restarts_used = state.restarts_used
                 if state.last_failure is not None and failure is None:
                     failure = state.last_failure.message
@@ -123,6 +127,7 @@ def gather(record: JobRecord, squeue: SlurmQuery = commands.squeue) -> JobView:
         round=round_number,
         world_size=world,
         members=members,
+        member_count=member_count,
         restarts_used=restarts_used,
         max_restarts=record.max_restarts,
         restarts=summary.restarts,
@@ -380,7 +385,7 @@ def render(view: JobView) -> None:
     facts = Table.grid(padding=(0, 2))
     facts.add_column(style="dim")
     facts.add_column()
-    members = ", ".join(view.members)
+    members = timeline.listed(view.members, view.member_count)
     if view.round is not None:
         facts.add_row("Round", _shown(f"{view.round}, world size {view.world_size} ({members})"))
     else:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -34,6 +34,8 @@ class Summary:
     round: int | None = None
     world_size: int | None = None
     members: tuple[str, ...] = ()
+    """The first members' slots, as the round's event lists them."""
+    member_count: int = 0
     restarts_used: int = 0
     restarts: int = 0
     """Restarts of any cause (membership change, worker failure), counted once per round."""
@@ -63,7 +65,7 @@ def summarize(events: Iterable[Event]) -> Summary:
     round_number: int | None = None
     world: int | None = None
     members: tuple[str, ...] = ()
-    restarts_used = requeues = 0
+    member_count = restarts_used = requeues = 0
     restarted: set[int | None] = set()
     preempted: set[object] = set()
     awaiting_requeue: set[str] = set()
@@ -81,7 +83,7 @@ def summarize(events: Iterable[Event]) -> Summary:
             formed = RoundDetails.from_details(details)
             round_number = event.round
             world = formed.world_size
-            members = formed.members
+            members, member_count = formed.members, formed.count
             restarts_used = formed.restarts_used
             outcome = "running"
         elif event.kind == Kind.RESTART:
@@ -108,6 +110,7 @@ def summarize(events: Iterable[Event]) -> Summary:
         round=round_number,
         world_size=world,
         members=members,
+        member_count=member_count,
         restarts_used=restarts_used,
         restarts=len(restarted),
         preemptions=len(preempted),
@@ -154,6 +157,20 @@ def _hang_line(event: Event) -> str:
     return f"hang evidence ({seen or 'no rank of its own'}) -> {verdict}"
 
 
+SHOWN_NAMES = 32
+"""Slots a line of ``status`` or the timeline names before it says how many more there are."""
+
+
+def listed(names: Sequence[str], count: int) -> str:
+    """The first ``SHOWN_NAMES`` of ``names``, and how many of ``count`` are not shown:
+    "0, 1, 2 and 4,093 more". A round of thousands of members is one line, not thousands."""
+    shown = ", ".join(names[:SHOWN_NAMES])
+    more = count - min(len(names), SHOWN_NAMES)
+    if more <= 0:
+        return shown
+    return f"{shown} and {more:,} more" if shown else f"{more:,} members"
+
+
 def clock(timestamp: float) -> str:
     return datetime.fromtimestamp(timestamp).strftime("%H:%M:%S")
 
@@ -166,7 +183,7 @@ def describe(event: Event) -> str:
         formed = RoundDetails.from_details(d)
         return (
             f"round {event.round}: world size {formed.world_size} "
-            f"({', '.join(formed.members)}), restarts used {formed.restarts_used}"
+            f"({listed(formed.members, formed.count)}), restarts used {formed.restarts_used}"
         )
     if kind == Kind.JOIN:
         joined = JoinDetails.from_details(d)
@@ -188,7 +205,8 @@ def describe(event: Event) -> str:
     if kind == Kind.DONE:
         return "all workers finished"
     if kind in (Kind.NODE_LOST, Kind.NODE_ARRIVED):
-        nodes = ", ".join(NodesDetails.from_details(d).nodes)
+        named = NodesDetails.from_details(d).nodes
+        nodes = listed(named, len(named))
         return f"{'lost' if kind == Kind.NODE_LOST else 'new'} nodes: {nodes}"
     if kind == Kind.CHURN:
         churn = ChurnDetails.from_details(d)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from hpc_elastic import events
+from hpc_elastic.agent.agent import round_details
 from hpc_elastic.errors import EventsError
 from hpc_elastic.events import (
     CheckpointDetails,
@@ -21,6 +22,8 @@ from hpc_elastic.events import (
     UnknownKind,
 )
 from hpc_elastic.ops import timeline
+from hpc_elastic.rendezvous.api import NodeInfo, Round
+from hpc_elastic.slurm import ending
 
 
 def test_a_written_event_reads_back_with_its_kind_and_typed_details(tmp_path: Path) -> None:
@@ -82,3 +85,53 @@ def test_a_line_whose_details_are_of_the_wrong_types_is_skipped_not_read_as_defa
         "number); the line is not one hpc-elastic writes, so it is skipped."
     )
     assert FailureDetails.from_details({"node_id": "n1-7", "phase": "running"}) == FailureDetails()
+
+
+def _round_of(count: int) -> Round:
+    members = tuple(
+        NodeInfo(f"gpu-{i:05d}-4242-a1b2c3", f"10.0.{i // 256}.{i % 256}", 8, slot=f"{i}")
+        for i in range(count)
+    )
+    return Round(7, members, "10.0.0.0", 29500, restarts_used=2, max_restarts=10)
+
+
+def test_a_round_of_thousands_of_members_keeps_its_sizes_in_its_event(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    events.append(
+        path, Event(Kind.ROUND, round=7, details=round_details(_round_of(4096)).to_details())
+    )
+    (event,) = events.read(path)
+    formed = RoundDetails.from_details(event.details)
+    assert (formed.world_size, formed.count, formed.restarts_used) == (4096 * 8, 4096, 2)
+    assert 0 < len(formed.members) < 4096
+    assert formed.members == tuple(str(i) for i in range(len(formed.members)))
+    summary = timeline.summarize([event])
+    assert (summary.world_size, summary.member_count) == (4096 * 8, 4096)
+    assert f"and {4096 - timeline.SHOWN_NAMES:,} more" in timeline.describe(event)
+
+
+def test_a_small_round_lists_every_member_in_its_event() -> None:
+    formed = round_details(_round_of(16))
+    assert formed.members == tuple(str(i) for i in range(16))
+    assert formed.count == 16
+
+
+def test_the_loss_of_thousands_of_nodes_is_recorded_whole_in_lines_appended_whole(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "events.jsonl"
+    lost = [f"gpu-node-{i:05d}.cluster.example.org" for i in range(2048)]
+    runs = events.in_lines(lost)
+    for run in runs:
+        events.append(path, Event(Kind.NODE_LOST, slot="0", round=3, details={"nodes": list(run)}))
+    assert len(runs) > 1
+    assert [node for run in runs for node in run] == lost
+    assert ending.lost_slots(events.read(path)) == set(lost)
+
+
+def test_a_line_of_status_names_the_first_members_and_counts_the_rest() -> None:
+    names = [str(i) for i in range(4096)]
+    assert timeline.listed(names, 4096) == ", ".join(names[:32]) + " and 4,064 more"
+    assert timeline.listed(names[:32], 4096) == ", ".join(names[:32]) + " and 4,064 more"
+    assert timeline.listed(["0", "1"], 2) == "0, 1"
+    assert timeline.listed([], 3) == "3 members"

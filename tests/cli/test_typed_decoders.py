@@ -230,6 +230,7 @@ DETAIL_VALUES: dict[str, Any] = {
     "world_size": counts,
     "members": hs.lists(texts, max_size=3),
     "restarts_used": counts,
+    "member_count": counts,
     "rank": hs.none() | counts,
     "exit_code": hs.none() | hs.integers(0, 255),
     "signal": hs.none() | texts,
@@ -255,7 +256,8 @@ DETAIL_VALUES: dict[str, Any] = {
 }
 """A value a writer may put under each detail's name, for the valid details of every kind."""
 _EXAMPLE: dict[str, Any] = {
-    "world_size": 2, "members": ["a", "b"], "restarts_used": 1, "rank": 0, "exit_code": 1,
+    "world_size": 2, "members": ["a", "b"], "restarts_used": 1, "member_count": 2,
+    "rank": 0, "exit_code": 1,
     "signal": "SIGKILL", "message": "boom", "hung": False, "sentence": "s", "node_fault": True,
     "investigation": 1, "verdict": "culprit", "culprit_slot": "1", "evidence": {"0": "D"},
     "logs": {"0": "rank_0.log"}, "reason": "r", "step": 3, "path": "p", "tier": "local",

@@ -303,6 +303,7 @@ def test_status_says_which_tier_each_restart_loaded_from(
         round=5,
         world_size=2,
         members=["0", "1"],
+        member_count=2,
         restarts_used=0,
         max_restarts=3,
         restarts=4,
