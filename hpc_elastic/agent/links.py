@@ -27,14 +27,25 @@ Every link is one socket and one entry in one selector, watched by one thread; w
 with an end (``on_departed``: ``Rendezvous.report_departed``) runs on a thread of its own,
 since it waits on the store. Wrong or late handshakes are dropped without a word to anyone:
 they are never evidence.
+
+**A centre of thousands needs as many files.** Each link is an open file at the centre, and
+many clusters let a process open 1,024 (``ulimit -n``). The centre of a round raises its own
+limit as far as the hard limit lets it (``_afford``); past that, ``accept`` fails, the
+connection it could not take stays queued and keeps the listener readable, and a watch that
+selected it again would spin a core. So the listener rests (``waiting_for_files``) and is
+tried again once a link ends or ``ACCEPT_RETRY`` later; the members it cannot take are
+noticed by their sessions alone, as without links, and the agent says so once a round.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import json
 import logging
+import os
+import resource
 import selectors
 import socket
 import threading
@@ -56,6 +67,12 @@ that is not up by then is given up."""
 
 HELLO_LIMIT = 1024
 """Bytes of a hello line at most: a connection that sends more is no agent of ours."""
+
+ACCEPT_RETRY = 1.0
+"""Seconds the listener rests after the process ran out of files, unless a link ends first."""
+
+FILES_SPARE = 64
+"""Files a centre keeps free beyond its links, for the agent's other work (logs, sockets)."""
 
 
 class LinkEnd(enum.Enum):
@@ -136,6 +153,8 @@ class Links:
         self._wake_r, self._wake_w = socket.socketpair()
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._resting_until: float | None = None
+        """While the process may open no more files: when the listener is tried again."""
 
     @classmethod
     def open(cls, environ: Mapping[str, str]) -> Links | None:
@@ -166,6 +185,8 @@ class Links:
         for link in old:
             self._drop(link, "its round is over")
         centre = held.members[0]
+        if centre.node_id == self._me:
+            self._make_room(held)
         if centre.node_id == self._me or not centre.link_port or self._closed:
             return
         peer = Peer(centre.node_id, held.number)
@@ -175,6 +196,31 @@ class Links:
             name="hpc-elastic-link",
             daemon=True,
         ).start()
+
+    @property
+    def waiting_for_files(self) -> bool:
+        """Whether the listener rests because the process may open no more files."""
+        with self._lock:
+            return self._resting_until is not None
+
+    def _make_room(self, held: Round) -> None:
+        """As this round's centre, open files enough for a link from every other member, or
+        say once that some of them will be noticed by their sessions alone."""
+        wanted = len(held.members) - 1
+        limit = _afford(wanted)
+        if limit is None:
+            return
+        log.warning(
+            "node %s is the centre of round %d, whose %d other members each open a link to it, "
+            "but it may open only %d files; the death of a member it cannot link with is "
+            "noticed when its session expires; raise the limit ('ulimit -n %d' in the job's "
+            "script, or ask the cluster's admin for a higher hard limit).",
+            self._me,
+            held.number,
+            wanted,
+            limit,
+            wanted + FILES_SPARE + _open_files(),
+        )
 
     def peers(self) -> frozenset[Peer]:
         """The other ends of the links that are up (their handshake done)."""
@@ -224,7 +270,8 @@ class Links:
 
     def _watch(self) -> None:
         while not self._closed:
-            for key, _ in self._selector.select(timeout=1.0):
+            self._end_rest(time.monotonic())
+            for key, _ in self._selector.select(timeout=ACCEPT_RETRY):
                 sock = key.fileobj
                 if sock is self._wake_r:
                     with contextlib.suppress(OSError):
@@ -239,10 +286,31 @@ class Links:
     def _accept(self) -> None:
         try:
             sock, _ = self._listener.accept()
-        except OSError:
+        except OSError as error:
+            if error.errno in (errno.EMFILE, errno.ENFILE):
+                self._rest(f"{error.strerror}")
             return
         sock.setblocking(False)
         self._adopt(_Link(sock))
+
+    def _rest(self, why: str) -> None:
+        """Out of files: stop selecting the listener, which the connection it could not take
+        keeps readable (a watch selecting it would spin), until ``ACCEPT_RETRY`` later."""
+        with self._lock:
+            if self._resting_until is not None:
+                return
+            self._resting_until = time.monotonic() + ACCEPT_RETRY
+            self._selector.unregister(self._listener)
+        log.debug("links: the listener rests (%s) with %d links", why, len(self._links))
+
+    def _end_rest(self, now: float, link_ended: bool = False) -> None:
+        """Select the listener again, once its rest is over or a link ended (a file is free)."""
+        with self._lock:
+            if self._resting_until is None or (now < self._resting_until and not link_ended):
+                return
+            self._resting_until = None
+            if not self._closed:
+                self._selector.register(self._listener, selectors.EVENT_READ)
 
     def _adopt(self, link: _Link) -> None:
         with self._lock:
@@ -336,6 +404,7 @@ class Links:
                 self._selector.unregister(link.sock)
         with contextlib.suppress(OSError):
             link.sock.close()
+        self._end_rest(time.monotonic(), link_ended=True)
         who = link.peer.node_id if link.peer is not None else "a peer"
         log.debug("link with %s dropped: %s", who, why)
 
@@ -347,6 +416,30 @@ def _report(on_departed: OnDeparted, peer: Peer) -> None:
         on_departed(peer)
     except Exception:  # logged: the session still notices the peer
         log.debug("reporting %s departed failed", peer.node_id, exc_info=True)
+
+
+def _afford(links: int) -> int | None:
+    """Raise this process's limit of open files, within its hard limit, to hold ``links``
+    more files than it holds now (and ``FILES_SPARE``); None when it does, else the limit it
+    is left with. The limit is the process's: the workers this agent starts next inherit it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = _open_files() + links + FILES_SPARE
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return None
+    raised = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+    except (ValueError, OSError):
+        raised = soft
+    return None if raised >= wanted else raised
+
+
+def _open_files() -> int:
+    """Files this process holds open (Linux: its ``/proc/self/fd``)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 0
 
 
 def _older(link: _Link, held: int) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import socket
 import struct
@@ -18,6 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -216,3 +218,85 @@ def test_a_member_that_moves_on_to_a_later_round_closes_its_old_link_and_makes_a
         assert links.peers() == {Peer("m", 2)}
     finally:
         mine.close()
+
+
+@contextmanager
+def files_left(count: int) -> Iterator[None]:
+    """Let this process open only ``count`` more files inside (its soft ``ulimit -n``)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # A new file takes the lowest free number, and the limit bounds the numbers: fill the
+    # holes below the highest one in use, so that exactly ``count`` numbers are left above.
+    top = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    fillers = [os.open(os.devnull, os.O_RDONLY)]
+    while fillers[-1] < top:
+        fillers.append(os.open(os.devnull, os.O_RDONLY))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (fillers[-1] + 1 + count, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        for fd in fillers:
+            os.close(fd)
+
+
+def test_a_centre_out_of_files_rests_its_listener_and_takes_the_member_left_waiting_later(
+    centre: tuple[Links, Heard],
+) -> None:
+    """Out of files, ``accept`` fails and leaves the connection queued, which keeps the
+    listener readable: a watch that selected it again would spin a core."""
+    links, _ = centre
+    members = [socket.socket() for _ in range(3)]  # made first: connecting opens no file
+    try:
+        with files_left(2):
+            for name, sock in zip(("m0", "m1", "m2"), members, strict=True):
+                sock.connect(("127.0.0.1", links.port))
+                hello = {"run": "job", "round": 1, "from": name, "to": "centre"}
+                sock.sendall(json.dumps(hello).encode() + b"\n")
+            wait_for(lambda: links.waiting_for_files, "the listener resting")
+            assert links.peers() == {Peer("m0", 1), Peer("m1", 1)}
+            members[0].close()  # its link ends in order, and frees a file
+            wait_for(lambda: Peer("m2", 1) in links.peers(), "the member left waiting linked")
+    finally:
+        for sock in members:
+            sock.close()
+
+
+def test_the_centre_of_a_round_raises_its_open_files_limit_for_a_link_from_every_member(
+    centre: tuple[Links, Heard],
+) -> None:
+    links, _ = centre
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    others = [member(f"m{i}") for i in range(500)]
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+        links.hold(round_of(NodeInfo("centre", "127.0.0.1", 1, "", links.port), *others))
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= 500 + len(
+            os.listdir("/proc/self/fd")
+        )
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+SHORT_CENTRE = """\
+import logging, os, resource
+from hpc_elastic.agent.links import Links
+from hpc_elastic.rendezvous.api import NodeInfo, Round
+logging.basicConfig(format="%(levelname)s %(message)s")
+files = len(os.listdir("/proc/self/fd")) + 16
+resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
+links = Links.open({})
+links.start("centre", "job", print)
+members = [NodeInfo("centre", "127.0.0.1", 1, "", links.port)]
+members += [NodeInfo(f"m{i}", "127.0.0.1", 1) for i in range(2000)]
+links.hold(Round(1, tuple(members), "127.0.0.1", 1, 0, 0))
+links.close()
+"""
+
+
+def test_a_centre_that_may_not_open_files_enough_says_how_to_raise_the_limit() -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-c", SHORT_CENTRE], env=env, capture_output=True, text=True, check=True
+    )
+    assert "WARNING node centre is the centre of round 1, whose 2000 other members" in done.stderr
+    assert "raise the limit ('ulimit -n " in done.stderr
