@@ -608,6 +608,9 @@ class Agent:
         )
         self._agent_store = rdzv_round.master_port if ours else None
         host.keep(port for port in (previous, self._agent_store) if port is not None)
+        short = host.short_of_files(rdzv_round.world_size) if ours else None
+        if short is not None:
+            log.warning("%s: round %d: %s", self._node, rdzv_round.number, short)
         log.debug(
             "%s: round %d's store on port %d is %s",
             self._node,

@@ -4,7 +4,9 @@ Each worker is started through a tiny ``python -I -S`` trampoline that asks the 
 SIGKILL it when the agent dies (``PR_SET_PDEATHSIG``) and then ``exec``s the real command,
 so even a SIGKILLed agent leaves no orphans. Doing the ``prctl`` in a ``preexec_fn`` instead
 would run Python code between ``fork`` and ``exec`` of a multi-threaded process (kazoo's
-threads), which can deadlock.
+threads), which can deadlock. The trampoline also gives the worker back the limit of open
+files the agent started with (``USER_FILES``): the centre of a round of thousands raises its
+own (agent/links.py), and a worker gets the limit the user's job set, as under torchrun.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -34,25 +37,33 @@ from hpc_elastic.tracking import tracker_env
 log = logging.getLogger(__name__)
 
 _TRAMPOLINE = """\
-import ctypes, os, sys
+import ctypes, os, resource, sys
 ctypes.CDLL(None, use_errno=True).prctl(1, 9)
 if os.getppid() != int(sys.argv[1]):
     os._exit(137)
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+if soft > int(sys.argv[2]):
+    resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[2]), hard))
 try:
-    os.execvp(sys.argv[2], sys.argv[2:])
+    os.execvp(sys.argv[3], sys.argv[3:])
 except OSError as error:
-    print(f"hpc-elastic: cannot run {sys.argv[2]!r}: {error.strerror}.", file=sys.stderr)
+    print(f"hpc-elastic: cannot run {sys.argv[3]!r}: {error.strerror}.", file=sys.stderr)
     os._exit(127)
 """
 """prctl(PR_SET_PDEATHSIG=1, SIGKILL=9); the getppid check closes the race with an agent
-that died before the prctl took effect."""
+that died before the prctl took effect. Then the open-files limit the agent started with."""
+
+USER_FILES = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+"""The soft limit of open files this process started with (read when it imports this module,
+before any round): the one its workers get, whatever the agent raised its own to since."""
 
 
 def launch(
     command: list[str], env: Mapping[str, str], *, stdin: int | IO[bytes], stdout: int | IO[bytes]
 ) -> subprocess.Popen[bytes]:
     """Start ``command`` in its own process group, to be SIGKILLed if the agent dies."""
-    argv = [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()), *command]
+    files = str(USER_FILES)
+    argv = [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()), files, *command]
     try:
         return subprocess.Popen(
             argv,

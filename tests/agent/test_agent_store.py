@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -27,10 +28,12 @@ from test_agent import Cluster
 
 from hpc_elastic import events
 from hpc_elastic.agent import agent as agent_module
-from hpc_elastic.agent import sockets
+from hpc_elastic.agent import sockets, workers
 from hpc_elastic.agent.agent import make_store_host
 from hpc_elastic.agent.api import AgentSpec, ExitCode
 from hpc_elastic.agent.storehost import (
+    FILES_CAP,
+    FILES_SPARE,
     StoreHost,
     store_host_command,
     wants_store_host,
@@ -252,3 +255,29 @@ def test_the_agent_sees_a_process_connect_to_a_port_in_proc() -> None:
             assert watch.look([os.getpid()], time.monotonic())
             assert not watch.look([os.getpid()], time.monotonic())  # said once
     assert sockets.connected_to(2**22 + 12345, port) is None  # no such process
+
+
+@pytest.mark.timeout(300)
+def test_a_store_host_raises_its_open_files_limit_for_a_connection_from_every_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Started, through the workers' trampoline, with a limit of 256 files (a TCPStore server
+    held to 128 took 113 of 200 clients and reset the others)."""
+    monkeypatch.setattr(workers, "USER_FILES", 256)
+    host = StoreHost(
+        store_host_command(sys.executable, tmp_path / "host.log"),
+        dict(os.environ),
+        functools.partial(launch, stdin=subprocess.PIPE, stdout=subprocess.PIPE),
+    )
+    host.start()
+    try:
+        assert wait_until(lambda: host.ready, 240)
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        files = FILES_CAP if hard == resource.RLIM_INFINITY else hard
+        assert host.short_of_files(files - FILES_SPARE) is None
+        short = host.short_of_files(files + 1)
+        assert short is not None
+        assert f"may open only {files} files, but each of the round's {files + 1} ranks" in short
+        assert f"'ulimit -n {files + 1 + FILES_SPARE}'" in short
+    finally:
+        host.close()

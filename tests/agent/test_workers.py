@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from cluster import wait_until
 
+from hpc_elastic.agent import workers
 from hpc_elastic.agent.api import AgentSpec
 from hpc_elastic.agent.workers import WorkerGroup, WorkerPaths, waits_for
 from hpc_elastic.train import heartbeat
@@ -170,3 +171,18 @@ def test_with_a_dead_peer_a_saving_rank_still_gets_its_grace(tmp_path: Path) -> 
     thread.join(120)
     assert not thread.is_alive(), "the saving rank never finished"
     assert saved.exists()  # Killed at once, it could not have written this 0.5 s into its save.
+
+
+def test_a_worker_gets_the_open_files_limit_its_agent_started_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever the agent raised its own to since (the centre of a round of thousands)."""
+    monkeypatch.setattr(workers, "USER_FILES", 512)
+    said = tmp_path / "files"
+    code = (
+        "import resource, sys\n"
+        "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], file=open(sys.argv[1], 'w'))"
+    )
+    group = start(tmp_path, "-c", code, str(said))
+    assert group.wait(60)
+    assert said.read_text() == "512\n"
