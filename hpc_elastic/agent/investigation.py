@@ -16,6 +16,11 @@ every node has looked at its own:
    was, shares again, and once every member's is in the verdict (``hangs.attribute``) is
    agreed once for the job: every agent acts on the same culprit, or on "ambiguous".
 
+Each answer is proposed by the first member in the round's order, at once; every other one
+waits for it up to its own turn (``handler.turn``: a tenth of a second a place, in case those
+before it are gone) and then reads the one answer. Every member reading every member's
+evidence to propose its own was N² reads: 16.7 million at 4,096 nodes, at the same moment.
+
 Keys in the rendezvous' notes: ``hang-<round>-<n>.look`` and ``.stacks`` (each node's
 evidence), ``.first`` and ``.verdict`` (the agreed answers).
 
@@ -44,6 +49,7 @@ from hpc_elastic.agent.watchdog import Hung
 from hpc_elastic.agent.workers import Worker, WorkerGroup
 from hpc_elastic.protocol import heartbeat
 from hpc_elastic.rendezvous.api import Rendezvous, Round
+from hpc_elastic.rendezvous.handler import turn
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +218,20 @@ class Investigation:
         name = self._topic(part)
         return self.through(lambda: self.rdzv.agreed(name))
 
+    def _awaited(self, part: str) -> bytes | None:
+        """The answer agreed on ``part``, waited for up to this node's turn to propose it
+        (None: nobody before it proposed). The wait makes no request: the store pushes the
+        notes' keys, and the answer is read once it is there."""
+        agreed, place = self._topic(part), self.rdzv_round.group_rank(self.rdzv.node.node_id)
+        ends = time.monotonic() + turn(place)
+        while agreed not in self.rdzv.sharers(self._topic("")):
+            if time.monotonic() >= ends or self.interrupted():
+                break
+            self.rdzv.check_reach()
+            self.keep_alive()
+            time.sleep(self.poll_interval)
+        return self._agreed(part)
+
     def _agree(self, part: str, proposal: bytes) -> bytes:
         name = self._topic(part)
         return self.through(lambda: self.rdzv.agree(name, proposal))
@@ -264,7 +284,7 @@ class Investigation:
 
     def _first_look(self, look: hangs.NodeEvidence) -> hangs.Verdict | None:
         """Stage 1's agreed answer: a DISMISSED verdict, or None: go on to the stacks."""
-        answer = self._agreed(FIRST)
+        answer = self._awaited(FIRST)
         if answer is None:
             evidence = self._shared(LOOK)
             evidence.setdefault(look.node_id, look)
@@ -305,7 +325,7 @@ class Investigation:
 
     def _verdict(self, stacks: hangs.NodeEvidence) -> hangs.Verdict:
         """Stage 2's agreed verdict, from every member's evidence that came in time."""
-        answer = self._agreed(VERDICT)
+        answer = self._awaited(VERDICT)
         if answer is None:
             evidence = self._shared(STACKS)
             evidence.setdefault(stacks.node_id, stacks)

@@ -9,6 +9,7 @@ import itertools
 import json
 import logging
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, fields, replace
 from typing import cast
 
@@ -18,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 from typed_json import decodes_or_refuses, each_value_replaced, json_values, mutated
 
-from hpc_elastic.agent import investigation
+from hpc_elastic.agent import hangs, investigation
 from hpc_elastic.agent.hangs import (
     AMBIGUOUS,
     CULPRIT,
@@ -40,6 +41,7 @@ from hpc_elastic.agent.hangs import (
 from hpc_elastic.agent.workers import WorkerGroup
 from hpc_elastic.errors import AgentError
 from hpc_elastic.rendezvous.api import NodeInfo, RendezvousSettings, Round
+from hpc_elastic.rendezvous.handler import StoreRendezvous
 from hpc_elastic.spec import NodeRange
 
 MEMBERS = (Member("id0", "n0", 0, 2), Member("id1", "n1", 2, 2))
@@ -513,3 +515,43 @@ def test_the_investigation_leaves_out_a_malformed_note_and_decides_on_the_others
     assert len(warnings) == 2, warnings
     assert "the hang evidence of node 'id1'" in warnings[0] + warnings[1]
     assert "the first answer agreed on 'hang-1-1.first'" in warnings[0] + warnings[1]
+
+
+def test_only_the_first_member_in_line_reads_every_members_evidence_to_propose_an_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every member reaches the first answer at about the same moment; each reading every
+    member's evidence to propose its own was N² reads (16.7 million at 4,096 nodes). The
+    others wait their turn: here a long one, so that the first in line comes after them."""
+    count = 12
+    job = MemoryJob(RendezvousSettings("hangs", NodeRange.parse(str(count))))
+    ids = [f"id{index:02d}" for index in range(count)]
+    nodes_ = [NodeInfo(node_id, "127.0.0.1", 1, f"n{i}") for i, node_id in enumerate(ids)]
+    rdzvs = [job.rendezvous(node) for node in nodes_]
+    rdzv_round = Round(1, tuple(nodes_), "127.0.0.1", 1, 0, 3)
+    looks = [
+        NodeEvidence(node_id, f"n{i}", (waiting(i),), 1, CAUGHT) for i, node_id in enumerate(ids)
+    ]
+    for rdzv, look in zip(rdzvs, looks, strict=True):
+        rdzv.share(investigation.topic(1, 1, investigation.LOOK), look.encode())
+    readers: list[str] = []
+    read = StoreRendezvous.shared
+
+    def counted(rdzv: StoreRendezvous, topic: str) -> dict[str, bytes]:
+        readers.append(rdzv.node.node_id)
+        return read(rdzv, topic)
+
+    monkeypatch.setattr(StoreRendezvous, "shared", counted)
+    monkeypatch.setattr(investigation, "turn", lambda place: 120.0 * place)
+
+    def first_look(index: int) -> hangs.Verdict | None:
+        return investigation.Investigation(
+            rdzvs[index], rdzv_round, cast(WorkerGroup, None), 1, {}, None, 0.01, lambda: False
+        )._first_look(looks[index])
+
+    with ThreadPoolExecutor(count) as pool:
+        later = [pool.submit(first_look, index) for index in range(1, count)]
+        first = first_look(0)
+        answers = [future.result(timeout=60) for future in later]
+    assert readers == ["id00"]
+    assert answers == [first] * (count - 1)
