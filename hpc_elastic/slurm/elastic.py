@@ -154,7 +154,7 @@ class ElasticSlot:
         )
         coming()
         if emit is not None:
-            poll(coming, HELD_POLL_S)
+            poll(coming, HELD_POLL_S, self.arrays.elected)
         return coming
 
     def _note_leaving(self, why: Departure) -> None:

@@ -251,13 +251,18 @@ class ComingSlots:
             self._answer, self._asking = answer, False
 
 
-def poll(coming: ComingSlots, interval: float) -> None:
-    """Ask ``coming`` every ``interval`` s from a daemon thread, so its squeue (and the held
-    report) also runs while the rendezvous is quiet; the count it refreshes is harmless."""
+def poll(coming: ComingSlots, interval: float, elected: Callable[[], bool]) -> None:
+    """Ask ``coming`` every ``interval`` s from a daemon thread while ``elected()`` (this is
+    the job's lowest running slot, which alone acts on held tasks), so its squeue (and the
+    held report) also runs while the rendezvous is quiet; the count it refreshes is harmless.
+    Every slot asking was a squeue of the whole array per slot per interval, forever: 137 a
+    second at 4,096 slots, each answering 4,096 tasks. The others ask when their rendezvous
+    does, and a slot that becomes the lowest learns it from the answer it gets then."""
 
     def loop() -> None:
         while True:
             time.sleep(interval)
-            coming()
+            if elected():
+                coming()
 
     threading.Thread(target=loop, name="hpc-elastic-held", daemon=True).start()
