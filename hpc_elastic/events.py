@@ -11,7 +11,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
@@ -39,6 +39,10 @@ NAMES_IN_A_LINE = 2000
 """Characters of names (slots or node ids, JSON-encoded) one event lists at most, so that with
 its other fields its line stays under ``_MAX_LINE``. A round of 400 members once overflowed
 it, and its event lost every detail: ``status`` showed world size 0."""
+NAMES_SHOWN = 32
+"""Members' slots a round's event lists, and a line of ``status`` or the timeline shows, before
+saying how many more there are. Every agent writes a round's event every round: 4,096 of
+them listing 150 slots each was 8 MB of the shared events file a round."""
 _LATEST_TIME = 2.0**34
 """Seconds since 1970 in the year 2514: later times cannot be shown as dates, so a line
 carrying one was not written by a clock."""
@@ -298,10 +302,10 @@ def in_lines(names: Iterable[str]) -> list[tuple[str, ...]]:
     return list(_runs(names))
 
 
-def leading(names: Iterable[str]) -> tuple[str, ...]:
-    """The first of ``names`` that fit one line: what a round's event lists of its members,
-    which every agent writes every round (all of them: N lines of N names)."""
-    run = next(_runs(names), ())
+def leading(names: Sequence[str]) -> tuple[str, ...]:
+    """The first ``NAMES_SHOWN`` of ``names``, as many of them as fit one line: what a
+    round's event lists of its members (every agent writes one every round)."""
+    run = next(_runs(names[:NAMES_SHOWN]), ())
     return run if _size(run) <= NAMES_IN_A_LINE else ()
 
 

@@ -1238,8 +1238,8 @@ def _reading(worker: Worker) -> tuple[float, int | None, bool] | None:
 
 def round_details(rdzv_round: Round) -> RoundDetails:
     """What a round's event records: its sizes, and the first of its members' slots (or node
-    ids) that fit the line. Every agent writes it every round, so listing every member was N
-    lines of N names, and past a few hundred members a line too long to append whole."""
+    ids, ``events.leading``). Every agent writes it every round, so listing every member was
+    N lines of N names, and past a few hundred members a line too long to append whole."""
     slots = [member.slot or member.node_id for member in rdzv_round.members]
     return RoundDetails(
         world_size=rdzv_round.world_size,

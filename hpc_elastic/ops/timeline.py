@@ -10,6 +10,7 @@ from hpc_elastic.contract import UNREACHABLE_EXIT_CODE
 from hpc_elastic.decoding import shown
 from hpc_elastic.errors import one_line
 from hpc_elastic.events import (
+    NAMES_SHOWN,
     CheckpointDetails,
     ChurnDetails,
     Event,
@@ -157,15 +158,11 @@ def _hang_line(event: Event) -> str:
     return f"hang evidence ({seen or 'no rank of its own'}) -> {verdict}"
 
 
-SHOWN_NAMES = 32
-"""Slots a line of ``status`` or the timeline names before it says how many more there are."""
-
-
 def listed(names: Sequence[str], count: int) -> str:
-    """The first ``SHOWN_NAMES`` of ``names``, and how many of ``count`` are not shown:
+    """The first ``NAMES_SHOWN`` of ``names``, and how many of ``count`` are not shown:
     "0, 1, 2 and 4,093 more". A round of thousands of members is one line, not thousands."""
-    shown = ", ".join(names[:SHOWN_NAMES])
-    more = count - min(len(names), SHOWN_NAMES)
+    shown = ", ".join(names[:NAMES_SHOWN])
+    more = count - min(len(names), NAMES_SHOWN)
     if more <= 0:
         return shown
     return f"{shown} and {more:,} more" if shown else f"{more:,} members"
