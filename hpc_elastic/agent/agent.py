@@ -1037,7 +1037,9 @@ class Agent:
             return Kind.USER_ERROR, watchdog.user_error_sentence(
                 failure.rank, failure.exit_code, failure.message
             )
-        history = watchdog.checkpoints_at_restarts(events.read(self.spec.events_file))
+        history = watchdog.checkpoints_at_restarts(
+            events.read(self.spec.events_file, watchdog.BREAKER_KINDS)
+        )
         tripped = self._breaker.tripped(history)
         return (Kind.BREAKER, tripped) if tripped is not None else None
 

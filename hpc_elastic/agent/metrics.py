@@ -21,7 +21,7 @@ from prometheus_client import write_to_textfile as _write_textfile
 from hpc_elastic import contract, events
 from hpc_elastic.agent.api import AgentPhase
 from hpc_elastic.errors import UsageError
-from hpc_elastic.events import Event, Kind, RoundDetails
+from hpc_elastic.events import CHECKPOINTS, Event, Kind, RoundDetails
 
 DEFAULT_BIND = contract.DEFAULT_METRICS_BIND
 """Metrics are served to this node only unless ``--metrics-bind`` widens it (the contract says
@@ -166,7 +166,9 @@ class AgentMetrics:
 
     def _read_checkpoints(self) -> None:
         """Follow the events file for ``checkpoint`` events: any rank's commit counts."""
-        new, self._events_offset = events.read_new(self._events_file, self._events_offset)
+        new, self._events_offset = events.read_new(
+            self._events_file, self._events_offset, CHECKPOINTS
+        )
         for event in new:
             if event.kind == Kind.CHECKPOINT:
                 self._checkpoint_time = event.time

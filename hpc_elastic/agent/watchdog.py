@@ -202,6 +202,10 @@ class Breaker:
         )
 
 
+BREAKER_KINDS = frozenset({Kind.CHECKPOINT, Kind.FAILURE})
+"""The events ``checkpoints_at_restarts`` reads: the only ones worth decoding for it."""
+
+
 def checkpoints_at_restarts(events: Iterable[Event]) -> list[int | None]:
     """The breaker's input from the job's events file: for each round that ended in a
     worker failure (a ``failure`` event: a root cause, a hang), the newest committed

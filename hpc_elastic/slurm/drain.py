@@ -36,7 +36,7 @@ from pathlib import Path
 
 from hpc_elastic import events
 from hpc_elastic.errors import SlurmError
-from hpc_elastic.events import Event, Kind
+from hpc_elastic.events import CHECKPOINTS, Event, Kind
 from hpc_elastic.slurm.commands import NodeDrain
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ class Progress:
     times: list[float] = field(default_factory=list)
 
     def update(self) -> None:
-        new, self.offset = events.read_new(self.path, self.offset)
+        new, self.offset = events.read_new(self.path, self.offset, CHECKPOINTS)
         for event in new:
             if event.kind != Kind.CHECKPOINT or event.details.get("tier") == "local":
                 continue  # a rank's local-tier save is not the job's commit

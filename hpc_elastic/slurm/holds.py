@@ -21,7 +21,7 @@ from pathlib import Path
 from hpc_elastic import events
 from hpc_elastic.decoding import Check, JsonRecord, optional, whole
 from hpc_elastic.errors import SlurmError
-from hpc_elastic.events import CheckpointDetails, Event, Kind
+from hpc_elastic.events import CHECKPOINTS, CheckpointDetails, Event, Kind
 from hpc_elastic.jobdir import JobDir
 from hpc_elastic.slurm import commands
 from hpc_elastic.slurm.arrays import JobArrays
@@ -184,7 +184,7 @@ class HeldTasks:
         """
         paths = JobDir(self._task.job_dir)
         record = load_hold_record(paths.hold_record(task))
-        progress = newest_checkpoint_step(events.read(paths.events))
+        progress = newest_checkpoint_step(events.read(paths.events, CHECKPOINTS))
         if not may_release(record, progress):
             log.debug("task %s stays held: no progress (%s) since %s", task, progress, record)
             return False

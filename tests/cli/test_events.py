@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from hpc_elastic import events
+from hpc_elastic.agent import watchdog
 from hpc_elastic.agent.agent import round_details
 from hpc_elastic.errors import EventsError
 from hpc_elastic.events import (
@@ -134,3 +135,25 @@ def test_a_line_of_status_names_the_first_members_and_counts_the_rest() -> None:
     assert timeline.listed(names[:32], 4096) == ", ".join(names[:32]) + " and 4,064 more"
     assert timeline.listed(["0", "1"], 2) == "0, 1"
     assert timeline.listed([], 3) == "3 members"
+
+
+def test_reading_some_kinds_gives_exactly_the_events_of_those_kinds(tmp_path: Path) -> None:
+    """Lines of other kinds are skipped unread, even those that name a wanted kind in their
+    details or in a longer kind of their own."""
+    path = tmp_path / "events.jsonl"
+    written = [
+        Event(Kind.CHECKPOINT, round=1, details={"step": 10, "path": "/c/10"}),
+        Event(Kind.FAILURE, round=1, details={"rank": 0, "message": 'no "checkpoint" here'}),
+        Event(Kind.CHECKPOINT_LOADED, round=2, details={"step": 10, "tier": "local"}),
+        Event(Kind.ROUND, round=2, details={"world_size": 2, "members": ["checkpoint"]}),
+        Event(Kind.CHECKPOINT, round=2, details={"step": 20, "path": "/c/20"}),
+    ]
+    for event in written:
+        events.append(path, event)
+    everything = list(events.read(path))
+    wanted = [event for event in everything if event.kind == Kind.CHECKPOINT]
+    assert [event.details["step"] for event in wanted] == [10, 20]
+    assert list(events.read(path, events.CHECKPOINTS)) == wanted
+    assert events.read_new(path, 0, events.CHECKPOINTS)[0] == wanted
+    breaker = [event for event in everything if event.kind in (Kind.CHECKPOINT, Kind.FAILURE)]
+    assert list(events.read(path, watchdog.BREAKER_KINDS)) == breaker
