@@ -288,7 +288,7 @@ class Links:
             sock, _ = self._listener.accept()
         except OSError as error:
             if error.errno in (errno.EMFILE, errno.ENFILE):
-                self._rest(f"{error.strerror}")
+                self._rest(error.strerror or str(error))
             return
         sock.setblocking(False)
         self._adopt(_Link(sock))

@@ -186,14 +186,20 @@ def test_a_store_host_that_stops_answering_is_given_up_within_its_wait(tmp_path:
         host.close()
 
 
-@pytest.mark.timeout(300)
-def test_a_store_host_opens_a_store_per_round_and_closes_what_is_not_kept(tmp_path: Path) -> None:
+def real_store_host(tmp_path: Path) -> StoreHost:
+    """A started store host of this interpreter (torch imported), launched as the agent's."""
     host = StoreHost(
         store_host_command(sys.executable, tmp_path / "host.log"),
         dict(os.environ),
         functools.partial(launch, stdin=subprocess.PIPE, stdout=subprocess.PIPE),
     )
     host.start()
+    return host
+
+
+@pytest.mark.timeout(300)
+def test_a_store_host_opens_a_store_per_round_and_closes_what_is_not_kept(tmp_path: Path) -> None:
+    host = real_store_host(tmp_path)
     try:
         assert wait_until(lambda: host.ready, 240)
         first = host.open("127.0.0.1", free_port)
@@ -264,12 +270,7 @@ def test_a_store_host_raises_its_open_files_limit_for_a_connection_from_every_ra
     """Started, through the workers' trampoline, with a limit of 256 files (a TCPStore server
     held to 128 took 113 of 200 clients and reset the others)."""
     monkeypatch.setattr(workers, "USER_FILES", 256)
-    host = StoreHost(
-        store_host_command(sys.executable, tmp_path / "host.log"),
-        dict(os.environ),
-        functools.partial(launch, stdin=subprocess.PIPE, stdout=subprocess.PIPE),
-    )
-    host.start()
+    host = real_store_host(tmp_path)
     try:
         assert wait_until(lambda: host.ready, 240)
         hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
