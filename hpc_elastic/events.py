@@ -242,7 +242,7 @@ def _parse(lines: list[str], kinds: Collection[Kind] | None = None) -> list[Even
     hold the JSON string of one of ``kinds`` cannot be of that kind, and is skipped before it
     is decoded. Every agent appends to the one file every round, so a reader that wants the
     checkpoints and failures (the restart breaker, as a worker fails) decoded every line of
-    every agent: 32 us a line, 20 s for 4,096 agents of 50 rounds."""
+    every agent: 14.8 s for 4,096 agents of 50 rounds, 0.69 s now (bench/events_read.py)."""
     marks = None if kinds is None else tuple(json.dumps(str(kind)) for kind in kinds)
     events: list[Event] = []
     for line in lines:
