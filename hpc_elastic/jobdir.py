@@ -145,6 +145,12 @@ class JobDir:
         return self.slots / "drained.json"
 
     @property
+    def queue_board(self) -> Path:
+        """How many slots run or start, as the job's lowest running slot last asked squeue
+        (slurm/queue.py's ``QueueBoard``): the other agents of a large job read it instead."""
+        return self.slots / "queue.json"
+
+    @property
     def local_first(self) -> Path:
         """Created once a save no longer fits under ``--grace-action local``: the job's stop
         saves go to the node-local tier first (``contract.LOCAL_FIRST_FILE``)."""

@@ -38,6 +38,7 @@ from hpc_elastic import events
 from hpc_elastic.errors import SlurmError
 from hpc_elastic.events import CHECKPOINTS, Event, Kind
 from hpc_elastic.slurm.commands import NodeDrain
+from hpc_elastic.slurm.queue import publish
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +65,8 @@ class Board:
 
 
 def write_board(path: Path, drained: Mapping[str, NodeDrain], now: float) -> None:
-    """Publish ``drained`` for the job's other agents: written to a temporary file and renamed,
-    so a reader never sees half of it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    scratch = path.with_name(f".{path.name}.{threading.get_native_id()}.tmp")
-    record = {"at": now, "drained": {node: asdict(drain) for node, drain in drained.items()}}
-    scratch.write_text(json.dumps(record, sort_keys=True))
-    scratch.replace(path)
+    """Publish ``drained`` for the job's other agents (``queue.publish``)."""
+    publish(path, {"at": now, "drained": {node: asdict(drain) for node, drain in drained.items()}})
 
 
 def read_board(path: Path) -> Board | None:

@@ -45,7 +45,7 @@ from hpc_elastic.slurm.ledger import (
     load_ledger,
     save_ledger,
 )
-from hpc_elastic.slurm.queue import ComingSlots, poll
+from hpc_elastic.slurm.queue import ComingSlots, QueueBoard, poll
 from hpc_elastic.slurm.task import ArrayTask, requeue
 from hpc_elastic.slurm.watches import SlotDrain, SlotGrace
 
@@ -151,6 +151,8 @@ class ElasticSlot:
             lambda ids: commands.squeue(ids, self.task.env, timeout=SQUEUE_TIMEOUT),
             on_statuses=self.holds.watch(emit) if emit is not None else None,
             also=self.arrays.others,
+            board=QueueBoard(JobDir(self.task.job_dir).queue_board) if emit is not None else None,
+            elected=self.arrays.elected,
         )
         coming()
         if emit is not None:

@@ -6,6 +6,16 @@ of tasks). The pure functions here read that listing: the slots that run or star
 tasks Slurm holds and why, and which running slot speaks for the job. ``ComingSlots`` is the
 cached, rate-limited squeue behind that slot count, and ``poll`` asks it on a timer.
 
+**One squeue a job, not one a slot.** Each agent's rendezvous asks for the count as it
+decides, at most once in ``SQUEUE_INTERVAL``: a round change of a job of 4,096 slots sent
+slurmctld thousands of squeues within seconds, each listing the whole array. So in a job of
+``BOARD_FROM`` slots or more, the lowest running slot (the one that releases held tasks)
+publishes each count it gets in the job directory (``QueueBoard``, ``slots/queue.json``) and
+asks on a clock of ``SQUEUE_INTERVAL`` to keep it fresh; every other agent reads that board
+instead of asking. A board older than ``BOARD_MAX_AGE`` (its writer is gone, or Slurm did not
+answer it) is not read: the agents then ask for themselves, as in a small job, and from their
+answers the next lowest running slot learns that it speaks for the job.
+
 They are apart from ``slurm/elastic.py`` because more than the agent reads the same listing:
 the agent's slot (``ElasticSlot`` and its parts) decides and acts on them (requeues, excludes,
 releases and hold records in ``holds.py``, the end of the job in ``ending.py``), and
@@ -16,10 +26,12 @@ stay with the slot.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 from hpc_elastic.errors import SlurmError
 from hpc_elastic.slurm.commands import JobStatus
@@ -28,6 +40,11 @@ log = logging.getLogger(__name__)
 
 SQUEUE_INTERVAL = 2.0
 """Seconds between two squeue calls of one agent: the rendezvous asks on every change."""
+BOARD_FROM = 16
+"""Slots from which a job's agents read the count its lowest running slot publishes instead of
+each asking squeue (``QueueBoard``); a smaller job's few squeues cost slurmctld nothing."""
+BOARD_MAX_AGE = 5 * SQUEUE_INTERVAL
+"""A board older than this (or dated later, by another node's clock) is not read."""
 _STARTING = frozenset({"RUNNING", "CONFIGURING"})
 ENDED = frozenset(
     {
@@ -188,6 +205,42 @@ def in_background(work: SlurmCall) -> None:
     threading.Thread(target=work, name="hpc-elastic-slurm", daemon=True).start()
 
 
+def publish(path: Path, record: Mapping[str, object]) -> None:
+    """Write ``record`` for the job's other agents: to a temporary file, then renamed, so a
+    reader never sees half of it. What it tells is asked again soon: no fsync."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_name(f".{path.name}.{threading.get_native_id()}.tmp")
+    scratch.write_text(json.dumps(record, sort_keys=True))
+    scratch.replace(path)
+
+
+class QueueBoard:
+    """The slot count as the job's lowest running slot last heard it from squeue, in the job
+    directory, where any process of the job's user may write: nothing in it is trusted but a
+    count and a time of the right types, and a time neither old nor ahead."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def post(self, coming: int, now: float) -> None:
+        publish(self.path, {"at": now, "coming": coming})
+
+    def count(self, now: float) -> int | None:
+        """The posted count, if the board is fresh; None if not (or there is none)."""
+        try:
+            raw = json.loads(self.path.read_bytes())
+        except (OSError, ValueError, RecursionError):
+            return None
+        if not isinstance(raw, dict):
+            return None
+        at, coming = raw.get("at"), raw.get("coming")
+        if not isinstance(at, int | float) or not isinstance(coming, int):
+            return None
+        if isinstance(at, bool) or isinstance(coming, bool) or coming < 0:
+            return None
+        return coming if abs(now - at) <= BOARD_MAX_AGE else None
+
+
 class ComingSlots:
     """The rendezvous' ``expected_nodes``: slots of this array that run or start at once.
 
@@ -197,6 +250,9 @@ class ComingSlots:
     squeue itself. It returns the last answer (None before the first one) and, when that
     answer is older than ``interval``, starts one squeue through ``spawn`` (never two at once).
     When squeue fails or times out the answer is None: the rendezvous then waits the last call.
+    With a ``board``, a slot of a job of ``BOARD_FROM`` slots or more reads the count there
+    (in that thread too: a shared filesystem may stall) unless it is the one to post it
+    (``elected``), which it does after each answer.
     """
 
     def __init__(
@@ -209,6 +265,9 @@ class ComingSlots:
         *,
         on_statuses: Callable[[Sequence[JobStatus]], None] | None = None,
         also: Callable[[], Sequence[str]] = tuple,
+        board: QueueBoard | None = None,
+        elected: Callable[[], bool] = lambda: False,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self._array_job_id = array_job_id
         self._also = also
@@ -224,6 +283,21 @@ class ComingSlots:
         self._asked_at: float | None = None
         self._asking = False
         self._answer: int | None = None
+        self._board = board
+        self._elected = elected
+        """Whether this slot is the job's lowest running one, as its last answer said (called
+        after ``on_statuses`` has seen that answer)."""
+        self._wall = wall
+        self._tasks = 0
+        """The job's tasks, as this slot's last squeue listed them: whether it is large."""
+
+    @property
+    def posting(self) -> bool:
+        """Whether this slot posts the job's count (so asks Slurm on ``poll``'s short clock)."""
+        return self._on_board() and self._elected()
+
+    def _on_board(self) -> bool:
+        return self._board is not None and self._tasks >= BOARD_FROM
 
     def __call__(self) -> int | None:
         with self._lock:
@@ -237,18 +311,39 @@ class ComingSlots:
         return self._answer  # Read after spawn: an inline spawn (tests) answers at once.
 
     def _refresh(self) -> None:
-        try:
-            statuses = self._squeue([self._array_job_id, *self._also()])
-            answer = coming_slots(statuses) or None
-            if self._on_statuses is not None:
-                self._on_statuses(statuses)
-        except SlurmError as error:
-            log.debug("squeue failed, no slot count until the next try: %s", error)
-            answer = None
+        posted = self._read_board()
+        if posted is not None:
+            answer: int | None = posted or None
+        else:
+            answer = self._ask()
         with self._lock:
             if answer != self._answer:
                 log.debug("slots running or starting now: %s -> %s", self._answer, answer)
             self._answer, self._asking = answer, False
+
+    def _read_board(self) -> int | None:
+        """The count the job's lowest running slot posted, unless this slot posts it."""
+        if self._board is None or not self._on_board() or self._elected():
+            return None
+        return self._board.count(self._wall())
+
+    def _ask(self) -> int | None:
+        """squeue; the count of its answer, posted when this slot speaks for a large job."""
+        try:
+            statuses = self._squeue([self._array_job_id, *self._also()])
+            coming = coming_slots(statuses)
+            if self._on_statuses is not None:
+                self._on_statuses(statuses)
+        except SlurmError as error:
+            log.debug("squeue failed, no slot count until the next try: %s", error)
+            return None
+        self._tasks = sum(len(task_indices(s.array_task)) for s in statuses if s.array_task)
+        if self._board is not None and self.posting:
+            try:
+                self._board.post(coming, self._wall())
+            except OSError as error:
+                log.debug("could not post the slot count at %s: %s", self._board.path, error)
+        return coming or None
 
 
 def poll(coming: ComingSlots, interval: float, elected: Callable[[], bool]) -> None:
@@ -257,11 +352,12 @@ def poll(coming: ComingSlots, interval: float, elected: Callable[[], bool]) -> N
     held report) also runs while the rendezvous is quiet; the count it refreshes is harmless.
     Every slot asking was a squeue of the whole array per slot per interval, forever: 137 a
     second at 4,096 slots, each answering 4,096 tasks. The others ask when their rendezvous
-    does, and a slot that becomes the lowest learns it from the answer it gets then."""
+    does, and a slot that becomes the lowest learns it from the answer it gets then. A slot
+    that posts a large job's count asks every ``SQUEUE_INTERVAL``, to keep the board fresh."""
 
     def loop() -> None:
         while True:
-            time.sleep(interval)
+            time.sleep(SQUEUE_INTERVAL if coming.posting else interval)
             if elected():
                 coming()
 

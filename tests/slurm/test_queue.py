@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import pytest
 from cluster import wait_until
@@ -126,6 +127,103 @@ def test_only_the_jobs_lowest_running_slot_asks_squeue_on_the_clock() -> None:
     lowest.set()
     assert wait_until(lambda: len(calls) >= 2, 30)
     lowest.clear()
+
+
+def running(tasks: int, pending: int = 0) -> list[JobStatus]:
+    """A job of ``tasks + pending`` slots: ``tasks`` running, the rest waiting for resources."""
+    text = "".join(f"9|{task}|RUNNING|None|n{task}\n" for task in range(tasks))
+    if pending:
+        text += f"9|{tasks}-{tasks + pending - 1}|PENDING|Resources|\n"
+    return statuses(text)
+
+
+class Slurm:
+    """squeue answers for one job, counted; the test changes ``answer`` as slots come and go."""
+
+    def __init__(self, answer: list[JobStatus]) -> None:
+        self.answer = answer
+        self.asked = 0
+
+    def __call__(self, ids: Sequence[str]) -> list[JobStatus]:
+        self.asked += 1
+        return self.answer
+
+
+def slot(slurm: Slurm, board: Path, *, lowest: bool, wall: Callable[[], float]) -> ComingSlots:
+    """A slot's cached squeue with the job's board, asking at every call (no rate limit)."""
+    return ComingSlots(
+        "9",
+        slurm,
+        interval=0.0,
+        spawn=inline,
+        board=queue.QueueBoard(board),
+        elected=lambda: lowest,
+        wall=wall,
+    )
+
+
+def test_in_a_large_job_only_the_lowest_running_slot_asks_squeue_and_the_others_read_its_count(
+    tmp_path: Path,
+) -> None:
+    """Each agent asking as its rendezvous decides sent slurmctld thousands of squeues within
+    seconds at a round change of 4,096 slots."""
+    board, now = tmp_path / "queue.json", [1000.0]
+    slurm = Slurm(running(20, pending=4))
+    lowest = slot(slurm, board, lowest=True, wall=lambda: now[0])
+    other = slot(slurm, board, lowest=False, wall=lambda: now[0])
+    assert other() == 20  # its first answer, its own: it does not know the job's size yet
+    assert lowest() == 20
+    assert lowest.posting
+    asked = slurm.asked
+    slurm.answer = running(18, pending=6)
+    assert lowest() == 18
+    now[0] += queue.BOARD_MAX_AGE
+    assert [other(), other()] == [18, 18]
+    assert slurm.asked == asked + 1  # the lowest slot's, not the other's
+
+
+def test_a_stale_board_is_not_read_and_each_slot_asks_for_itself(tmp_path: Path) -> None:
+    board, now = tmp_path / "queue.json", [1000.0]
+    slurm = Slurm(running(20))
+    lowest = slot(slurm, board, lowest=True, wall=lambda: now[0])
+    other = slot(slurm, board, lowest=False, wall=lambda: now[0])
+    assert (lowest(), other()) == (20, 20)
+    slurm.answer = running(19)
+    now[0] += queue.BOARD_MAX_AGE + 1  # the lowest slot is gone, or Slurm did not answer it
+    asked = slurm.asked
+    assert other() == 19
+    assert slurm.asked == asked + 1
+
+
+def test_a_small_job_never_reads_a_board(tmp_path: Path) -> None:
+    board = tmp_path / "queue.json"
+    queue.QueueBoard(board).post(99, 1000.0)
+    slurm = Slurm(running(queue.BOARD_FROM - 1))
+    other = slot(slurm, board, lowest=False, wall=lambda: 1000.0)
+    assert [other(), other()] == [queue.BOARD_FROM - 1] * 2
+    assert slurm.asked == 2
+
+
+@pytest.mark.parametrize(
+    "planted",
+    [
+        "not json",
+        "[1000, 5]",
+        '{"at": true, "coming": 5}',
+        '{"at": 1000, "coming": "5"}',
+        '{"at": 1000, "coming": -1}',
+        '{"at": 1000, "coming": false}',
+        '{"at": 99999, "coming": 5}',
+        '{"at": 1, "coming": 5}',
+    ],
+)
+def test_a_board_is_read_only_for_a_count_and_a_time_neither_old_nor_ahead(
+    tmp_path: Path, planted: str
+) -> None:
+    """The job directory is writable by any process of the job's user."""
+    path = tmp_path / "queue.json"
+    path.write_text(planted)
+    assert queue.QueueBoard(path).count(1000.0) is None
 
 
 # --- held tasks ----------------------------------------------------------------------------
