@@ -253,5 +253,35 @@ def compact(history: Iterable[Event]) -> list[tuple[Event, list[str]]]:
 
 
 def compact_line(event: Event, places: list[str]) -> str:
-    where = ",".join(sorted(set(places), key=lambda place: (len(place), place)))
-    return f"{clock(event.time)}  {where:<17} {describe(event)}"
+    return f"{clock(event.time)}  {places_of(places):<17} {describe(event)}"
+
+
+def _run(first: int, last: int) -> str:
+    """Slots ``first`` to ``last``: a range from three on (``0-4095``), else each (``0,1``)."""
+    if last - first >= 2:
+        return f"{first}-{last}"
+    return ",".join(str(number) for number in range(first, last + 1))
+
+
+def _slot_number(place: str) -> bool:
+    """Whether ``place`` is an array task id as Slurm writes it (``7``, never ``07``)."""
+    return place.isascii() and place.isdigit() and place == str(int(place))
+
+
+def places_of(places: Iterable[str]) -> str:
+    """Where a happening was reported: slots as ranges (``0-4095``: 4,096 agents reporting
+    one round is a line, not 20 KB of slot numbers), other names listed, the first
+    ``NAMES_SHOWN`` of them and how many more."""
+    named = sorted(set(places), key=lambda place: (len(place), place))
+    numbers = sorted(int(place) for place in named if _slot_number(place))
+    others = [place for place in named if not _slot_number(place)]
+    runs: list[list[int]] = []
+    for number in numbers:
+        if runs and runs[-1][1] == number - 1:
+            runs[-1][1] = number
+        else:
+            runs.append([number, number])
+    shown = [*(_run(first, last) for first, last in runs), *others]
+    where = ",".join(shown[:NAMES_SHOWN])
+    more = len(shown) - NAMES_SHOWN
+    return f"{where} and {more:,} more" if more > 0 else where

@@ -157,3 +157,18 @@ def test_reading_some_kinds_gives_exactly_the_events_of_those_kinds(tmp_path: Pa
     assert events.read_new(path, 0, events.CHECKPOINTS)[0] == wanted
     breaker = [event for event in everything if event.kind in (Kind.CHECKPOINT, Kind.FAILURE)]
     assert list(events.read(path, watchdog.BREAKER_KINDS)) == breaker
+
+
+def test_a_happening_reported_by_thousands_of_slots_is_one_short_line() -> None:
+    formed = round_details(_round_of(4096)).to_details()
+    reports = [
+        Event(Kind.ROUND, slot=str(slot), round=7, details=formed, time=1000.0 + slot / 4096)
+        for slot in range(4096)
+        if slot != 2048
+    ]
+    ((event, places),) = timeline.compact(reports)
+    line = timeline.compact_line(event, places)
+    assert "  0-2047,2049-4095  round 7: world size 32768 (0, 1, " in line
+    assert line.endswith("and 4,064 more), restarts used 2")
+    assert len(line) < 300
+    assert timeline.places_of(["0", "1", "node0"]) == "0,1,node0"
