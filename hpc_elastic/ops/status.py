@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from hpc_elastic.errors import HpcElasticError, one_line
-from hpc_elastic.events import ChurnDetails, Event, Kind, LoadedDetails, UnknownKind
+from hpc_elastic.events import NAMES_SHOWN, ChurnDetails, Event, Kind, LoadedDetails, UnknownKind
 from hpc_elastic.jobdir import CodeSnapshot
 from hpc_elastic.ops import goodput as lost_time
 from hpc_elastic.ops import timeline
@@ -434,11 +434,42 @@ def render(view: JobView) -> None:
         if apart:
             table.add_column("Partition")
             table.add_column("QoS")
-        for slot in view.slots:
+        for slot in slot_rows(view.slots):
             cells = [slot.slot, slot.slurm_state, slot.node, slot.agent]
             cells += [slot.partition, slot.qos] if apart else []
             table.add_row(*(_shown(cell) for cell in cells))
         console.print(table)
+
+
+def slot_rows(slots: Sequence[Slot]) -> list[Slot]:
+    """The rows of the slot table: one a slot, or past ``NAMES_SHOWN`` slots, one for each
+    run of slots in the same states and placement (``0-4094  RUNNING  4095 nodes  start``):
+    a job of 4,096 slots is a few rows, and the slot in trouble stands out."""
+    if len(slots) <= NAMES_SHOWN:
+        return list(slots)
+    rows: list[list[Slot]] = []
+    for slot in slots:
+        alike = rows and _same_row(rows[-1][-1], slot)
+        if alike:
+            rows[-1].append(slot)
+        else:
+            rows.append([slot])
+    return [_row(run) for run in rows]
+
+
+def _same_row(last: Slot, slot: Slot) -> bool:
+    states = (last.slurm_state, last.agent, last.partition, last.qos)
+    follows = last.slot.isdigit() and slot.slot.isdigit() and int(slot.slot) == int(last.slot) + 1
+    return follows and states == (slot.slurm_state, slot.agent, slot.partition, slot.qos)
+
+
+def _row(run: list[Slot]) -> Slot:
+    first, last = run[0], run[-1]
+    if len(run) == 1:
+        return first
+    nodes = {slot.node for slot in run}
+    node = first.node if len(nodes) == 1 else f"{len(nodes)} nodes"
+    return replace(first, slot=f"{first.slot}-{last.slot}", node=node)
 
 
 def describe_code(code: CodeSnapshot | None) -> str:

@@ -557,3 +557,16 @@ def test_status_says_when_a_job_runs_without_a_snapshot(tmp_path: Path, calls: C
     code, out, err = ops("status", "--log-dir", str(tmp_path), "train-1")
     assert code == 0, err
     assert "not snapshotted" in out
+
+
+def test_the_slot_table_of_a_large_job_is_a_row_for_each_run_of_alike_slots() -> None:
+    """A job of 4,096 slots is a few rows, and the slot in trouble stands out."""
+    slots = [status.Slot(str(i), "RUNNING", f"n{i}", "start") for i in range(100)]
+    slots[50] = status.Slot("50", "PENDING", "-", "-")
+    rows = status.slot_rows(slots)
+    assert rows == [
+        status.Slot("0-49", "RUNNING", "50 nodes", "start"),
+        status.Slot("50", "PENDING", "-", "-"),
+        status.Slot("51-99", "RUNNING", "49 nodes", "start"),
+    ]
+    assert status.slot_rows(slots[:4]) == slots[:4]
