@@ -459,7 +459,8 @@ def slot_rows(slots: Sequence[Slot]) -> list[Slot]:
 
 def _same_row(last: Slot, slot: Slot) -> bool:
     states = (last.slurm_state, last.agent, last.partition, last.qos)
-    follows = last.slot.isdigit() and slot.slot.isdigit() and int(slot.slot) == int(last.slot) + 1
+    before, number = timeline.slot_number(last.slot), timeline.slot_number(slot.slot)
+    follows = before is not None and number == before + 1
     return follows and states == (slot.slurm_state, slot.agent, slot.partition, slot.qos)
 
 

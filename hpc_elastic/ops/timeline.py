@@ -263,9 +263,12 @@ def _run(first: int, last: int) -> str:
     return ",".join(str(number) for number in range(first, last + 1))
 
 
-def _slot_number(place: str) -> bool:
-    """Whether ``place`` is an array task id as Slurm writes it (``7``, never ``07``)."""
-    return place.isascii() and place.isdigit() and place == str(int(place))
+def slot_number(place: str) -> int | None:
+    """The array task id ``place`` is, as Slurm writes one (``7``, never ``07``); None if it
+    is another name (a local node's, the churn runner's)."""
+    if place.isascii() and place.isdigit() and place == str(int(place)):
+        return int(place)
+    return None
 
 
 def places_of(places: Iterable[str]) -> str:
@@ -273,8 +276,8 @@ def places_of(places: Iterable[str]) -> str:
     one round is a line, not 20 KB of slot numbers), other names listed, the first
     ``NAMES_SHOWN`` of them and how many more."""
     named = sorted(set(places), key=lambda place: (len(place), place))
-    numbers = sorted(int(place) for place in named if _slot_number(place))
-    others = [place for place in named if not _slot_number(place)]
+    numbers = sorted(number for place in named if (number := slot_number(place)) is not None)
+    others = [place for place in named if slot_number(place) is None]
     runs: list[list[int]] = []
     for number in numbers:
         if runs and runs[-1][1] == number - 1:

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -206,10 +208,12 @@ def in_background(work: SlurmCall) -> None:
 
 
 def publish(path: Path, record: Mapping[str, object]) -> None:
-    """Write ``record`` for the job's other agents: to a temporary file, then renamed, so a
+    """Write ``record`` for the job's other agents: to a temporary file of this node, process
+    and thread (two slots may both think they speak for the job a moment), then renamed, so a
     reader never sees half of it. What it tells is asked again soon: no fsync."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    scratch = path.with_name(f".{path.name}.{threading.get_native_id()}.tmp")
+    writer = f"{socket.gethostname()}.{os.getpid()}.{threading.get_native_id()}"
+    scratch = path.with_name(f".{path.name}.{writer}.tmp")
     scratch.write_text(json.dumps(record, sort_keys=True))
     scratch.replace(path)
 
