@@ -190,6 +190,8 @@ class Outcome:
     members: int = 0
     digest: str = ""
     """Which round it holds: its number, a hash of its members in rank order, its port."""
+    held: Round | None = field(default=None, repr=False)
+    """The round it holds, until its digest is made (``Driver._report``)."""
     error: str = ""
 
 
@@ -518,7 +520,7 @@ class Driver:
         outcome.number = got.number
         outcome.rank = got.group_rank(self.agents[index].node.node_id)
         outcome.members = len(got.members)
-        outcome.digest = self._digest(got)
+        outcome.held = got  # digested in the report: not on the driver's CPU while others form
         self._held[index] = outcome
 
     def _held_again(self, index: int, outcome: Outcome) -> None:
@@ -530,10 +532,11 @@ class Driver:
         outcome.members, outcome.digest = held.members, held.digest
 
     def _digest(self, got: Round) -> str:
-        """The round's identity: every agent of one round holds the same decoded members tuple,
-        so it is hashed once per tuple (with sha256: ``hash`` differs between processes), under
-        a lock: the driver's agents return at once, and each one that found no digest yet
-        hashed the 4,096 ids itself (a seventh of a driver's CPU in a restart)."""
+        """The round's identity: the agents of one round sharing a connection hold the same
+        decoded members tuple, so it is hashed once per tuple (with sha256: ``hash`` differs
+        between processes). Made in the report, once every agent of the driver holds its
+        round: made as each returned, the hashing (once per connection) took a tenth of four
+        drivers' CPU in the restarts (py-spy) while the other agents still formed the round."""
         key = id(got.members)
         with self._digesting:
             if key not in self._digests:
@@ -545,6 +548,9 @@ class Driver:
     def _report(
         self, command: dict[str, Any], outcomes: list[Outcome], traffic: Counter[str]
     ) -> dict[str, Any]:
+        for outcome in outcomes:
+            if outcome.held is not None:
+                outcome.digest, outcome.held = self._digest(outcome.held), None
         done = [o.done for o in outcomes if o.done is not None]
         noticed = [o.noticed for o in outcomes if o.noticed is not None]
         problems = Counter(o.error for o in outcomes if o.error)
