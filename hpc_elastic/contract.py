@@ -194,6 +194,10 @@ DEFAULT_SNAPSHOT_MAX_FILES = 10_000
 """The most files a code snapshot copies without being told: a project of code has hundreds;
 tens of thousands are a dataset, a ``node_modules`` or a home directory."""
 
+FILES_SPARE = 64
+"""Open files a process that holds a connection from every member (the centre of a round's
+links) or every rank (the store host) keeps free beyond them, for its other work."""
+
 # --- the user's own ZooKeeper ensemble (``hpc-elastic zk``) --------------------------------
 
 STATE_DIR_ENV = "HPC_ELASTIC_STATE_DIR"

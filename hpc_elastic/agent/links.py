@@ -53,6 +53,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from hpc_elastic.contract import FILES_SPARE
 from hpc_elastic.rendezvous.api import Round
 from hpc_elastic.rendezvous.handler import port_range
 from hpc_elastic.spec import MASTER_PORTS_ENV
@@ -70,9 +71,6 @@ HELLO_LIMIT = 1024
 
 ACCEPT_RETRY = 1.0
 """Seconds the listener rests after the process ran out of files, unless a link ends first."""
-
-FILES_SPARE = 64
-"""Files a centre keeps free beyond its links, for the agent's other work (logs, sockets)."""
 
 
 class LinkEnd(enum.Enum):

@@ -49,7 +49,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from hpc_elastic.contract import AGENT_ONLY_ENV
+from hpc_elastic.contract import AGENT_ONLY_ENV, FILES_SPARE
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +90,6 @@ for line in sys.stdin:
 
 FILES_CAP = 1 << 20
 """Files the host asks for where its hard limit has none (Linux's default ``nr_open``)."""
-
-FILES_SPARE = 64
-"""Files the host keeps beyond a connection from every rank (its log, torch's own)."""
 
 STORE_TIMEOUT = 300.0
 """Seconds the host's own client waits on its store (torch's default); it makes no request."""

@@ -33,12 +33,12 @@ from hpc_elastic.agent.agent import make_store_host
 from hpc_elastic.agent.api import AgentSpec, ExitCode
 from hpc_elastic.agent.storehost import (
     FILES_CAP,
-    FILES_SPARE,
     StoreHost,
     store_host_command,
     wants_store_host,
 )
 from hpc_elastic.agent.workers import launch
+from hpc_elastic.contract import FILES_SPARE
 from hpc_elastic.events import Kind
 from hpc_elastic.rendezvous.handler import free_port
 
