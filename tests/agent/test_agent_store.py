@@ -63,15 +63,20 @@ import torch.distributed as dist
 dist.init_process_group("gloo")
 with open(os.path.join(out, "marks"), "a") as marks:
     marks.write(json.dumps({**first, "what": "grouped"}) + "\\n")
-while not os.path.exists(os.path.join(out, "finish")):
-    total = torch.ones(1)
-    dist.all_reduce(total)
+# The ranks stop together: each one's look at ``finish`` goes into the all_reduce, so none
+# leaves the loop for the barrier while another makes one more all_reduce (gloo then waits on
+# both until its timeout: a rank that saw the file a moment before the other once hung here).
+while True:
+    stop = torch.tensor([float(os.path.exists(os.path.join(out, "finish")))])
+    dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+    if stop.item():
+        break
     time.sleep(0.1)
 dist.barrier()
 """
 """A plain torchrun script: nothing of hpc_elastic; it writes what it saw at its first line
 (whether MASTER_PORT already listened, whether torch was imported: a standby ran it) and once
-its group is up."""
+its group is up, and trains until ``finish`` exists."""
 
 
 def marks(out: Path) -> list[dict[str, object]]:
