@@ -16,10 +16,13 @@ every node has looked at its own:
    was, shares again, and once every member's is in the verdict (``hangs.attribute``) is
    agreed once for the job: every agent acts on the same culprit, or on "ambiguous".
 
-Each answer is proposed by the first member in the round's order, at once; every other one
-waits for it up to its own turn (``handler.turn``: a tenth of a second a place, in case those
-before it are gone) and then reads the one answer. Every member reading every member's
-evidence to propose its own was N² reads: 16.7 million at 4,096 nodes, at the same moment.
+Each answer is proposed by the first member in the round's order, as soon as every member's
+evidence is in; every other one waits for it up to ``EVIDENCE_WAIT`` and its own turn
+(``handler.turn``: a tenth of a second a place, in case those before it are gone) and then
+reads the one answer. Every member reading every member's evidence to propose its own was N²
+reads: 16.7 million at 4,096 nodes, at the same moment. Only the first member follows who
+shared (``Rendezvous.sharers``); the others watch for the answer's topic alone, so a burst of
+evidence is listed by one connection, not by every connection of the job.
 
 Keys in the rendezvous' notes: ``hang-<round>-<n>.look`` and ``.stacks`` (each node's
 evidence), ``.first`` and ``.verdict`` (the agreed answers).
@@ -114,7 +117,7 @@ def unanswered(
     part in, and that is not over; None if there is none. From the notes the store pushed (no
     request), but for an investigation whose first answer is in (asked ``through``): a
     dismissed one is over, and is added to ``answered``."""
-    topics = rdzv.sharers(topic_prefix(round_number))
+    topics = rdzv.topics(topic_prefix(round_number))
     for number in sorted(_numbers(topics, round_number) - answered):
         if topic(round_number, number, VERDICT) in topics:
             continue  # over: the round ends with it
@@ -140,7 +143,7 @@ def _numbers(topics: Iterable[str], round_number: int) -> set[int]:
 
 def next_number(rdzv: Rendezvous, round_number: int) -> int:
     """The number a new investigation of this round takes: one past the highest seen."""
-    return max(_numbers(rdzv.sharers(topic_prefix(round_number)), round_number), default=0) + 1
+    return max(_numbers(rdzv.topics(topic_prefix(round_number)), round_number), default=0) + 1
 
 
 @dataclass(frozen=True)
@@ -224,7 +227,7 @@ class Investigation:
         notes' keys, and the answer is read once it is there."""
         agreed, place = self._topic(part), self.rdzv_round.group_rank(self.rdzv.node.node_id)
         ends = time.monotonic() + turn(place)
-        while agreed not in self.rdzv.sharers(self._topic("")):
+        while agreed not in self.rdzv.topics(self._topic("")):
             if time.monotonic() >= ends or self.interrupted():
                 break
             self.rdzv.check_reach()
@@ -340,11 +343,17 @@ class Investigation:
     # --- waiting for the others -----------------------------------------------------------
 
     def _wait_for(self, part: str, answer: str, *, give_up_on_change: bool) -> bool:
-        """Until every member shared on ``part``, or someone already agreed on ``answer``, or
-        ``EVIDENCE_WAIT`` passed; False when given up (a stop signal; with
-        ``give_up_on_change``, the round changed: a member left, or the job was failed).
-        Cut off past the outage limit, ``check_reach`` raises, as the agent's own waits do."""
+        """Until someone agreed on ``answer``, or ``EVIDENCE_WAIT`` passed, or, for the first
+        member in the round's order (who proposes the answer), every member shared on
+        ``part``; False when given up (a stop signal; with ``give_up_on_change``, the round
+        changed: a member left, or the job was failed). Cut off past the outage limit,
+        ``check_reach`` raises, as the agent's own waits do.
+
+        Only the first member follows who shared (``sharers``): the others wait for its answer
+        alone, a topic every connection is told of. Every member following the evidence
+        made every connection list thousands of notes again after each burst of them."""
         wanted = {member.node_id for member in self.rdzv_round.members}
+        first = self.rdzv_round.group_rank(self.rdzv.node.node_id) == 0
         shared, agreed = self._topic(part), self._topic(answer)
         deadline = time.monotonic() + EVIDENCE_WAIT
         while True:
@@ -353,12 +362,17 @@ class Investigation:
                 return False
             self.rdzv.check_reach()
             self.keep_alive()
-            seen = self.rdzv.sharers(self._topic(""))
-            if agreed in seen or wanted <= seen.get(shared, frozenset()):
+            if agreed in self.rdzv.topics(self._topic("")):
+                return True
+            seen = self.rdzv.sharers(shared) if first else frozenset()
+            if first and wanted <= seen:
                 return True
             if time.monotonic() >= deadline:
-                missing = sorted(wanted - seen.get(shared, frozenset()))
-                log.debug("hang %d: no %s evidence from %s in time", self.number, part, missing)
+                if first:
+                    missing = sorted(wanted - seen)
+                    log.debug("hang %d: no %s evidence from %s in time", self.number, part, missing)
+                else:
+                    log.debug("hang %d: no answer on %s in time", self.number, answer)
                 return True
             time.sleep(self.poll_interval)
 

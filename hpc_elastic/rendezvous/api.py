@@ -250,17 +250,24 @@ class Rendezvous(ABC):
     def share(self, topic: str, data: bytes) -> None:
         """Publish this node's note on ``topic`` (replacing its earlier one), for every member
         to read until the job closes: e.g. what this node saw of a hang (agent/hangs.py).
-        ``topic`` has no '@'. A new note wakes the other agents through ``sharers``."""
+        ``topic`` has no '@'. A new topic wakes every agent (``topics``), a new note on it
+        those that follow it (``sharers``)."""
 
     @abstractmethod
     def shared(self, topic: str) -> dict[str, bytes]:
         """Every node's note on ``topic``, by node id, as the store holds them now."""
 
     @abstractmethod
-    def sharers(self, prefix: str) -> dict[str, frozenset[str]]:
-        """Each topic starting with ``prefix`` that has notes, with the ids of the nodes that
-        shared on it; a topic agreed on (``agree``) counts too, with no node. From what the
-        store last pushed: no request, so an agent may ask at every poll."""
+    def topics(self, prefix: str) -> frozenset[str]:
+        """Every topic starting with ``prefix`` that has a note, or an answer (``agree``).
+        From what the store last pushed: no request, so an agent may ask at every poll."""
+
+    @abstractmethod
+    def sharers(self, topic: str) -> frozenset[str]:
+        """The ids of the nodes that shared on ``topic``, following it from now on: the first
+        call asks the store, the next ones make no request (an agent may ask at every poll).
+        One topic an agent at a time: a topic of thousands of notes is pushed only to the
+        agents that follow it, so only the agent that reads them all should."""
 
     @abstractmethod
     def agree(self, topic: str, data: bytes) -> bytes:

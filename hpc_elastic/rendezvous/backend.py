@@ -21,24 +21,39 @@ from hpc_elastic.errors import RendezvousError
 ABSENT = -1
 """The token of a state that does not exist yet: ``set_state`` with it creates the state."""
 
-_NOTE_KEY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@=+:-]{0,199}")
-"""A note's key: one znode name on ZooKeeper (no '/', never '.' or '..'), short and printable."""
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@=+:-]{0,199}")
+"""A node id, or one znode name on ZooKeeper (no '/', never '.' or '..'), short and printable."""
+
+NOTE_SEPARATOR = "@"
+"""Between a note's topic and the id of the node that wrote it: ``<topic>@<node_id>``. A
+topic's answer (``claim_note``) is keyed by the topic and the separator alone."""
+
+_NOTE_KEY = re.compile(
+    r"(?=.{2,200}$)[A-Za-z0-9_][A-Za-z0-9_.=+:-]*@([A-Za-z0-9_][A-Za-z0-9_.@=+:-]*)?"
+)
+"""A note's key: a topic (no '@'), the separator, and a node id or nothing."""
 
 
 def check_note_key(key: str) -> str:
     """``key`` if it can name a note on every store, else a RendezvousError that quotes it."""
     if not _NOTE_KEY.fullmatch(key):
         raise RendezvousError(
-            f"Note key {key[:80]!r} is not usable; give 1 to 200 letters, digits or '_.@=+:-', "
-            "not starting with one of '.@=+:-'."
+            f"Note key {key[:80]!r} is not usable; give '<topic>@<node id>' or '<topic>@' in "
+            "up to 200 letters, digits or '_.@=+:-', the topic without '@', neither starting "
+            "with one of '.@=+:-'."
         )
     return key
+
+
+def note_topic(key: str) -> str:
+    """The topic of a note's key (``check_note_key``)."""
+    return key.partition(NOTE_SEPARATOR)[0]
 
 
 def check_node_id(node_id: str) -> str:
     """``node_id`` if it can name a member's mark on every store (one znode name), else a
     RendezvousError that quotes it."""
-    if not _NOTE_KEY.fullmatch(node_id):
+    if not _NAME.fullmatch(node_id):
         raise RendezvousError(
             f"Node id {node_id[:80]!r} cannot name a mark; node ids are 1 to 200 letters, "
             "digits or '_.@=+:-' (as `NodeInfo.new` makes them)."
@@ -194,28 +209,38 @@ class Store(ABC):
 
     @abstractmethod
     def put_note(self, key: str, data: bytes) -> None:
-        """Write the note ``key`` (replacing one of that key): a small record that every
-        connection can read until the job is closed, and that outlives the connection that
-        wrote it (unlike a membership). A new key calls every subscriber's ``on_change`` on
-        every connection (a replaced one need not). Raises RendezvousClosedError once the job
-        is closed, RendezvousError for a key ``check_note_key`` refuses."""
+        """Write the note ``key`` (``<topic>@<node_id>``, replacing one of that key): a small
+        record that every connection can read until the job is closed, and that outlives the
+        connection that wrote it (unlike a membership). A topic new to the job, and a new key
+        on the topic a connection follows (``note_keys``), call every subscriber's
+        ``on_change`` on that connection (a replaced one need not). Raises
+        RendezvousClosedError once the job is closed, RendezvousError for a key
+        ``check_note_key`` refuses."""
 
     @abstractmethod
     def claim_note(self, key: str, data: bytes) -> bytes:
         """Write the note ``key`` only if it does not exist yet, and return the note as it is
         then: ours, or the one written first. Every caller learns the same value, so agents
-        that decided apart agree on one answer. Retrying after a lost connection is safe.
-        Raises as ``put_note`` does."""
+        that decided apart agree on one answer (``<topic>@``). Retrying after a lost
+        connection is safe. Raises as ``put_note`` does."""
 
     @abstractmethod
-    def notes(self, prefix: str) -> dict[str, bytes]:
-        """Every note whose key starts with ``prefix``, as the server holds them now (empty
-        once the job is closed)."""
+    def notes(self, topic: str) -> dict[str, bytes]:
+        """Every note on ``topic`` by key, as the server holds them now (empty once the job
+        is closed)."""
 
     @abstractmethod
-    def note_keys(self) -> frozenset[str]:
-        """The keys of every note, as last pushed by the store: no request, so it may be
+    def note_topics(self) -> frozenset[str]:
+        """Every topic that has a note, as last pushed by the store: no request, so it may be
         called at every poll."""
+
+    @abstractmethod
+    def note_keys(self, topic: str) -> frozenset[str]:
+        """The keys of the notes on ``topic`` as last pushed, following that topic from now
+        on (one topic a connection at a time: following another stops following the last).
+        The first call on a topic asks the server; the next ones make no request. Only a
+        follower is told of every key: a topic of thousands of nodes' notes is pushed to the
+        one agent that reads them, not listed again by every connection at each note."""
 
     @abstractmethod
     def mark(self, kind: Mark, round_number: int, node_id: str, token: int) -> bool:
@@ -295,7 +320,8 @@ class Store(ABC):
 class CachedStore(Store):
     """A store whose state, membership and subscribers are kept here, fed by the server's pushes.
 
-    Subclasses feed ``_remember_state``, ``_alive`` and ``_note_keys`` (under ``_lock``) and
+    Subclasses feed ``_remember_state``, ``_alive`` and the notes (``_remember_notes``, or
+    ``_note_keys`` and ``_note_topics``; under ``_lock``) and
     call each of ``_callbacks()`` after a change.
     """
 
@@ -304,6 +330,11 @@ class CachedStore(Store):
         self._state: tuple[bytes | None, int] = (None, ABSENT)
         self._alive: frozenset[str] = frozenset()
         self._note_keys: frozenset[str] = frozenset()
+        """The keys known of the notes on the followed topic (a store may keep more)."""
+        self._note_topics: frozenset[str] = frozenset()
+        self._followed_topic: str | None = None
+        self._following_notes = threading.Lock()
+        """One ``follow_notes`` at a time, so handlers sharing this store follow once."""
         self._subscribers: dict[Callable[[], None], Callable[[], None]] = {}
         self._connection_subscribers: list[ConnectionCallback] = []
 
@@ -315,9 +346,30 @@ class CachedStore(Store):
         with self._lock:
             return self._alive
 
-    def note_keys(self) -> frozenset[str]:
+    def note_topics(self) -> frozenset[str]:
         with self._lock:
-            return self._note_keys
+            return self._note_topics
+
+    def note_keys(self, topic: str) -> frozenset[str]:
+        with self._following_notes:
+            with self._lock:
+                followed = self._followed_topic == topic
+            if not followed:
+                self.follow_notes(topic)
+            with self._lock:
+                return frozenset(key for key in self._note_keys if note_topic(key) == topic)
+
+    def follow_notes(self, topic: str) -> None:
+        """Be told of every key on ``topic`` from now on (``note_keys``). This default suits a
+        store whose server pushes every key (``_remember_notes``)."""
+        with self._lock:
+            self._followed_topic = topic
+
+    def _remember_notes(self, keys: frozenset[str]) -> None:
+        """Every note key the server holds, from a store that pushes them all (under
+        ``_lock``)."""
+        self._note_keys = keys
+        self._note_topics = frozenset(note_topic(key) for key in keys)
 
     def subscribe(self, on_change: Callable[[], None], on_session_lost: Callable[[], None]) -> None:
         with self._lock:

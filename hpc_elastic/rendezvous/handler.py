@@ -35,7 +35,7 @@ from hpc_elastic.rendezvous.api import (
     RendezvousSettings,
     Round,
 )
-from hpc_elastic.rendezvous.backend import ABSENT, ConnectionState, Mark, Store
+from hpc_elastic.rendezvous.backend import ABSENT, NOTE_SEPARATOR, ConnectionState, Mark, Store
 from hpc_elastic.rendezvous.deadlines import Deadlines
 from hpc_elastic.spec import MASTER_PORTS_ENV, parse_port_range
 
@@ -62,10 +62,6 @@ all succeeded."""
 MEMBERS_RETRY = 1.0
 """Seconds before a step is tried again after the store failed to list members or to give a
 round's table."""
-
-NOTE_SEPARATOR = "@"
-"""Between a note's topic and the id of the node that shared it; an agreed answer's key is the
-topic and the separator alone (node ids are never empty)."""
 
 log = logging.getLogger(__name__)
 
@@ -663,18 +659,16 @@ class StoreRendezvous(Rendezvous):
 
     def shared(self, topic: str) -> dict[str, bytes]:
         prefix = _note_key(topic, "")
-        notes = self._store.notes(prefix)
+        notes = self._store.notes(topic)
         return {key[len(prefix) :]: data for key, data in notes.items() if key != prefix}
 
-    def sharers(self, prefix: str) -> dict[str, frozenset[str]]:
-        found: dict[str, set[str]] = {}
-        for key in self._store.note_keys():
-            topic, at, node = key.partition(NOTE_SEPARATOR)
-            if at and topic.startswith(prefix):
-                nodes = found.setdefault(topic, set())
-                if node:
-                    nodes.add(node)
-        return {topic: frozenset(nodes) for topic, nodes in found.items()}
+    def topics(self, prefix: str) -> frozenset[str]:
+        return frozenset(t for t in self._store.note_topics() if t.startswith(prefix))
+
+    def sharers(self, topic: str) -> frozenset[str]:
+        prefix = _note_key(topic, "")
+        keys = self._store.note_keys(topic)
+        return frozenset(key[len(prefix) :] for key in keys if key != prefix)
 
     def agree(self, topic: str, data: bytes) -> bytes:
         answer = self._store.claim_note(_note_key(topic, ""), data)
@@ -685,7 +679,7 @@ class StoreRendezvous(Rendezvous):
 
     def agreed(self, topic: str) -> bytes | None:
         key = _note_key(topic, "")
-        return self._store.notes(key).get(key)
+        return self._store.notes(topic).get(key)
 
     def check_reach(self) -> None:
         if self._deadlines.out_of_reach():

@@ -39,6 +39,7 @@ from hpc_elastic.rendezvous.backend import (
     Mark,
     check_node_id,
     check_note_key,
+    note_topic,
     place_mark,
     table_digest,
 )
@@ -219,8 +220,8 @@ class LocalStoreServer:
             if op in ("put_note", "claim_note"):
                 return self._put_note(request["key"], _unb64(request["data"]) or b"", op)
             if op == "notes":
-                prefix = request["prefix"]
-                matching = {k: _b64(v) for k, v in self._notes.items() if k.startswith(prefix)}
+                topic = request["topic"]
+                matching = {k: _b64(v) for k, v in self._notes.items() if note_topic(k) == topic}
                 return {"ok": True, "notes": matching}, False
             if op in ("mark", "marks", "follow_marks", "put_table", "table", "forget_rounds"):
                 return self._round_request(op, request, connection), False
@@ -352,6 +353,10 @@ class LocalStore(CachedStore):
             ) from error
         threading.Thread(target=self._read, name="local-store-reader", daemon=True).start()
         threading.Thread(target=self._deliver, name="local-store-notify", daemon=True).start()
+        self._look()
+
+    def _look(self) -> None:
+        """Ask for the whole view (the state, the members, every note's key) and keep it."""
         reply = self._call("watch")
         view = (reply["seq"], reply["alive"], reply["notes"])
         self._remember(_unb64(reply["data"]), reply["token"], view)
@@ -393,8 +398,14 @@ class LocalStore(CachedStore):
             )
         return _unb64(reply["data"]) or b""
 
-    def notes(self, prefix: str) -> dict[str, bytes]:
-        found = self._call("notes", prefix=prefix)["notes"]
+    def follow_notes(self, topic: str) -> None:
+        """Every push carries every key; the first look at a topic asks for the view, so that
+        it is as new as the server's (a push may still be on its way)."""
+        super().follow_notes(topic)
+        self._look()
+
+    def notes(self, topic: str) -> dict[str, bytes]:
+        found = self._call("notes", topic=topic)["notes"]
         return {key: base64.b64decode(data) for key, data in found.items()}
 
     def mark(self, kind: Mark, round_number: int, node_id: str, token: int) -> bool:
@@ -509,7 +520,7 @@ class LocalStore(CachedStore):
             if view is not None and view[0] > self._alive_seq:
                 self._alive_seq, alive, notes = view
                 self._alive = frozenset(alive)
-                self._note_keys = frozenset(notes)
+                self._remember_notes(frozenset(notes))
 
 
 def connect(

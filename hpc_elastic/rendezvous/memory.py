@@ -12,6 +12,7 @@ a time, like a kazoo client. What the ``Store`` protocol promises holds as on Zo
   SUSPENDED / CONNECTED / LOST as kazoo does;
 * ``close_job`` leaves a tombstone; joining afterwards raises RendezvousClosedError;
 * notes (``put_note``, ``claim_note``) outlive their writer's session and go with the job;
+  every push carries every key, and ``note_keys`` answers a topic's from it;
 * marks (``mark``) are fenced by the state's version without changing it; a ``Mark.BACK``
   mark vanishes with its session, as a membership does, and every push carries every mark
   (``seen_marks`` answers from it); round tables (``put_table``) are kept by
@@ -43,6 +44,7 @@ from hpc_elastic.rendezvous.backend import (
     Mark,
     check_node_id,
     check_note_key,
+    note_topic,
     place_mark,
     table_digest,
 )
@@ -367,9 +369,9 @@ class MemoryServer:
                 self._changed()
         self._push_pending()
 
-    def _read_notes(self, prefix: str) -> dict[str, bytes]:
+    def _read_notes(self, topic: str) -> dict[str, bytes]:
         with self._lock:
-            return {key: data for key, data in self._notes.items() if key.startswith(prefix)}
+            return {key: data for key, data in self._notes.items() if note_topic(key) == topic}
 
     def _records(self, node_ids: Iterable[str]) -> list[bytes]:
         with self._lock:
@@ -461,9 +463,15 @@ class MemoryStore(CachedStore):
         self._heard()
         return self.server._put_note(key, data, self.run_id, claim=True)
 
-    def notes(self, prefix: str) -> dict[str, bytes]:
+    def notes(self, topic: str) -> dict[str, bytes]:
         self._heard()
-        return self.server._read_notes(prefix)
+        return self.server._read_notes(topic)
+
+    @property
+    def followed_topic(self) -> str | None:
+        """The topic whose notes this connection follows (``note_keys``), if any."""
+        with self._lock:
+            return self._followed_topic
 
     def mark(self, kind: Mark, round_number: int, node_id: str, token: int) -> bool:
         check_node_id(node_id)
@@ -624,7 +632,7 @@ class MemoryStore(CachedStore):
             self._seq = view.seq
             self._state = (view.state, view.token)
             self._alive = view.alive
-            self._note_keys = view.notes
+            self._remember_notes(view.notes)
             self._marks_view = view.marks
 
 

@@ -6,7 +6,8 @@ Layout of one job, under an optional chroot::
     /hpc-elastic/<run_id>            digest ACL of the job's secret only; checked on connect
         state                        JSON JobState; its znode version is the CAS token
         members/<node_id>            ephemeral, one per live agent; data = NodeInfo JSON
-        notes/<key>                  persistent notes (``Store.put_note``): a hang's evidence
+        notes/<topic>/<node_id>      persistent notes (``Store.put_note``): a hang's evidence
+        notes/<topic>@               a topic's answer (``Store.claim_note``), created once
         back/<round>/<node_id>       ephemeral marks (``Store.mark``, ``Mark.BACK``), empty
         done/<round>/<node_id>       persistent marks (``Mark.DONE``), empty
         rounds/<round>/<digest>/<i>  a round's table (``Store.put_table``), in chunks
@@ -68,11 +69,13 @@ from hpc_elastic.rendezvous import tables
 from hpc_elastic.rendezvous.api import NodeInfo, RendezvousSettings
 from hpc_elastic.rendezvous.backend import (
     ABSENT,
+    NOTE_SEPARATOR,
     CachedStore,
     ConnectionState,
     Mark,
     check_node_id,
     check_note_key,
+    note_topic,
     table_digest,
 )
 from hpc_elastic.rendezvous.badnode import BadNode, check_host
@@ -417,6 +420,7 @@ class ZooKeeperStore(CachedStore):
         the watch lists them."""
         self._following = threading.Lock()
         """One ``follow_marks`` at a time, so handlers sharing this store set one watch."""
+        self._init_notes()
         self._notices: queue.SimpleQueue[_Notice] = queue.SimpleQueue()
         self._notifier = threading.Thread(
             target=self._deliver, name=f"zk-notify-{run_id}", daemon=True
@@ -437,6 +441,17 @@ class ZooKeeperStore(CachedStore):
             self._recency.follow(members)
             DataWatch(client, self._path("state"), self._on_state)
             _CoalescedChildrenWatch(client, self._path("notes"), self._on_notes)
+
+    def _init_notes(self) -> None:
+        self._topic_watch: _CoalescedChildrenWatch | None = None
+        """The watch on the notes of the topic this connection follows (``note_keys``)."""
+        self._heard_answers: frozenset[str] = frozenset()
+        """The keys of the topics' answers, as the watch on ``notes`` last listed them."""
+        self._heard_topic_keys: frozenset[str] = frozenset()
+        """The keys of the followed topic's notes, as its watch last listed them."""
+        self._topic_follows = 0
+        """How many times a topic was followed: the number of the current watch, so that a
+        late listing of an earlier watch on the same topic is not taken for a newer one."""
 
     @property
     def where(self) -> str:
@@ -516,40 +531,62 @@ class ZooKeeperStore(CachedStore):
         return [data for _, data in sorted(records)]
 
     def put_note(self, key: str, data: bytes) -> None:
-        path = self._path("notes", check_note_key(key))
+        path = self._note_path(check_note_key(key))
         with self._converted():
             self._client.retry(self._write_note, path, data, False)
 
     def claim_note(self, key: str, data: bytes) -> bytes:
-        path = self._path("notes", check_note_key(key))
+        path = self._note_path(check_note_key(key))
         with self._converted():
             current: bytes = self._client.retry(self._write_note, path, data, True)
         return current
 
-    def notes(self, prefix: str) -> dict[str, bytes]:
-        """One listing, then every matching note fetched at once (all in flight together)."""
+    def notes(self, topic: str) -> dict[str, bytes]:
+        """One listing of the topic, then its every note and its answer fetched at once (all
+        in flight together)."""
+        answer = f"{topic}{NOTE_SEPARATOR}"
         with self._converted():
             try:
-                keys = self._client.retry(self._client.get_children, self._path("notes"))
+                names = self._client.retry(self._client.get_children, self._path("notes", topic))
             except NoNodeError:
-                return {}  # closed (or never opened for writing): no notes
-            pending = [
-                (key, self._client.get_async(self._path("notes", key)))
-                for key in keys
-                if key.startswith(prefix)
-            ]
+                names = []  # no node's note on it (or the job is closed)
+            keys = [f"{answer}{name}" for name in names] + [answer]
+            pending = [(key, self._client.get_async(self._note_path(key))) for key in keys]
             found: dict[str, bytes] = {}
             for key, result in pending:
                 try:
                     data, _ = result.get(timeout=RETRY_DEADLINE)
                 except NoNodeError:
-                    continue  # removed by close_job since the listing
+                    continue  # no answer yet, or removed by close_job since the listing
                 except (ConnectionLoss, SessionExpiredError):
-                    data = self._client.retry(self._read_note, self._path("notes", key))
+                    data = self._client.retry(self._read_note, self._note_path(key))
                     if data is None:
                         continue
                 found[key] = data
         return found
+
+    def follow_notes(self, topic: str) -> None:
+        """A children watch on the topic's node: its first listing is made before this
+        returns, and a topic nobody wrote on yet is listed once its first note makes it."""
+        with self._lock:
+            self._followed_topic, self._heard_topic_keys = topic, frozenset()
+            self._note_keys = self._heard_answers
+            self._topic_follows += 1
+            following = (topic, self._topic_follows)
+        with self._converted():
+            watch = _CoalescedChildrenWatch(
+                self._client, self._path("notes", topic), partial(self._on_topic_notes, following)
+            )
+        with self._lock:
+            previous, self._topic_watch = self._topic_watch, watch
+        if previous is not None:
+            previous.stop()
+
+    def _note_path(self, key: str) -> str:
+        """A node's note under its topic's node, where only the topic's followers list it;
+        a topic's answer (no node id) beside the topics, where every connection sees it."""
+        topic, _, node_id = key.partition(NOTE_SEPARATOR)
+        return self._path("notes", topic, node_id) if node_id else self._path("notes", key)
 
     def mark(self, kind: Mark, round_number: int, node_id: str, token: int) -> bool:
         path = self._path(kind.value, str(round_number), check_node_id(node_id))
@@ -595,11 +632,11 @@ class ZooKeeperStore(CachedStore):
         with self._lock:
             self._followed, self._heard_marks, self._own_marks = followed, frozenset(), frozenset()
         with self._converted():
-            # A children watch needs its node: made now (while the job is open) if no mark
-            # has made it yet, and only then (each making is a write through the quorum, and
-            # every agent follows every round). Its first listing is made before it returns.
+            # The round's node: made now (while the job is open) if no mark has made it yet,
+            # and only then (each making is a write through the quorum, and every agent
+            # follows every round). The watch's first listing is made before it returns.
             if self._client.retry(self._client.exists, path) is None:
-                self._client.retry(self._ensure_round, path, "no mark can be followed")
+                self._client.retry(self._ensure_with_parent, path, "no mark can be followed")
             watch = _CoalescedChildrenWatch(self._client, path, partial(self._on_marks, followed))
         with self._lock:
             previous, self._marks_watch = self._marks_watch, watch
@@ -655,8 +692,9 @@ class ZooKeeperStore(CachedStore):
                 self._client.set(path, data)
                 return data
             except NoNodeError:
-                # A job made before notes existed: make its node.
-                self._create_while_open(self._path("notes"), "no note can be written")
+                # The first note on its topic (or a job made before notes existed): make the
+                # nodes above it while the job is open.
+                self._ensure_with_parent(path.rsplit("/", 1)[0], "no note can be written")
         raise NoNodeError(path)
 
     def _mark(self, kind: Mark, path: str, token: int) -> bool:
@@ -694,7 +732,7 @@ class ZooKeeperStore(CachedStore):
                 return False  # The state moved on (or does not exist): refused, not an error.
             if isinstance(created, NoNodeError):
                 # The round's node (or its kind's) is missing: make them, then mark again.
-                self._ensure_round(path.rsplit("/", 1)[0], "no mark can be written")
+                self._ensure_with_parent(path.rsplit("/", 1)[0], "no mark can be written")
             # NodeExistsError: a try of ours (its reply lost) or a session of this id got
             # there first; BadVersionError of the delete: the mark changed since. Look again.
             stat = self._client.exists(path)
@@ -713,7 +751,7 @@ class ZooKeeperStore(CachedStore):
                 if round_path in self._rounds_seen:
                     return
             if self._client.exists(round_path) is None:
-                self._ensure_round(round_path, "no mark can be written")
+                self._ensure_with_parent(round_path, "no mark can be written")
             with self._lock:
                 self._rounds_seen[round_path] = None
                 while len(self._rounds_seen) > ROUNDS_SEEN:
@@ -723,7 +761,7 @@ class ZooKeeperStore(CachedStore):
         """Each chunk ``path/<i>`` created unless it is there. The path is the table's digest,
         so a retry after a lost reply, or a second proposer of the same table, only fills in
         what is missing, and a chunk that is there already holds these very bytes."""
-        self._ensure_round(path.rsplit("/", 1)[0], "no table can be written")
+        self._ensure_with_parent(path.rsplit("/", 1)[0], "no table can be written")
         self._create_while_open(path, "no table can be written")
         chunks = [table[at : at + TABLE_CHUNK] for at in range(0, len(table), TABLE_CHUNK)]
         for index, chunk in enumerate(chunks or [b""]):
@@ -762,10 +800,11 @@ class ZooKeeperStore(CachedStore):
             transaction.delete(path)
         return not any(isinstance(result, Exception) for result in transaction.commit())
 
-    def _ensure_round(self, round_path: str, refused: str) -> None:
-        """A round's node under its kind's (``back/7`` under ``back``), each made unless it is
-        there, and only while the job is open."""
-        for node in (round_path.rsplit("/", 1)[0], round_path):
+    def _ensure_with_parent(self, path: str, refused: str) -> None:
+        """``path`` under its parent (a round's node under its kind's, ``back/7`` under
+        ``back``; a topic's under ``notes``), each made unless it is there, and only while the
+        job is open."""
+        for node in (path.rsplit("/", 1)[0], path):
             self._create_while_open(node, refused)
 
     def _create_while_open(self, path: str, refused: str) -> None:
@@ -809,7 +848,7 @@ class ZooKeeperStore(CachedStore):
         with self._converted():
             self._client.retry(self._create, self._path("closed"), b"", False)
             self._client.retry(self._delete_tree, self._path("members"), 1)
-            self._client.retry(self._delete_tree, self._path("notes"), 1)
+            self._client.retry(self._delete_tree, self._path("notes"), 2)  # <topic>/<node_id>
             for kind in Mark:  # <kind>/<round>/<node_id>
                 self._client.retry(self._delete_tree, self._path(kind.value), 2)
             self._client.retry(self._delete_tree, self._path("rounds"), 3)  # <r>/<digest>/<i>
@@ -1015,9 +1054,22 @@ class ZooKeeperStore(CachedStore):
         self._notices.put(_CHANGED)
 
     def _on_notes(self, children: list[str], heard: int) -> None:
+        """The topics' nodes and answers: as many names as topics, whatever the job's size."""
         del heard  # a note missing yet is waited for
         with self._lock:
-            self._note_keys = frozenset(children)
+            self._note_topics = frozenset(note_topic(name) for name in children)
+            self._heard_answers = frozenset(name for name in children if _is_answer(name))
+            self._note_keys = self._heard_answers | self._heard_topic_keys
+        self._notices.put(_CHANGED)
+
+    def _on_topic_notes(self, following: tuple[str, int], children: list[str], heard: int) -> None:
+        del heard  # a note missing yet is waited for
+        topic, number = following
+        with self._lock:
+            if (topic, number) != (self._followed_topic, self._topic_follows):
+                return  # a late listing of a watch this connection no longer follows
+            self._heard_topic_keys = frozenset(f"{topic}{NOTE_SEPARATOR}{c}" for c in children)
+            self._note_keys = self._heard_answers | self._heard_topic_keys
         self._notices.put(_CHANGED)
 
     def _on_connection_state(self, state: str) -> None:
@@ -1045,6 +1097,11 @@ class ZooKeeperStore(CachedStore):
                     _call(on_session_lost)
             for callback in self._connection_callbacks():
                 _call(partial(callback, notice))
+
+
+def _is_answer(name: str) -> bool:
+    """Whether a name under ``notes`` is a topic's answer (``<topic>@``), not a topic's node."""
+    return name.endswith(NOTE_SEPARATOR)
 
 
 def _call(callback: Callable[[], None]) -> None:
@@ -1209,15 +1266,23 @@ class _CoalescedChildrenWatch:
             return
         with self._lock:
             asked = self.heard
-        try:
-            children = self._client.retry(
-                self._client.get_children, self._path, watch=self._on_event
-            )
-        except NoNodeError:
-            # Only close_job removes the members node: the job is closed and nobody is left
-            # (a member whose deletion fired this watch must not linger in alive()). A
-            # round's marks go with forget_rounds, and then none is left either.
-            children = []
+        children: list[str] = []
+        for _ in range(3):
+            try:
+                children = self._client.retry(
+                    self._client.get_children, self._path, watch=self._on_event
+                )
+                break
+            except NoNodeError:
+                # Only close_job removes the members node: the job is closed and nobody is
+                # left (a member whose deletion fired this watch must not linger in alive()).
+                # A round's marks go with forget_rounds, and then none is left either. A
+                # topic's node is made by its first note. Trick: a children watch cannot be
+                # set on a missing node, but an exists watch can, and it fires when the node
+                # is made; made meanwhile, it is listed again.
+                children = []
+                if self._client.retry(self._client.exists, self._path, self._on_event) is None:
+                    break
         self._established = True
         self._on_children(children, asked)
 

@@ -42,6 +42,7 @@ from hpc_elastic.agent.workers import WorkerGroup
 from hpc_elastic.errors import AgentError
 from hpc_elastic.rendezvous.api import NodeInfo, RendezvousSettings, Round
 from hpc_elastic.rendezvous.handler import StoreRendezvous
+from hpc_elastic.rendezvous.memory import MemoryStore
 from hpc_elastic.spec import NodeRange
 
 MEMBERS = (Member("id0", "n0", 0, 2), Member("id1", "n1", 2, 2))
@@ -517,13 +518,11 @@ def test_the_investigation_leaves_out_a_malformed_note_and_decides_on_the_others
     assert "the first answer agreed on 'hang-1-1.first'" in warnings[0] + warnings[1]
 
 
-def test_only_the_first_member_in_line_reads_every_members_evidence_to_propose_an_answer(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Every member reaches the first answer at about the same moment; each reading every
-    member's evidence to propose its own was N² reads (16.7 million at 4,096 nodes). The
-    others wait their turn: here a long one, so that the first in line comes after them."""
-    count = 12
+def members_who_looked(
+    count: int,
+) -> tuple[list[str], list[StoreRendezvous], Round, list[NodeEvidence]]:
+    """``count`` members of round 1 on one in-memory job (``id00``, ``id01``, ...), each with
+    the evidence of its one waiting rank."""
     job = MemoryJob(RendezvousSettings("hangs", NodeRange.parse(str(count))))
     ids = [f"id{index:02d}" for index in range(count)]
     nodes_ = [NodeInfo(node_id, "127.0.0.1", 1, f"n{i}") for i, node_id in enumerate(ids)]
@@ -532,6 +531,17 @@ def test_only_the_first_member_in_line_reads_every_members_evidence_to_propose_a
     looks = [
         NodeEvidence(node_id, f"n{i}", (waiting(i),), 1, CAUGHT) for i, node_id in enumerate(ids)
     ]
+    return ids, rdzvs, rdzv_round, looks
+
+
+def test_only_the_first_member_in_line_reads_every_members_evidence_to_propose_an_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every member reaches the first answer at about the same moment; each reading every
+    member's evidence to propose its own was N² reads (16.7 million at 4,096 nodes). The
+    others wait their turn: here a long one, so that the first in line comes after them."""
+    count = 12
+    _, rdzvs, rdzv_round, looks = members_who_looked(count)
     for rdzv, look in zip(rdzvs, looks, strict=True):
         rdzv.share(investigation.topic(1, 1, investigation.LOOK), look.encode())
     readers: list[str] = []
@@ -554,4 +564,38 @@ def test_only_the_first_member_in_line_reads_every_members_evidence_to_propose_a
         first = first_look(0)
         answers = [future.result(timeout=60) for future in later]
     assert readers == ["id00"]
+    assert answers == [first] * (count - 1)
+
+
+def test_only_the_first_member_in_line_follows_who_shared_evidence(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every member waited for every member's evidence by following who shared it: on
+    ZooKeeper, every connection listed the topic's notes again after each burst of them, O(N²)
+    bytes at 4,096 nodes. Only the first in line, which proposes the answer, follows them; the
+    others wait for the answer alone."""
+    count = 12
+    ids, rdzvs, rdzv_round, looks = members_who_looked(count)
+    evidence = investigation.topic(1, 1, investigation.LOOK)
+    for rdzv, look in zip(rdzvs, looks, strict=True):
+        rdzv.share(evidence, look.encode())
+    monkeypatch.setattr(investigation, "turn", lambda place: 120.0 * place)
+
+    def wait_then_look(index: int) -> hangs.Verdict | None:
+        look = investigation.Investigation(
+            rdzvs[index], rdzv_round, cast(WorkerGroup, None), 1, {}, None, 0.01, lambda: False
+        )
+        assert look._wait_for(investigation.LOOK, investigation.FIRST, give_up_on_change=True)
+        return look._first_look(looks[index])
+
+    with ThreadPoolExecutor(count) as pool:
+        later = [pool.submit(wait_then_look, index) for index in range(1, count)]
+        first = wait_then_look(0)
+        answers = [future.result(timeout=60) for future in later]
+    followed = {}
+    for rdzv in rdzvs:
+        store = rdzv._store
+        assert isinstance(store, MemoryStore)
+        followed[rdzv.node.node_id] = store.followed_topic
+    assert followed == {node_id: evidence if node_id == "id00" else None for node_id in ids}
     assert answers == [first] * (count - 1)

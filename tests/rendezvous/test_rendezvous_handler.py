@@ -93,10 +93,13 @@ class FakeStore(Store):
     def claim_note(self, key: str, data: bytes) -> bytes:
         raise NotImplementedError("the handler's tests write no notes")
 
-    def notes(self, prefix: str) -> dict[str, bytes]:
+    def notes(self, topic: str) -> dict[str, bytes]:
         return {}
 
-    def note_keys(self) -> frozenset[str]:
+    def note_topics(self) -> frozenset[str]:
+        return frozenset()
+
+    def note_keys(self, topic: str) -> frozenset[str]:
         return frozenset()
 
     def mark(self, kind: Mark, round_number: int, node_id: str, token: int) -> bool:
@@ -650,14 +653,16 @@ def test_notes_shared_on_a_topic_are_read_by_node_and_one_answer_is_agreed() -> 
     server = MemoryServer()
     a, b = (StoreRendezvous(settings(), NodeInfo(name, "h", 1), server.connect()) for name in "ab")
     a.share("hang-2-1.1", b"a saw this")
-    assert b.sharers("hang-2-") == {"hang-2-1.1": frozenset({"a"})}
+    assert b.topics("hang-2-") == {"hang-2-1.1"}
+    assert b.sharers("hang-2-1.1") == {"a"}
     b.share("hang-2-1.1", b"b saw that")
     assert a.shared("hang-2-1.1") == {"a": b"a saw this", "b": b"b saw that"}
     assert a.agreed("hang-2-1.2") is None
     assert b.agree("hang-2-1.2", b"b's verdict") == b"b's verdict"
     assert a.agreed("hang-2-1.2") == b"b's verdict"
     assert a.agree("hang-2-1.2", b"a's verdict") == b"b's verdict"
-    assert a.sharers("hang-2-1.2") == {"hang-2-1.2": frozenset()}, "agreed, shared by nobody"
+    assert a.topics("hang-2-") == {"hang-2-1.1", "hang-2-1.2"}, "agreed counts as a topic"
+    assert a.sharers("hang-2-1.2") == frozenset(), "agreed, shared by nobody"
     assert a.shared("hang-2-1.2") == {}
     with pytest.raises(RendezvousError, match="Note topic 'x@y' holds '@'"):
         a.share("x@y", b"")
