@@ -698,13 +698,13 @@ class Plan:
 
 @contextmanager
 def zookeeper(
-    servers: int, scratch: Path, tick_ms: int = contract.ZK_TICK_MS
+    servers: int, scratch: Path, tick_ms: int = contract.ZK_TICK_MS, heap: str = ZK_HEAP
 ) -> Iterator[list[testing.ZooKeeperServer]]:
     options = {**SERVER_OPTIONS, **zoocfg.timing(tick_ms)}
     if servers == 1:
-        made = [testing.ZooKeeperServer(scratch / "zk", heap=ZK_HEAP, options=options)]
+        made = [testing.ZooKeeperServer(scratch / "zk", heap=heap, options=options)]
     else:
-        made = testing.ensemble(scratch, servers, heap=ZK_HEAP, options=options)
+        made = testing.ensemble(scratch, servers, heap=heap, options=options)
     for server in made:
         server.start(wait=0)
     try:
@@ -1074,6 +1074,12 @@ def main() -> None:
         default=contract.ZK_TICK_MS,
         help="the servers' tickTime, ms (default: the product ensemble's)",
     )
+    parser.add_argument(
+        "--heap",
+        default=ZK_HEAP,
+        help=f"each server's JVM heap (default {ZK_HEAP}; the product's ensemble: "
+        f"{contract.DEFAULT_ZK_HEAP})",
+    )
     parser.add_argument("--json", type=Path, help="write every round's figures here")
     parser.add_argument(
         "--logs", type=Path, help="keep the servers' logs here (N-servers-zkI.out), to see why"
@@ -1085,7 +1091,7 @@ def main() -> None:
         return
     load = os.getloadavg()
     print(f"load average at the start: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}", flush=True)
-    print(f"servers tick every {args.tick} ms", flush=True)
+    print(f"servers tick every {args.tick} ms, heap {args.heap}", flush=True)
     sizes = [64, 256] if args.quick else [int(n) for n in args.sizes.split(",")]
     processes = 4 if args.quick else args.processes
     rounds = 3 if args.quick else args.rounds
@@ -1102,7 +1108,7 @@ def main() -> None:
             )
             with (
                 tempfile.TemporaryDirectory() as scratch,
-                zookeeper(servers, Path(scratch), args.tick) as zk,
+                zookeeper(servers, Path(scratch), args.tick, args.heap) as zk,
             ):
                 bench = Bench(plan, zk)
                 try:
