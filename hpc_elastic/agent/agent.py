@@ -542,9 +542,27 @@ class Agent:
         self._event(
             Kind.START, round=rdzv_round.number, ranks=[w.rank for w in self._group.workers]
         )
+        self._forget_past_hangs(rdzv_round)
         ended = self._monitor(self._group, rdzv_round.number)
         self._event(Kind.ROUND_ENDED, round=rdzv_round.number, outcome=ended.outcome.value)
         return ended
+
+    def _forget_past_hangs(self, rdzv_round: Round) -> None:
+        """The notes of past rounds' hangs, removed off the agent's thread by the round's first
+        member (``investigation.past_topics``): housekeeping never delays the workers' watch,
+        and one that fails (the ensemble out of reach) is tried again next round."""
+        topics = investigation.past_topics(self.rdzv, rdzv_round)
+        if not topics:
+            return
+
+        def forget() -> None:
+            try:
+                for topic in topics:
+                    self.rdzv.forget(topic)
+            except RendezvousError as error:
+                log.debug("%s: past hangs' notes not forgotten: %s", self._node, error)
+
+        threading.Thread(target=forget, name="hpc-elastic-forget-hangs", daemon=True).start()
 
     def _log_membership(self, rdzv_round: Round) -> None:
         """Node losses and arrivals, logged once per round by the node with group rank 0."""

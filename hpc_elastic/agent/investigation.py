@@ -93,8 +93,12 @@ GO_ON = b"stacks"
 """The agreed answer of stage 1 when nothing was dismissed: go on to the stacks."""
 
 
+TOPICS = "hang-"
+"""What every investigation's topic starts with: ``hang-<round>-<n>.<part>``."""
+
+
 def topic_prefix(round_number: int) -> str:
-    return f"hang-{round_number}-"
+    return f"{TOPICS}{round_number}-"
 
 
 def topic(round_number: int, number: int, part: str) -> str:
@@ -136,7 +140,7 @@ def _numbers(topics: Iterable[str], round_number: int) -> set[int]:
     numbers = set()
     for name in topics:
         number, _, _ = name.removeprefix(topic_prefix(round_number)).partition(".")
-        if number.isdigit():
+        if number.isascii() and number.isdigit():
             numbers.add(int(number))
     return numbers
 
@@ -144,6 +148,27 @@ def _numbers(topics: Iterable[str], round_number: int) -> set[int]:
 def next_number(rdzv: Rendezvous, round_number: int) -> int:
     """The number a new investigation of this round takes: one past the highest seen."""
     return max(_numbers(rdzv.topics(topic_prefix(round_number)), round_number), default=0) + 1
+
+
+def past_topics(rdzv: Rendezvous, rdzv_round: Round) -> list[str]:
+    """The topics of the investigations of rounds before the last one, when this node is the
+    round's first member (group rank 0), which alone forgets them (``Rendezvous.forget``):
+    each holds every member's evidence (about 20 MB at 4,096 nodes), which would otherwise
+    stay on the ensemble until the job closes, and a week of hourly hangs would outgrow its
+    heap. The last round's are kept: an agent leaving it may still read its verdict. From the
+    topics the store pushed: no request."""
+    if rdzv_round.group_rank(rdzv.node.node_id) != 0:
+        return []
+    return sorted(
+        name
+        for name in rdzv.topics(TOPICS)
+        if (number := _round_of(name)) is not None and number < rdzv_round.number - 1
+    )
+
+
+def _round_of(name: str) -> int | None:
+    number, dash, _ = name.removeprefix(TOPICS).partition("-")
+    return int(number) if dash and number.isascii() and number.isdigit() else None
 
 
 @dataclass(frozen=True)

@@ -280,6 +280,12 @@ class Rendezvous(ABC):
         """The answer agreed on ``topic``, or None while nobody proposed one."""
 
     @abstractmethod
+    def forget(self, topic: str) -> None:
+        """Remove every note on ``topic`` and its answer, for every member: a topic nobody
+        reads again (a past round's hang), whose notes would otherwise stay in the store
+        until the job closes."""
+
+    @abstractmethod
     def close(self) -> None:
         """Close the job for everyone: late agents exit cleanly; the job's state is removed."""
 

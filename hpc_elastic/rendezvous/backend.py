@@ -243,6 +243,12 @@ class Store(ABC):
         one agent that reads them, not listed again by every connection at each note."""
 
     @abstractmethod
+    def forget_notes(self, topic: str) -> None:
+        """Remove every note on ``topic`` and its answer: a topic nobody reads again, whose
+        notes would otherwise stay in the store until the job closes. Idempotent; every
+        connection is told of the topic's end as of a new topic."""
+
+    @abstractmethod
     def mark(self, kind: Mark, round_number: int, node_id: str, token: int) -> bool:
         """Record ``node_id``'s mark ``kind`` for round ``round_number`` if, and only if, the
         state still has ``token``: the fence that ``set_state`` applies, so that a mark

@@ -681,6 +681,10 @@ class StoreRendezvous(Rendezvous):
         key = _note_key(topic, "")
         return self._store.notes(topic).get(key)
 
+    def forget(self, topic: str) -> None:
+        log.debug("%s: forgetting the notes on %s", self.node.node_id, topic)
+        self._store.forget_notes(topic)
+
     def check_reach(self) -> None:
         if self._deadlines.out_of_reach():
             log.debug("%s: out of reach for %g s", self.node.node_id, self.settings.give_up_after)

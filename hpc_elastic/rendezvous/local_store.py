@@ -217,12 +217,8 @@ class LocalStoreServer:
                 found = [self._members[n] for n in request["nodes"] if n in self._members]
                 found.sort(key=lambda member: member.order)
                 return {"ok": True, "records": [_b64(m.data) for m in found]}, False
-            if op in ("put_note", "claim_note"):
-                return self._put_note(request["key"], _unb64(request["data"]) or b"", op)
-            if op == "notes":
-                topic = request["topic"]
-                matching = {k: _b64(v) for k, v in self._notes.items() if note_topic(k) == topic}
-                return {"ok": True, "notes": matching}, False
+            if op in ("put_note", "claim_note", "notes", "forget_notes"):
+                return self._note_request(op, request)
             if op in ("mark", "marks", "follow_marks", "put_table", "table", "forget_rounds"):
                 return self._round_request(op, request, connection), False
             if op == "is_closed":
@@ -242,6 +238,18 @@ class LocalStoreServer:
                 self._tables.clear()
                 return {"ok": True}, changed
         return {"ok": False, "error": f"unknown operation '{op}'"}, False
+
+    def _note_request(self, op: str, request: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """``Store.put_note``, ``claim_note``, ``notes`` and ``forget_notes``; the reply, and
+        whether the keys changed (every connection is then told)."""
+        if op in ("put_note", "claim_note"):
+            return self._put_note(request["key"], _unb64(request["data"]) or b"", op)
+        on_topic = [key for key in self._notes if note_topic(key) == request["topic"]]
+        if op == "notes":
+            return {"ok": True, "notes": {key: _b64(self._notes[key]) for key in on_topic}}, False
+        for key in on_topic:
+            del self._notes[key]
+        return {"ok": True}, bool(on_topic)
 
     def _put_note(self, key: str, data: bytes, op: str) -> tuple[dict[str, Any], bool]:
         """A new key is pushed to everyone (``Store.put_note``); a claim keeps the first."""
@@ -403,6 +411,9 @@ class LocalStore(CachedStore):
         it is as new as the server's (a push may still be on its way)."""
         super().follow_notes(topic)
         self._look()
+
+    def forget_notes(self, topic: str) -> None:
+        self._call("forget_notes", topic=topic)
 
     def notes(self, topic: str) -> dict[str, bytes]:
         found = self._call("notes", topic=topic)["notes"]

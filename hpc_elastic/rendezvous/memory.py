@@ -369,6 +369,15 @@ class MemoryServer:
                 self._changed()
         self._push_pending()
 
+    def _forget_notes(self, topic: str) -> None:
+        with self._lock:
+            doomed = [key for key in self._notes if note_topic(key) == topic]
+            for key in doomed:
+                del self._notes[key]
+            if doomed:
+                self._changed()
+        self._push_pending()
+
     def _read_notes(self, topic: str) -> dict[str, bytes]:
         with self._lock:
             return {key: data for key, data in self._notes.items() if note_topic(key) == topic}
@@ -466,6 +475,10 @@ class MemoryStore(CachedStore):
     def notes(self, topic: str) -> dict[str, bytes]:
         self._heard()
         return self.server._read_notes(topic)
+
+    def forget_notes(self, topic: str) -> None:
+        self._heard()
+        self.server._forget_notes(topic)
 
     @property
     def followed_topic(self) -> str | None:

@@ -565,6 +565,13 @@ class ZooKeeperStore(CachedStore):
                 found[key] = data
         return found
 
+    def forget_notes(self, topic: str) -> None:
+        """The topic's node and its notes (in transactions of ``FORGET_BATCH`` deletes), then
+        its answer."""
+        with self._converted():
+            self._client.retry(self._delete_tree, self._path("notes", topic), 1)
+            self._client.retry(self._delete, self._path("notes", f"{topic}{NOTE_SEPARATOR}"))
+
     def follow_notes(self, topic: str) -> None:
         """A children watch on the topic's node: its first listing is made before this
         returns, and a topic nobody wrote on yet is listed once its first note makes it."""

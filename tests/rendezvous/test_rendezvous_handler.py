@@ -99,6 +99,9 @@ class FakeStore(Store):
     def note_topics(self) -> frozenset[str]:
         return frozenset()
 
+    def forget_notes(self, topic: str) -> None:
+        raise NotImplementedError("the handler's tests write no notes")
+
     def note_keys(self, topic: str) -> frozenset[str]:
         return frozenset()
 

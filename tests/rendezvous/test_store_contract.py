@@ -424,6 +424,28 @@ def test_notes_are_read_by_topic_and_a_put_replaces_a_note(harness: Harness) -> 
     assert store.note_keys("hang-1-1.1") == {"hang-1-1.1@a", "hang-1-1.1@b", "hang-1-1.1@"}
 
 
+def test_a_forgotten_topic_goes_with_its_notes_and_its_answer(harness: Harness) -> None:
+    store, other = harness.connect(), harness.connect()
+    store.put_note("hang-1-1.look@a", b"a")
+    store.put_note("hang-1-1.look@b", b"b")
+    store.claim_note("hang-1-1.look@", b"answer")
+    store.put_note("hang-2-1.look@a", b"kept")
+    keys = {"hang-1-1.look@a", "hang-1-1.look@b", "hang-1-1.look@"}
+    assert other.note_keys("hang-1-1.look") == keys
+    store.forget_notes("hang-1-1.look")
+    store.forget_notes("hang-1-1.look")
+    store.forget_notes("never-written")
+    assert other.notes("hang-1-1.look") == {}
+    eventually(lambda: other.note_topics() == {"hang-2-1.look"}, "the topic goes")
+    eventually(lambda: other.note_keys("hang-1-1.look") == frozenset(), "its follower's keys go")
+    assert other.notes("hang-2-1.look") == {"hang-2-1.look@a": b"kept"}
+    store.put_note("hang-1-1.look@c", b"again")
+    assert other.notes("hang-1-1.look") == {"hang-1-1.look@c": b"again"}
+    eventually(
+        lambda: other.note_keys("hang-1-1.look") == {"hang-1-1.look@c"}, "written again, told"
+    )
+
+
 def test_the_first_claim_of_a_note_wins_and_every_claimer_learns_it(harness: Harness) -> None:
     stores = [harness.connect() for _ in range(4)]
     with ThreadPoolExecutor(len(stores)) as pool:
