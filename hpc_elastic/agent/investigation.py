@@ -153,10 +153,10 @@ def next_number(rdzv: Rendezvous, round_number: int) -> int:
 def past_topics(rdzv: Rendezvous, rdzv_round: Round) -> list[str]:
     """The topics of the investigations of rounds before the last one, when this node is the
     round's first member (group rank 0), which alone forgets them (``Rendezvous.forget``):
-    each holds every member's evidence (about 20 MB at 4,096 nodes), which would otherwise
-    stay on the ensemble until the job closes, and a week of hourly hangs would outgrow its
-    heap. The last round's are kept: an agent leaving it may still read its verdict. From the
-    topics the store pushed: no request."""
+    an investigation holds every member's evidence twice (about 20 MB at 4,096 nodes), which
+    would otherwise stay on the ensemble until the job closes, and a week of hourly hangs
+    would outgrow its heap. The last round's are kept: an agent leaving it may still read
+    its verdict. From the topics the store pushed: no request."""
     if rdzv_round.group_rank(rdzv.node.node_id) != 0:
         return []
     return sorted(
@@ -249,7 +249,7 @@ class Investigation:
     def _awaited(self, part: str) -> bytes | None:
         """The answer agreed on ``part``, waited for up to this node's turn to propose it
         (None: nobody before it proposed). The wait makes no request: the store pushes the
-        notes' keys, and the answer is read once it is there."""
+        topics, and the answer is read once its topic is there."""
         agreed, place = self._topic(part), self.rdzv_round.group_rank(self.rdzv.node.node_id)
         ends = time.monotonic() + turn(place)
         while agreed not in self.rdzv.topics(self._topic("")):
