@@ -357,12 +357,20 @@ def poll(coming: ComingSlots, interval: float, elected: Callable[[], bool]) -> N
     Every slot asking was a squeue of the whole array per slot per interval, forever: 137 a
     second at 4,096 slots, each answering 4,096 tasks. The others ask when their rendezvous
     does, and a slot that becomes the lowest learns it from the answer it gets then. A slot
-    that posts a large job's count asks every ``SQUEUE_INTERVAL``, to keep the board fresh."""
+    that posts a large job's count asks every ``SQUEUE_INTERVAL``, to keep the board fresh:
+    whether it posts is looked at every ``SQUEUE_INTERVAL``, since its first answer comes
+    after the loop starts (a sleep of ``interval`` chosen before it left the board stale for
+    20 s, and every agent of the job asked squeue at a round change meanwhile)."""
 
     def loop() -> None:
+        asked = time.monotonic()
         while True:
-            time.sleep(SQUEUE_INTERVAL if coming.posting else interval)
-            if elected():
+            time.sleep(min(SQUEUE_INTERVAL, interval))
+            if not elected():
+                continue
+            now = time.monotonic()
+            if coming.posting or now - asked >= interval:
+                asked = now
                 coming()
 
     threading.Thread(target=loop, name="hpc-elastic-held", daemon=True).start()

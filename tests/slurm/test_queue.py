@@ -129,6 +129,38 @@ def test_only_the_jobs_lowest_running_slot_asks_squeue_on_the_clock() -> None:
     lowest.clear()
 
 
+def test_the_slot_that_posts_a_large_jobs_count_keeps_it_fresh_from_its_first_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first squeue answer comes in the background, after the clock has started: the
+    clock chose its long sleep before the answer said this slot posts the count, so the board
+    went stale after its first post, and at a round change meanwhile every agent of the job
+    asked squeue (seen on the real Slurm: tests/integration/test_queue_cluster.py)."""
+    monkeypatch.setattr(queue, "SQUEUE_INTERVAL", 0.05)
+    answered = threading.Event()
+    slurm = Slurm(running(20, pending=4))
+
+    def slow_first(ids: Sequence[str]) -> list[JobStatus]:
+        answered.wait(30)
+        return slurm(ids)
+
+    def in_thread(work: Callable[[], None]) -> None:
+        threading.Thread(target=work, daemon=True).start()
+
+    coming = ComingSlots(
+        "9",
+        slow_first,
+        interval=0.0,
+        spawn=in_thread,
+        board=queue.QueueBoard(tmp_path / "queue.json"),
+        elected=lambda: True,
+    )
+    assert coming() is None
+    queue.poll(coming, 3600.0, lambda: True)  # the held-task clock's long interval
+    answered.set()
+    assert wait_until(lambda: slurm.asked >= 3, 30), "it asks every SQUEUE_INTERVAL"
+
+
 def running(tasks: int, pending: int = 0) -> list[JobStatus]:
     """A job of ``tasks + pending`` slots: ``tasks`` running, the rest waiting for resources."""
     text = "".join(f"9|{task}|RUNNING|None|n{task}\n" for task in range(tasks))
