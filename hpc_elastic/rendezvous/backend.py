@@ -236,11 +236,12 @@ class Store(ABC):
 
     @abstractmethod
     def note_keys(self, topic: str) -> frozenset[str]:
-        """The keys of the notes on ``topic`` as last pushed, following that topic from now
-        on (one topic a connection at a time: following another stops following the last).
-        The first call on a topic asks the server; the next ones make no request. Only a
-        follower is told of every key: a topic of thousands of nodes' notes is pushed to the
-        one agent that reads them, not listed again by every connection at each note."""
+        """The keys of the nodes' notes on ``topic`` (not its answer: ``notes`` reads it, and
+        ``note_topics`` tells of it) as last pushed, following that topic from now on (one
+        topic a connection at a time: following another stops following the last). The first
+        call on a topic asks the server; the next ones make no request. Only a follower is
+        told of every key: a topic of thousands of nodes' notes is pushed to the one agent
+        that reads them, not listed again by every connection at each note."""
 
     @abstractmethod
     def forget_notes(self, topic: str) -> None:
@@ -336,7 +337,7 @@ class CachedStore(Store):
         self._state: tuple[bytes | None, int] = (None, ABSENT)
         self._alive: frozenset[str] = frozenset()
         self._note_keys: frozenset[str] = frozenset()
-        """The keys known of the notes on the followed topic (a store may keep more)."""
+        """The keys known of the nodes' notes on the followed topic (a store may keep more)."""
         self._note_topics: frozenset[str] = frozenset()
         self._followed_topic: str | None = None
         self._following_notes = threading.Lock()
@@ -363,7 +364,10 @@ class CachedStore(Store):
             if not followed:
                 self.follow_notes(topic)
             with self._lock:
-                return frozenset(key for key in self._note_keys if note_topic(key) == topic)
+                answer = f"{topic}{NOTE_SEPARATOR}"
+                return frozenset(
+                    key for key in self._note_keys if note_topic(key) == topic and key != answer
+                )
 
     def follow_notes(self, topic: str) -> None:
         """Be told of every key on ``topic`` from now on (``note_keys``). This default suits a

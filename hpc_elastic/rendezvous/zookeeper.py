@@ -445,10 +445,6 @@ class ZooKeeperStore(CachedStore):
     def _init_notes(self) -> None:
         self._topic_watch: _CoalescedChildrenWatch | None = None
         """The watch on the notes of the topic this connection follows (``note_keys``)."""
-        self._heard_answers: frozenset[str] = frozenset()
-        """The keys of the topics' answers, as the watch on ``notes`` last listed them."""
-        self._heard_topic_keys: frozenset[str] = frozenset()
-        """The keys of the followed topic's notes, as its watch last listed them."""
         self._topic_follows = 0
         """How many times a topic was followed: the number of the current watch, so that a
         late listing of an earlier watch on the same topic is not taken for a newer one."""
@@ -576,8 +572,7 @@ class ZooKeeperStore(CachedStore):
         """A children watch on the topic's node: its first listing is made before this
         returns, and a topic nobody wrote on yet is listed once its first note makes it."""
         with self._lock:
-            self._followed_topic, self._heard_topic_keys = topic, frozenset()
-            self._note_keys = self._heard_answers
+            self._followed_topic, self._note_keys = topic, frozenset()
             self._topic_follows += 1
             following = (topic, self._topic_follows)
         with self._converted():
@@ -1065,8 +1060,6 @@ class ZooKeeperStore(CachedStore):
         del heard  # a note missing yet is waited for
         with self._lock:
             self._note_topics = frozenset(note_topic(name) for name in children)
-            self._heard_answers = frozenset(name for name in children if _is_answer(name))
-            self._note_keys = self._heard_answers | self._heard_topic_keys
         self._notices.put(_CHANGED)
 
     def _on_topic_notes(self, following: tuple[str, int], children: list[str], heard: int) -> None:
@@ -1075,8 +1068,7 @@ class ZooKeeperStore(CachedStore):
         with self._lock:
             if (topic, number) != (self._followed_topic, self._topic_follows):
                 return  # a late listing of a watch this connection no longer follows
-            self._heard_topic_keys = frozenset(f"{topic}{NOTE_SEPARATOR}{c}" for c in children)
-            self._note_keys = self._heard_answers | self._heard_topic_keys
+            self._note_keys = frozenset(f"{topic}{NOTE_SEPARATOR}{c}" for c in children)
         self._notices.put(_CHANGED)
 
     def _on_connection_state(self, state: str) -> None:
@@ -1104,11 +1096,6 @@ class ZooKeeperStore(CachedStore):
                     _call(on_session_lost)
             for callback in self._connection_callbacks():
                 _call(partial(callback, notice))
-
-
-def _is_answer(name: str) -> bool:
-    """Whether a name under ``notes`` is a topic's answer (``<topic>@``), not a topic's node."""
-    return name.endswith(NOTE_SEPARATOR)
 
 
 def _call(callback: Callable[[], None]) -> None:
