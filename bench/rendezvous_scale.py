@@ -80,7 +80,6 @@ from hpc_elastic.rendezvous.api import (  # noqa: E402
 from hpc_elastic.rendezvous.backend import ConnectionState  # noqa: E402
 from hpc_elastic.rendezvous.handler import Step, StoreRendezvous  # noqa: E402
 from hpc_elastic.rendezvous.zookeeper import (  # noqa: E402
-    Following,
     ZooKeeperAddress,
     ZooKeeperStore,
     open_client,
@@ -404,8 +403,7 @@ class Driver:
         self.stores: list[ZooKeeperStore] = []
         for _ in range(math.ceil(count / share)):
             client = open_client(address, None, job["session"], connect_timeout=120.0)
-            members = Following(job["members"])
-            store = ZooKeeperStore(client, address, job["run_id"], None, members=members)
+            store = ZooKeeperStore(client, address, job["run_id"], None)
             store.subscribe_connection(self._on_connection)
             self.stores.append(store)
         self.agents = [
@@ -435,27 +433,16 @@ class Driver:
         """Run one round: every agent waits for its round to be superseded (not in round 1),
         then calls ``next_round``; ``trigger``: this driver's first agent reports a failure at
         ``at``, which is what supersedes the round."""
-        before = self._traffic()
+        before = self.traffic.snapshot()
         self._digests.clear()
         outcomes = [Outcome() for _ in self.agents]
         if self.stepper is not None:
             self._stepped(command, outcomes)
         else:
             self._threaded(command, outcomes)
-        traffic = self._traffic()
+        traffic = self.traffic.snapshot()
         traffic.subtract(before)
         return self._report(command, outcomes, traffic)
-
-    def _traffic(self) -> Counter[str]:
-        """kazoo's traffic, and what the members' sessions of their own read (``members:``
-        keys; their bytes counted in ``bytes_in`` too)."""
-        traffic = self.traffic.snapshot()
-        for store in self.stores:
-            for key, value in (store.members_by_name or {}).items():
-                traffic[f"members:{key}"] += value
-                if key == "bytes_in":
-                    traffic["bytes_in"] += value
-        return traffic
 
     def _stepped(self, command: dict[str, Any], outcomes: list[Outcome]) -> None:
         assert self.stepper is not None
@@ -674,8 +661,6 @@ class Plan:
     timeout: float
     workers: int = 0
     """Threads a driver steps its agents on (``Stepper``); 0: a thread an agent."""
-    members: str = Following.BY_NAME_FROM_FIRST_ROUND.value
-    """How a connection follows the members (``Following``)."""
 
     @property
     def victims(self) -> int:
@@ -755,7 +740,6 @@ class Bench:
                 "max": self.plan.n,
                 "session": self.plan.session,
                 "workers": self.plan.workers,
-                "members": self.plan.members,
             }
             first += count
             process = subprocess.Popen(
@@ -1096,12 +1080,6 @@ def main() -> None:
         help=f"each server's JVM heap (default {ZK_HEAP}; the product's ensemble: "
         f"{contract.DEFAULT_ZK_HEAP})",
     )
-    parser.add_argument(
-        "--members",
-        choices=[following.value for following in Following],
-        default=Following.BY_NAME_FROM_FIRST_ROUND.value,
-        help="how a connection follows the members (default: the product's)",
-    )
     parser.add_argument("--json", type=Path, help="write every round's figures here")
     parser.add_argument(
         "--logs", type=Path, help="keep the servers' logs here (N-servers-zkI.out), to see why"
@@ -1114,7 +1092,6 @@ def main() -> None:
     load = os.getloadavg()
     print(f"load average at the start: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}", flush=True)
     print(f"servers tick every {args.tick} ms, heap {args.heap}", flush=True)
-    print(f"members followed: {args.members}", flush=True)
     sizes = [64, 256] if args.quick else [int(n) for n in args.sizes.split(",")]
     processes = 4 if args.quick else args.processes
     rounds = 3 if args.quick else args.rounds
@@ -1124,17 +1101,7 @@ def main() -> None:
     for n in sizes:
         for servers in (int(s) for s in args.servers.split(",")):
             share = args.share or (16 if n > SHARE_ABOVE else 1)
-            plan = Plan(
-                n,
-                servers,
-                processes,
-                share,
-                rounds,
-                args.session,
-                timeout,
-                args.workers,
-                members=args.members,
-            )
+            plan = Plan(n, servers, processes, share, rounds, args.session, timeout, args.workers)
             print(
                 f"# N={n}, servers={servers}, share={share}, drivers={len(plan.slices())}",
                 flush=True,

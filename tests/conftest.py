@@ -166,10 +166,7 @@ def private_zookeeper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]
         if _in_ci():
             pytest.fail(f"{message}; CI must test against a real ZooKeeper", pytrace=False)
         pytest.skip(message)
-    # Every connection from 127.0.0.1: a module may open more than the 60 a server takes from
-    # one address by default (each store has two, kazoo's and its members' events).
-    options = {"maxClientCnxns": "0"}
-    server = testing.ZooKeeperServer(tmp_path_factory.mktemp("zookeeper"), options=options)
+    server = testing.ZooKeeperServer(tmp_path_factory.mktemp("zookeeper"))
     server.start()
     yield server.hosts
     server.stop()

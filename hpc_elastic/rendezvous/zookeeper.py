@@ -44,7 +44,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from enum import Enum
 from functools import partial
 from typing import Any
 
@@ -81,7 +80,6 @@ from hpc_elastic.rendezvous.backend import (
 )
 from hpc_elastic.rendezvous.badnode import BadNode, check_host
 from hpc_elastic.rendezvous.handler import StoreRendezvous
-from hpc_elastic.rendezvous.member_events import MemberEvents, Unsupported
 from hpc_elastic.rendezvous.secret import require_secret
 
 logger = logging.getLogger(__name__)
@@ -115,23 +113,6 @@ may add a job, nobody may list, read, delete or re-ACL. With DELETE, anyone coul
 job node in the instant before its first child exists and re-create it as their own; with
 READ, anyone could list every job. A site that made the prefix itself should give it the same
 ACL (docs/rendezvous.md); every job node is checked on connect anyway."""
-
-
-class Following(Enum):
-    """How a connection learns who the job's members are."""
-
-    LISTED = "listed"
-    """A children watch on ``members/``: every change makes the connection list every member
-    again (O(N) bytes). Where the server has no persistent watches, every mode is this."""
-    BY_NAME = "by name"
-    """A persistent recursive watch on a session of its own (``MemberEvents``): each change
-    is one event naming the member."""
-    BY_NAME_FROM_FIRST_ROUND = "by name from the first round"
-    """Listed until the job's state records its first round (the join storm), by name from
-    then on: the default. In a join storm of N agents, following by name costs the ensemble N
-    events for each connection, N² in all (at 4,096 agents over 256 connections the storm took
-    twice as long), where listings coalesce into a few a connection; after it, a loss of k
-    members costs each connection k events, where a listing costs N names."""
 
 
 @dataclass(frozen=True)
@@ -401,15 +382,11 @@ class ZooKeeperStore(CachedStore):
         secret: str | None,
         *,
         create: bool = True,
-        members: Following = Following.BY_NAME_FROM_FIRST_ROUND,
     ) -> None:
         """``create=False`` opens the job read-only, as ``status`` and ``cancel`` do: no znode is
         created (not the prefix, not the job node), so a mistyped run id leaves no trace and a
         client never squats a path for someone else. Either way, an existing job node must
-        carry exactly the job's ACL, or RendezvousAccessError is raised.
-
-        ``members``: how the members are followed (``Following``); a job opened read-only
-        lists them."""
+        carry exactly the job's ACL, or RendezvousAccessError is raised."""
         super().__init__()
         self._client = client
         self._address = address
@@ -444,7 +421,13 @@ class ZooKeeperStore(CachedStore):
         self._following = threading.Lock()
         """One ``follow_marks`` at a time, so handlers sharing this store set one watch."""
         self._init_notes()
-        self._init_notifier(run_id)
+        self._notices: queue.SimpleQueue[_Notice] = queue.SimpleQueue()
+        self._notifier = threading.Thread(
+            target=self._deliver, name=f"zk-notify-{run_id}", daemon=True
+        )
+        self._notifier.start()
+        self._recency = _ListRecency(client, partial(self._notices.put, _CHANGED))
+        """Whether the list of members is as new as the state (``alive_is_current``)."""
         with self._converted():
             if create:
                 self._ensure_job_node()
@@ -453,29 +436,11 @@ class ZooKeeperStore(CachedStore):
             if create:
                 self._ensure_members_node()
             client.add_listener(self._on_connection_state)
-            # Members first: every state remembered is placed against what they heard.
-            self._members = _Members(
-                client,
-                address.hosts,
-                self._path("members"),
-                f"{DIGEST_USER}:{secret}" if secret else None,
-                following=members if create else Following.LISTED,
-                heard=_MembersHeard(self._on_listed, self._on_members_changed, self._on_caught_up),
-            )
+            # Members first: every state remembered is placed against what this watch heard.
+            members = _CoalescedChildrenWatch(client, self._path("members"), self._on_members)
+            self._recency.follow(members)
             DataWatch(client, self._path("state"), self._on_state)
             _CoalescedChildrenWatch(client, self._path("notes"), self._on_notes)
-
-    def _init_notifier(self, run_id: str) -> None:
-        self._notices: queue.SimpleQueue[_Notice] = queue.SimpleQueue()
-        self._telling = threading.Lock()
-        self._queued = 0
-        """Notices queued and not taken yet (``_tell``)."""
-        self._change_last = False
-        """Whether the last notice queued is a change not taken yet."""
-        self._notifier = threading.Thread(
-            target=self._deliver, name=f"zk-notify-{run_id}", daemon=True
-        )
-        self._notifier.start()
 
     def _init_notes(self) -> None:
         self._topic_watch: _CoalescedChildrenWatch | None = None
@@ -496,8 +461,8 @@ class ZooKeeperStore(CachedStore):
 
     def set_state(self, data: bytes, token: int) -> tuple[bytes | None, int, bool]:
         with self._converted():
-            current, version, zxid, won = self._client.retry(self._compare_and_set, data, token)
-        self._remember(current, version, zxid)
+            current, version, won = self._client.retry(self._compare_and_set, data, token)
+        self._remember_state(current, version)
         return current, version, won
 
     def refresh_state(self, data: bytes, token: int) -> tuple[bytes | None, int]:
@@ -511,8 +476,8 @@ class ZooKeeperStore(CachedStore):
                 changes = self._connection_changes
             if self._refreshed_at != changes:
                 with self._converted():
-                    current, version, zxid = self._client.retry(self._read_state)
-                self._remember(current, version, zxid)
+                    current, version = self._client.retry(self._read_state)
+                self._remember_state(current, version)
                 # A change during the read leaves this behind it: the next caller reads again.
                 self._refreshed_at = changes
         return self.get_state()
@@ -893,11 +858,10 @@ class ZooKeeperStore(CachedStore):
         logger.debug("zookeeper: job %s closed", self._run_id)
 
     def release(self) -> None:
-        self._members.stop()
         self._client.remove_listener(self._on_connection_state)
         self._client.stop()
         self._client.close()
-        self._tell(_STOP)
+        self._notices.put(_STOP)
 
     def _path(self, *parts: str) -> str:
         return "/".join((self._root, *parts))
@@ -977,34 +941,30 @@ class ZooKeeperStore(CachedStore):
             return None
         return data, stat
 
-    def _compare_and_set(self, data: bytes, token: int) -> tuple[bytes | None, int, int, bool]:
-        """The state after the attempt, its version and zxid, and whether it was ours."""
+    def _compare_and_set(self, data: bytes, token: int) -> tuple[bytes | None, int, bool]:
         try:
             if token == ABSENT:
                 self._create_state(data)
-                # Its zxid is not in the transaction's answer; a state that was just created
-                # has no round, so no member that the list must show (``alive_is_current``).
-                return data, 0, 0, True
+                return data, 0, True
             stat = self._client.set(self._path("state"), data, version=token)
-            return data, stat.version, stat.mzxid, True
+            return data, stat.version, True
         except (NodeExistsError, BadVersionError, NoNodeError):
-            current, version, zxid = self._get_state()
+            current, version = self._get_state()
             # A retry after a lost reply finds our own write: that is a win.
-            return current, version, zxid, current == data
+            return current, version, current == data
 
-    def _read_state(self) -> tuple[bytes | None, int, int]:
+    def _read_state(self) -> tuple[bytes | None, int]:
         # The server this connection reached again may trail the leader; ``sync`` has it
         # catch up first, so the read that follows is at least as new as any finished write.
         self._client.sync(self._path("state"))
         return self._get_state()
 
-    def _get_state(self) -> tuple[bytes | None, int, int]:
-        """The state, its version and the zxid of its write."""
+    def _get_state(self) -> tuple[bytes | None, int]:
         try:
             current, stat = self._client.get(self._path("state"))
         except NoNodeError:
-            return None, ABSENT, 0
-        return current, stat.version, stat.mzxid
+            return None, ABSENT
+        return current, stat.version
 
     def _create_state(self, data: bytes) -> None:
         """Create the state only while the job is open, in one transaction: ``check`` with
@@ -1054,7 +1014,7 @@ class ZooKeeperStore(CachedStore):
         client_id = self._client.client_id
         with self._lock:
             made = self._joined.get(node_id)
-        listed = node_id in self.alive()
+            listed = node_id in self._alive
         return client_id is not None and made == (client_id[0], data) and listed
 
     def _session_number(self) -> int:
@@ -1067,68 +1027,25 @@ class ZooKeeperStore(CachedStore):
         session: int = client_id[0]
         return session
 
-    def alive(self) -> frozenset[str]:
-        return self._members.alive()
-
     def alive_is_current(self) -> bool:
-        return self._members.current()
+        return self._recency.current()
 
-    @property
-    def members_by_name(self) -> dict[str, int] | None:
-        """What following the members by name read (lists, events, bytes, sessions), or None
-        while they are listed on every change instead."""
-        return self._members.counts()
-
-    def _remember(self, data: bytes | None, token: int, zxid: int) -> None:
-        """Keep version ``token`` of the state, written at ``zxid`` (0: none, or one with no
-        round yet), and find whether the members' list is as new as it."""
-        self._remember_state(data, token)
-        self._members.place(zxid, token)
+    def _remember_state(self, data: bytes | None, token: int) -> None:
+        super()._remember_state(data, token)
+        self._recency.place_state()
 
     def _on_state(self, data: bytes | None, stat: Any) -> None:
         """Runs in kazoo's thread: remember and hand over to the notifier, nothing more."""
-        if stat is None:
-            self._remember(data, ABSENT, 0)
-        else:
-            self._remember(data, stat.version, stat.mzxid)
-        self._tell(_CHANGED)
+        self._remember_state(data, stat.version if stat is not None else ABSENT)
+        self._notices.put(_CHANGED)
 
-    def _on_listed(self, alive: frozenset[str]) -> None:
-        """A new list of ``members/``: a member not in it may come back with another record."""
+    def _on_members(self, children: list[str], heard: int) -> None:
         with self._lock:
-            for gone in self._records.keys() - alive:
+            self._alive = frozenset(children)
+            for gone in self._records.keys() - self._alive:
                 del self._records[gone]
-        self._tell(_CHANGED)
-
-    def _on_members_changed(self, removed: frozenset[str]) -> None:
-        """The members changed (told by name), and ``removed`` went."""
-        with self._lock:
-            for gone in removed:
-                self._records.pop(gone, None)
-        self._tell(_CHANGED)
-
-    def _on_caught_up(self) -> None:
-        """The members' list caught up with a state it was found behind."""
-        self._tell(_CHANGED)
-
-    def _tell(self, notice: _Notice) -> None:
-        """Hand a notice to the notifier thread. A change right behind another that the
-        notifier has not taken yet is dropped: the subscribers read the newest view when
-        they are called, so one call serves both (a join storm of N members would otherwise
-        queue a call of every subscriber for each burst of events)."""
-        with self._telling:
-            if notice is _CHANGED and self._change_last:
-                return
-            self._change_last = notice is _CHANGED
-            self._queued += 1
-        self._notices.put(notice)
-
-    def _taken(self) -> None:
-        """The notifier took a notice off the queue."""
-        with self._telling:
-            self._queued -= 1
-            if self._queued == 0:
-                self._change_last = False
+        self._recency.listed(heard)  # after the list: it is never current before it is kept
+        self._notices.put(_CHANGED)
 
     def _on_marks(self, followed: tuple[Mark, int], children: list[str], heard: int) -> None:
         del heard  # marks are decided on as heard: a mark missing yet is waited for
@@ -1136,14 +1053,14 @@ class ZooKeeperStore(CachedStore):
             if followed != self._followed:
                 return  # the late listing of marks this connection no longer follows
             self._heard_marks = frozenset(children)
-        self._tell(_CHANGED)
+        self._notices.put(_CHANGED)
 
     def _on_notes(self, children: list[str], heard: int) -> None:
         """The topics' nodes and answers: as many names as topics, whatever the job's size."""
         del heard  # a note missing yet is waited for
         with self._lock:
             self._note_topics = frozenset(note_topic(name) for name in children)
-        self._tell(_CHANGED)
+        self._notices.put(_CHANGED)
 
     def _on_topic_notes(self, following: tuple[str, int], children: list[str], heard: int) -> None:
         del heard  # a note missing yet is waited for
@@ -1152,7 +1069,7 @@ class ZooKeeperStore(CachedStore):
             if (topic, number) != (self._followed_topic, self._topic_follows):
                 return  # a late listing of a watch this connection no longer follows
             self._note_keys = frozenset(f"{topic}{NOTE_SEPARATOR}{c}" for c in children)
-        self._tell(_CHANGED)
+        self._notices.put(_CHANGED)
 
     def _on_connection_state(self, state: str) -> None:
         """Runs in kazoo's connection thread, which must never block: only enqueue."""
@@ -1161,13 +1078,12 @@ class ZooKeeperStore(CachedStore):
             self._connection_changes += 1
             if state == KazooState.LOST:  # the session's BACK marks went with it
                 self._own_marks = frozenset()
-        self._tell(_CONNECTION_STATES[state])
+        self._notices.put(_CONNECTION_STATES[state])
 
     def _deliver(self) -> None:
         """The notifier thread: call subscribers, in the order the events came."""
         while True:
             notice = self._notices.get()
-            self._taken()
             if notice is _STOP:
                 return
             if notice is _CHANGED:
@@ -1206,125 +1122,6 @@ _CONNECTION_STATES = {
     KazooState.SUSPENDED: ConnectionState.SUSPENDED,
     KazooState.LOST: ConnectionState.LOST,
 }
-
-
-@dataclass(frozen=True)
-class _MembersHeard:
-    """What ``_Members`` tells its store (on a thread of the watch's; none may block)."""
-
-    listed: Callable[[frozenset[str]], None]
-    """A new list of every member (listed by the children watch)."""
-    changed: Callable[[frozenset[str]], None]
-    """The members changed (told by name); the argument: those removed."""
-    caught_up: Callable[[], None]
-    """The list caught up with a state that ``current`` found it behind."""
-
-
-class _Members:
-    """The live members of one connection's job, and whether their list is as new as the
-    state (``Store.alive_is_current``): listed by a children watch, then, as ``following``
-    says, followed by name once the server's session of their own has listed them.
-
-    The switch is made once and never back: a ``MemberEvents`` cut off opens its session
-    again by itself. A server that cannot follow by name (before 3.6), or takes no second
-    connection from this address, leaves the members listed."""
-
-    def __init__(
-        self,
-        client: KazooClient,
-        hosts: str,
-        path: str,
-        credentials: str | None,
-        *,
-        following: Following,
-        heard: _MembersHeard,
-    ) -> None:
-        self._hosts = hosts
-        self._path = path
-        self._credentials = credentials
-        self._following = following
-        self._heard = heard
-        self._listed: frozenset[str] = frozenset()
-        self._events: MemberEvents | None = None
-        self._switching = threading.Lock()
-        self._switch_asked = False
-        self._stopped = False
-        self._state_zxid = 0
-        """The newest state's zxid placed: the members' events must catch up with it too."""
-        self._recency = _ListRecency(client, heard.caught_up)
-        # The watch lists the members once before it returns.
-        self._watch = _CoalescedChildrenWatch(client, path, self._on_listed)
-        self._recency.follow(self._watch)
-        if following is Following.BY_NAME:
-            self._switch()
-
-    def alive(self) -> frozenset[str]:
-        events = self._events
-        return self._listed if events is None else events.members()
-
-    def current(self) -> bool:
-        events = self._events
-        return self._recency.current() if events is None else events.current()
-
-    def place(self, zxid: int, version: int) -> None:
-        """A state of ``version``, written at ``zxid``, was remembered."""
-        # Trick: the zxid is kept before the events are looked at, and ``_switch`` looks at
-        # the zxid after it sets the events: whichever runs second places this state there.
-        self._state_zxid = max(self._state_zxid, zxid)
-        events = self._events
-        if events is None:
-            self._recency.place_state()
-        else:
-            events.place(zxid)
-        if self._following is Following.BY_NAME_FROM_FIRST_ROUND and version >= 1:
-            self._switch_soon()
-
-    def counts(self) -> dict[str, int] | None:
-        events = self._events
-        return None if events is None else dict(events.counts)
-
-    def stop(self) -> None:
-        with self._switching:
-            self._switch_asked = self._stopped = True  # no switch after this
-            events = self._events
-        if events is not None:
-            events.stop()
-
-    def _on_listed(self, children: list[str], heard: int) -> None:
-        if self._events is not None:
-            return  # a listing on its way when the events took over
-        self._listed = frozenset(children)
-        self._heard.listed(self._listed)
-        self._recency.listed(heard)  # after the list is kept: it is never current before
-
-    def _switch_soon(self) -> None:
-        """The state recorded a round (its version is 1 or more): switch, off this thread,
-        which is kazoo's or a handler's (the session takes a round trip or a few)."""
-        with self._switching:
-            if self._switch_asked:
-                return
-            self._switch_asked = True
-        threading.Thread(target=self._switch, name=f"zk-members-switch{self._path}").start()
-
-    def _switch(self) -> None:
-        events = MemberEvents(
-            self._hosts, self._path, self._credentials, self._heard.changed, self._heard.caught_up
-        )
-        try:
-            events.start(CONNECT_TIMEOUT)
-        except (Unsupported, OSError) as error:
-            logger.debug("zookeeper: members of %s still listed: %s", self._path, error)
-            return
-        with self._switching:
-            if not self._stopped:
-                self._events = events
-        if self._events is not events:  # the store was released meanwhile
-            events.stop()
-            return
-        events.place(self._state_zxid)
-        self._watch.stop()
-        logger.debug("zookeeper: members of %s followed by name", self._path)
-        self._heard.changed(self._listed - events.members())
 
 
 class _ListRecency:

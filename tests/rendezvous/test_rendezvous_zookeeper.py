@@ -43,7 +43,6 @@ from hpc_elastic.rendezvous.handler import StoreRendezvous
 from hpc_elastic.rendezvous.state import JobState as State
 from hpc_elastic.rendezvous.state import encode, encode_node
 from hpc_elastic.rendezvous.zookeeper import (
-    Following,
     ZooKeeperAddress,
     ZooKeeperStore,
     bad_node_book,
@@ -277,38 +276,26 @@ def test_a_session_expiry_counts_as_losing_the_node(
 
 
 @integration
-@pytest.mark.parametrize("members", [Following.BY_NAME, Following.LISTED], ids=str)
 def test_a_member_whose_list_trails_the_round_waits_for_it_instead_of_ending_the_round(
-    zk: str, pool: ThreadPoolExecutor, caplog: pytest.LogCaptureFixture, members: Following
+    zk: str, pool: ThreadPoolExecutor, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A round that grows counts its newcomer, and a member whose connection has not listed
     the newcomer yet reads that round: it must wait for its list, not count the newcomer gone
     and end the round (every member would restart once more, for nothing). The observer's
-    news of ``members/`` is held back by the test until the observer has read the round: its
-    listings, or its members' events (and with them the answers that say how new they are)."""
+    listings of ``members/`` are held back by the test until the observer has read the round."""
     address = ZooKeeperAddress.parse(zk)
     first = connect(zk, settings(), NodeInfo("first", "127.0.0.1", 1), secret=SECRET)
     client = open_client(address, SECRET, SESSION)
-    store = ZooKeeperStore(client, address, "job", SECRET, members=members)
-    by_name = members is Following.BY_NAME
-    assert (store.members_by_name is not None) == by_name
+    store = ZooKeeperStore(client, address, "job", SECRET)
     observer = StoreRendezvous(settings(), NodeInfo("observer", "127.0.0.1", 1), store)
     newcomer = connect(zk, settings(), NodeInfo("newcomer", "127.0.0.1", 1), secret=SECRET)
     held = threading.Event()
     listing = client.get_children
-    events = store._members._events  # MemberEvents, whose ``_apply`` takes each burst
-    apply: Any = getattr(events, "_apply", None)
 
     def held_back(path: str, *args: Any, **kwargs: Any) -> Any:
         if path.endswith("/members") and held.is_set():
             assert wait_until(lambda: not held.is_set(), DEADLINE * 2), "never let go"
         return listing(path, *args, **kwargs)
-
-    def held_events(burst: Any) -> None:
-        # The members' events thread waits here with a burst it read: the later ones wait too.
-        if held.is_set():
-            assert wait_until(lambda: not held.is_set(), DEADLINE * 2), "never let go"
-        apply(burst)
 
     try:
         # ``first`` joins first, so it is rank 0 and completes the next round, not the observer.
@@ -317,10 +304,7 @@ def test_a_member_whose_list_trails_the_round_waits_for_it_instead_of_ending_the
         formed = [leading, pool.submit(observer.next_round)]
         assert {future.result(DEADLINE).number for future in formed} == {1}
         monkeypatch = pytest.MonkeyPatch()
-        if by_name:
-            monkeypatch.setattr(events, "_apply", held_events)
-        else:
-            monkeypatch.setattr(client, "get_children", held_back)
+        monkeypatch.setattr(client, "get_children", held_back)
         held.set()
         futures = [pool.submit(newcomer.next_round)]
         wait_for_member(zk, "newcomer")

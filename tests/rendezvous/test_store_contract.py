@@ -34,7 +34,6 @@ from hpc_elastic.rendezvous.handler import StoreRendezvous
 from hpc_elastic.rendezvous.local_store import LocalStore, LocalStoreServer
 from hpc_elastic.rendezvous.memory import ManualClock, MemoryServer, MemoryStore
 from hpc_elastic.rendezvous.zookeeper import (
-    Following,
     ZooKeeperAddress,
     ZooKeeperStore,
     answer_wait,
@@ -104,16 +103,13 @@ class LocalHarness:
 
 
 class ZooKeeperHarness:
-    def __init__(self, hosts: str, *, members: Following = Following.BY_NAME) -> None:
-        """``members``: followed by name from the start (so that every test here holds
-        for it), or listed on every change (as where the server cannot follow by name)."""
+    def __init__(self, hosts: str) -> None:
         self.address = ZooKeeperAddress.parse(f"{hosts}/contract-{uuid.uuid4().hex}")
-        self.members = members
         self.made: list[ZooKeeperStore] = []
 
     def connect(self) -> Store:
         client = open_client(self.address, SECRET, SESSION)
-        store = ZooKeeperStore(client, self.address, "job", SECRET, members=self.members)
+        store = ZooKeeperStore(client, self.address, "job", SECRET)
         self.made.append(store)
         return store
 
@@ -135,7 +131,7 @@ class ZooKeeperHarness:
             store.release()
 
 
-@pytest.fixture(params=["memory", "local", "zookeeper", "zookeeper, members listed"])
+@pytest.fixture(params=["memory", "local", "zookeeper"])
 def harness(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]:
     made: Harness
     if request.param == "memory":
@@ -143,9 +139,7 @@ def harness(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]
     elif request.param == "local":
         made = LocalHarness(tmp_path)
     else:
-        hosts = request.getfixturevalue("private_zookeeper")
-        listed = request.param != "zookeeper"
-        made = ZooKeeperHarness(hosts, members=Following.LISTED if listed else Following.BY_NAME)
+        made = ZooKeeperHarness(request.getfixturevalue("private_zookeeper"))
     yield made
     made.close()
 
@@ -918,10 +912,7 @@ def test_a_connect_attempt_the_server_never_answers_is_tried_again_long_before_t
     stores: list[ZooKeeperStore] = []
     silent: socket.socket | None = None
     try:
-        # Members listed, not followed by name: the silent listener is for kazoo's attempt,
-        # and the members' session of its own would take it as soon.
-        client = open_client(address, SECRET, 60.0)
-        stores.append(ZooKeeperStore(client, address, "job", SECRET, members=Following.LISTED))
+        stores.append(ZooKeeperStore(open_client(address, SECRET, 60.0), address, "job", SECRET))
         recorder = Recorder(stores[0])
         server.stop()
         eventually(partial(told_states, recorder, 1), "SUSPENDED")
