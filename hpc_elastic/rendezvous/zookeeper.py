@@ -6,6 +6,9 @@ Layout of one job, under an optional chroot::
     /hpc-elastic/<run_id>            digest ACL of the job's secret only; checked on connect
         state                        JSON JobState; its znode version is the CAS token
         members/<node_id>            ephemeral, one per live agent; data = NodeInfo JSON
+        sentinels/<i>                ephemeral, ``SENTINELS`` of them: the connections that list
+                                     the members and write each change into the roster
+        roster                       the last changes of members/, for every other connection
         notes/<topic>/<node_id>      persistent notes (``Store.put_note``): a hang's evidence
         notes/<topic>@               a topic's answer (``Store.claim_note``), created once
         back/<round>/<node_id>       ephemeral marks (``Store.mark``, ``Mark.BACK``), empty
@@ -58,14 +61,14 @@ from kazoo.exceptions import (
     SessionExpiredError,
 )
 from kazoo.handlers.threading import KazooTimeoutError, SequentialThreadingHandler
-from kazoo.protocol.states import Callback, WatchedEvent
+from kazoo.protocol.states import WatchedEvent
 from kazoo.recipe.watchers import DataWatch
 from kazoo.retry import RetryFailedError
 from kazoo.security import ACL, OPEN_ACL_UNSAFE, Id, Permissions, make_digest_acl
 
 from hpc_elastic.errors import RendezvousAccessError, RendezvousClosedError, RendezvousError
+from hpc_elastic.rendezvous import roster, tables
 from hpc_elastic.rendezvous import state as st
-from hpc_elastic.rendezvous import tables
 from hpc_elastic.rendezvous.api import NodeInfo, RendezvousSettings
 from hpc_elastic.rendezvous.backend import (
     ABSENT,
@@ -94,6 +97,13 @@ ROUNDS_SEEN = 8
 """Rounds' nodes for marks a connection remembers to exist (``_round_made``)."""
 COALESCE = 0.02
 """Seconds a membership change waits for others before the member list is fetched again."""
+SENTINELS = 2
+"""Connections of a job that list its members and write each change into the roster; every
+other connection reads the roster (``_Members``). Two, so that the loss of one leaves the
+roster written while the others list once and one of them takes the free slot."""
+ROSTER_PATIENCE = 1.0
+"""Seconds a connection whose list is older than its state waits for the roster before it
+lists the members itself (a sentinel may be slow or cut off)."""
 ANSWER_WAIT = 2.0
 """Seconds a connect attempt first waits for the server's answer (``answer_wait``)."""
 
@@ -357,21 +367,22 @@ class ZooKeeperStore(CachedStore):
     or connection threads: kazoo forbids blocking there, and a subscriber may well block (the
     agent asks Slurm how many nodes to expect, which can take a minute).
 
-    Why 57 methods: it is the ``Store`` interface on ZooKeeper (twenty methods, and
-    ``session_id`` and ``job_exists`` for tests and ``close_job``), and under each request the
-    one ZooKeeper operation that kazoo's ``retry`` may run twice, written so that a retry after
-    a lost reply finds its own write (seventeen: the compare-and-set, the fenced mark, the
-    batched deletes of a forgotten round, the synced read of the state and the transactions
-    that keep a closed job closed among them),
-    with the session id they check (``_session_number``) and what this connection knows it
-    made (``_joined_already``, ``_round_made``); the four steps that open a job's nodes
-    and refuse one another user made, and the one that makes a round's nodes; kazoo's watch and
-    connection callbacks, the notifier thread that hands them on, the state remembered and the
-    marks seen (eight). All of them share one client, one job path and one ACL, which is why
+    Why 63 methods: it is the ``Store`` interface on ZooKeeper (twenty methods, and
+    ``session_id``, ``sentinel`` and ``job_exists`` for tests and ``close_job``), and under each
+    request the one ZooKeeper operation that kazoo's ``retry`` may run twice, written so that a
+    retry after a lost reply finds its own write (seventeen: the compare-and-set, the fenced
+    mark, the batched deletes of a forgotten round, the synced read of the state and the
+    transactions that keep a closed job closed among them), with the session id they check
+    (``_session_number``) and what this connection knows it made (``_joined_already``,
+    ``_round_made``); the four steps that open a job's nodes and refuse one another user made,
+    and the one that makes a round's nodes; kazoo's watch and connection callbacks, the notifier
+    thread that hands them on, the state remembered and the marks seen (eight). All of them
+    share one client, one job path and one ACL, which is why
     they are one class. What needs none of that lives apart: the cached state, members and
     subscribers (``CachedStore``), the client and its retry and timeouts (``open_client``), the
-    coalesced children watch (``_CoalescedChildrenWatch``), whether the list of members is as
-    new as the state (``_ListRecency``), the users' bad-node books (``BadNodeBook``).
+    coalesced watches (``_CoalescedWatch``), who is alive and whether the list is as new as
+    the state (``_Members``: the sentinels and the roster), the users' bad-node books
+    (``BadNodeBook``).
     """
 
     def __init__(
@@ -382,11 +393,13 @@ class ZooKeeperStore(CachedStore):
         secret: str | None,
         *,
         create: bool = True,
+        sentinels: int = SENTINELS,
     ) -> None:
         """``create=False`` opens the job read-only, as ``status`` and ``cancel`` do: no znode is
         created (not the prefix, not the job node), so a mistyped run id leaves no trace and a
         client never squats a path for someone else. Either way, an existing job node must
-        carry exactly the job's ACL, or RendezvousAccessError is raised."""
+        carry exactly the job's ACL, or RendezvousAccessError is raised. ``sentinels``: the
+        job's number of sentinel slots, the same on every connection of the job."""
         super().__init__()
         self._client = client
         self._address = address
@@ -426,8 +439,15 @@ class ZooKeeperStore(CachedStore):
             target=self._deliver, name=f"zk-notify-{run_id}", daemon=True
         )
         self._notifier.start()
-        self._recency = _ListRecency(client, partial(self._notices.put, _CHANGED))
-        """Whether the list of members is as new as the state (``alive_is_current``)."""
+        self._members = _Members(
+            client,
+            self._root,
+            self._acl,
+            self._on_members,
+            partial(self._notices.put, _CHANGED),
+            sentinels=sentinels if create else 0,
+        )
+        """Who is alive, and whether that is as new as the state (``alive_is_current``)."""
         with self._converted():
             if create:
                 self._ensure_job_node()
@@ -436,9 +456,7 @@ class ZooKeeperStore(CachedStore):
             if create:
                 self._ensure_members_node()
             client.add_listener(self._on_connection_state)
-            # Members first: every state remembered is placed against what this watch heard.
-            members = _CoalescedChildrenWatch(client, self._path("members"), self._on_members)
-            self._recency.follow(members)
+            self._members.start()
             DataWatch(client, self._path("state"), self._on_state)
             _CoalescedChildrenWatch(client, self._path("notes"), self._on_notes)
 
@@ -452,6 +470,11 @@ class ZooKeeperStore(CachedStore):
     @property
     def where(self) -> str:
         return f"ZooKeeper at '{self._address}'"
+
+    @property
+    def sentinel(self) -> bool:
+        """Whether this connection lists the members for the job's others (``_Members``)."""
+        return self._members.sentinel
 
     @property
     def session_id(self) -> tuple[int, bytes]:
@@ -854,6 +877,8 @@ class ZooKeeperStore(CachedStore):
             for kind in Mark:  # <kind>/<round>/<node_id>
                 self._client.retry(self._delete_tree, self._path(kind.value), 2)
             self._client.retry(self._delete_tree, self._path("rounds"), 3)  # <r>/<digest>/<i>
+            self._client.retry(self._delete_tree, self._path("sentinels"), 1)
+            self._client.retry(self._delete, self._path("roster"))
             self._client.retry(self._delete, self._path("state"))
         logger.debug("zookeeper: job %s closed", self._run_id)
 
@@ -895,8 +920,8 @@ class ZooKeeperStore(CachedStore):
         """``members`` and ``notes``, not once the job is closed: the absence of ``members``
         is what keeps a closed job closed."""
         if self._client.retry(self._client.exists, self._path("closed")) is None:
-            self._client.retry(self._create, self._path("members"), b"", False)
-            self._client.retry(self._create, self._path("notes"), b"", False)
+            for name in ("members", "notes", "sentinels", "roster"):
+                self._client.retry(self._create, self._path(name), b"", False)
 
     def _verify_acl(self) -> None:
         """Refuse a job node that is not exactly ours. Anyone may create children of the
@@ -1028,23 +1053,22 @@ class ZooKeeperStore(CachedStore):
         return session
 
     def alive_is_current(self) -> bool:
-        return self._recency.current()
+        return self._members.current()
 
     def _remember_state(self, data: bytes | None, token: int) -> None:
         super()._remember_state(data, token)
-        self._recency.place_state()
+        self._members.place_state()
 
     def _on_state(self, data: bytes | None, stat: Any) -> None:
         """Runs in kazoo's thread: remember and hand over to the notifier, nothing more."""
         self._remember_state(data, stat.version if stat is not None else ABSENT)
         self._notices.put(_CHANGED)
 
-    def _on_members(self, children: list[str], heard: int) -> None:
+    def _on_members(self, alive: frozenset[str]) -> None:
         with self._lock:
-            self._alive = frozenset(children)
+            self._alive = alive
             for gone in self._records.keys() - self._alive:
                 del self._records[gone]
-        self._recency.listed(heard)  # after the list: it is never current before it is kept
         self._notices.put(_CHANGED)
 
     def _on_marks(self, followed: tuple[Mark, int], children: list[str], heard: int) -> None:
@@ -1124,35 +1148,73 @@ _CONNECTION_STATES = {
 }
 
 
-class _ListRecency:
-    """Whether a connection's list of members is as new as the state it holds
+class _Members:
+    """Who is alive, as this connection knows it, and whether that is as new as a state
     (``Store.alive_is_current``).
 
-    The list comes from a children watch, fetched ``COALESCE`` and a round trip after each
-    change it hears, apart from the state, so a state may count a member the list does not
-    show yet. ZooKeeper tells a connection of changes in their order: every change of
-    ``members/`` made before a state was written is heard before that state arrives. So the
-    list is as new as the state once a listing asked for after all those changes were heard
-    has come back.
+    A connection that holds one of the job's ``sentinels/<i>`` slots (ephemeral: the first
+    connections to come claim them) lists ``members/`` at each burst of changes and writes
+    what changed into the roster (``roster.py``); every other connection reads the roster at
+    each version and carries its members on. So a loss of a few costs a connection a read of
+    a few names, where every connection listing all N of them cost the ensemble O(N²) bytes.
+    A connection lists the members itself when the roster cannot carry it (it fell behind,
+    or a sentinel could not tell the change from the roster's end) or keeps it waiting
+    longer than ``ROSTER_PATIENCE`` (a sentinel slow, or lost and not replaced yet).
+
+    The list is named by the ``pzxid`` of ``members/`` (``Members.upto``). Whether it is as new
+    as a state: an ``exists`` of ``members/`` asked after the state was read answers with a
+    ``pzxid`` at least that of every member made or deleted before the state was written; the
+    list is as new once its ``upto`` reaches that. This holds through connection losses: a
+    change missed while cut off is one the next ``exists`` counts and the list does not show.
     """
 
-    def __init__(self, client: KazooClient, tell: Callable[[], None]) -> None:
-        """``tell()``: called when the list catches up after ``current`` said no."""
+    def __init__(
+        self,
+        client: KazooClient,
+        root: str,
+        acl: list[ACL],
+        on_members: Callable[[frozenset[str]], None],
+        tell: Callable[[], None],
+        *,
+        sentinels: int,
+    ) -> None:
+        """``on_members(ids)``: a newer list, to keep; ``tell()``: called when the list
+        catches up after ``current`` said no. ``sentinels``: slots this connection may claim
+        (0: it only follows, as a read-only store does)."""
         self._client = client
+        self._path = f"{root}/members"
+        self._roster_path = f"{root}/roster"
+        self._slots = [f"{root}/sentinels/{i}" for i in range(sentinels)]
+        self._acl = acl
+        self._on_members = on_members
         self._tell = tell
         self._lock = threading.Lock()
-        self._watch: _CoalescedChildrenWatch | None = None
-        self._listed = 0
-        """How many changes the watch had heard when the list kept was asked for."""
+        self._members = roster.NOBODY
+        self._chain: roster.Members | None = None
+        """The members at the roster's end when this sentinel last read or wrote it."""
         self._needed = 0
-        """How many it had heard when the latest state was placed among its events."""
-        self._placing = 0
-        """States remembered whose place among the events is not known yet."""
+        """The ``pzxid`` of ``members/`` after the latest state was read."""
+        self._asking = 0
+        """``exists`` asked for states and not answered yet."""
+        self._unanswered = False
+        """An ``exists`` went unanswered (a connection loss): asked again once back."""
         self._awaited = False
         """Whether ``current`` said no since the list last caught up."""
+        self._roles = threading.Lock()
+        self._slot: str | None = None
+        """The sentinel slot this connection holds."""
+        self._listing: _MembersWatch | None = None
+        self._following: _CoalescedDataWatch | None = None
+        self._patient = False
+        """A listing after ``ROSTER_PATIENCE`` is scheduled."""
 
-    def follow(self, watch: _CoalescedChildrenWatch) -> None:
-        self._watch = watch
+    def start(self) -> None:
+        self._client.add_listener(self._on_session)
+        self._take_role()
+
+    @property
+    def sentinel(self) -> bool:
+        return self._slot is not None
 
     def current(self) -> bool:
         with self._lock:
@@ -1160,54 +1222,200 @@ class _ListRecency:
             self._awaited = self._awaited or not current
         return current
 
-    def listed(self, heard: int) -> None:
-        """A list was kept, asked for when the watch had heard ``heard`` changes."""
-        with self._lock:
-            self._listed = max(self._listed, heard)
-            self._awaited = self._awaited and not self._current()
-
     def place_state(self) -> None:
-        """Find how many changes of the membership came before the state just remembered.
-
-        Trick: kazoo's connection thread reads the server's messages in order, queues each
-        watch event for its one callback thread, and hands each reply to the thread waiting
-        for it at once. So when a reply (the state a watch read, or the answer to a
-        compare-and-set) is in hand, the events that came before it may still wait in that
-        queue. A callback queued now runs after all of them: they are counted by then."""
+        """Ask ``members/``'s ``pzxid`` for the state just read (answered in kazoo's callback
+        thread, which must not block: ``_answered`` only records)."""
         with self._lock:
-            self._placing += 1
-        self._client.handler.dispatch_callback(Callback("completion", self._placed, ()))
+            self._asking += 1
+        self._client.exists_async(self._path).rawlink(self._answered)
 
-    def _placed(self) -> None:
-        """Runs in kazoo's callback thread, after every event that came before the state."""
-        assert self._watch is not None, "a state was placed before the members were watched"
+    def _answered(self, result: Any) -> None:
         with self._lock:
-            self._placing -= 1
-            self._needed = self._watch.heard
+            self._asking -= 1
+            try:
+                stat = result.get_nowait()
+            except KazooException:
+                stat = None
+                self._unanswered = True  # the connection was lost: asked again once back
+            if stat is not None:
+                self._needed = max(self._needed, stat.pzxid)
+            behind = self._members.upto < self._needed and not self.sentinel
+            wait = behind and not self._patient
+            self._patient = self._patient or wait
+        self._caught_up()
+        if wait:
+            _later(ROSTER_PATIENCE, self._list_if_behind)
+
+    def _current(self) -> bool:
+        return self._asking == 0 and not self._unanswered and self._members.upto >= self._needed
+
+    def _caught_up(self) -> None:
+        with self._lock:
             tell = self._awaited and self._current()
             self._awaited = self._awaited and not tell
         if tell:
             self._tell()
 
-    def _current(self) -> bool:
-        return self._placing == 0 and self._listed >= self._needed
+    def _keep(self, members: roster.Members) -> roster.Members:
+        """Keep ``members`` if newer than the list held; the list held before."""
+        with self._lock:
+            before = self._members
+            if members.upto > before.upto:
+                self._members = members
+                self._on_members(members.ids)  # under the lock: never an older list after
+        self._caught_up()
+        return before
+
+    def _list(self) -> None:
+        """Read the whole list once, without a watch: the roster tells of the next change."""
+        try:
+            children, stat = self._client.retry(
+                self._client.get_children, self._path, include_data=True
+            )
+        except NoNodeError:
+            self._keep(roster.CLOSED)  # only close_job removes members/
+            return
+        self._keep(roster.Members(frozenset(children), stat.pzxid))
+
+    def _list_if_behind(self) -> None:
+        with self._lock:
+            self._patient = False
+            behind = self._members.upto < self._needed and not self.sentinel
+        if behind:
+            logger.debug("zookeeper: the roster kept %s waiting; listing it", self._path)
+            with suppress(KazooException):
+                self._list()
+
+    # --- a sentinel ---------------------------------------------------------------------
+
+    def _listed(self, listed: roster.Members) -> None:
+        """A sentinel's list: kept, then written into the roster for the others. (A late
+        list of a watch stopped meanwhile is as true as any: kept and written too.)"""
+        before = self._keep(listed)
+        with suppress(NoNodeError):  # the job was closed: nobody follows the roster now
+            self._client.retry(self._write_roster, before, listed)
+
+    def _write_roster(self, before: roster.Members, listed: roster.Members) -> None:
+        """Add the batch from the roster's end to ``listed``, by compare-and-set. The batch
+        is a difference from the members at the roster's end (``_chain``): this sentinel
+        knows them if the roster carries on, over the other sentinel's batches, from the
+        members at its end when this one last read it, or from the list it held before
+        (``before``: its previous list, or the members it followed before it took the slot);
+        otherwise the batch restarts the chain, and every follower lists. A retry after a lost
+        reply finds its own batch there, and adds nothing."""
+        while True:
+            data, stat = self._client.get(self._roster_path)
+            written = roster.decode(data)
+            with self._lock:
+                known = [m for m in (self._chain, before, listed) if m is not None]
+                end = written.end(known)
+                self._chain = end or self._chain
+            advanced = written.advanced(end, listed)
+            if advanced is None:
+                return
+            try:
+                self._client.set(self._roster_path, advanced.encode(), version=stat.version)
+            except BadVersionError:
+                continue  # another sentinel wrote meanwhile: carried on over its batch
+            with self._lock:
+                self._chain = listed
+            return
+
+    # --- roles ----------------------------------------------------------------------------
+
+    def _take_role(self) -> None:
+        """Claim a free sentinel slot, or follow the roster; watch the slots held by others.
+        Nobody lists when a sentinel is lost: the other sentinel writes on, and a connection
+        that takes a free slot carries the roster on from the members it followed (a state
+        that needs a change written meanwhile waits ``ROSTER_PATIENCE`` at most)."""
+        with self._roles:
+            if self._slot is None:
+                self._slot = self._claimed()
+            if self._slot is not None:
+                self._sentinel()
+            else:
+                self._follower()
+            for slot in self._slots:
+                if slot != self._slot:
+                    self._client.retry(self._client.exists, slot, self._on_slot)
+
+    def _claimed(self) -> str | None:
+        for slot in self._slots:
+            # Trick: an ephemeral create is the claim, and NodeExists says another holds it,
+            # unless it is this session's own node from an attempt whose reply was lost.
+            try:
+                self._client.retry(self._client.create, slot, b"", acl=self._acl, ephemeral=True)
+            except NodeExistsError:
+                stat = self._client.retry(self._client.exists, slot)
+                client_id = self._client.client_id
+                if stat is None or client_id is None or stat.ephemeralOwner != client_id[0]:
+                    continue
+            except NoNodeError:
+                return None  # no slots: the job is closed
+            logger.debug("zookeeper: this connection lists %s (%s)", self._path, slot)
+            return slot
+        return None
+
+    def _sentinel(self) -> None:
+        if self._following is not None:
+            self._following.stop()
+            self._following = None
+        if self._listing is None:
+            self._listing = _MembersWatch(self._client, self._path, self._listed)
+
+    def _follower(self) -> None:
+        if self._listing is not None:
+            self._listing.stop()
+            self._listing = None
+        if self._following is None:
+            self._following = _CoalescedDataWatch(
+                self._client, self._roster_path, self._roster_read
+            )
+
+    def _roster_read(self, data: bytes | None, heard: int) -> None:
+        del heard  # the roster names the list it carries to by its pzxid
+        carried = roster.decode(data or b"").carried(self._members)
+        if data is None:
+            self._keep(roster.CLOSED)  # only close_job removes the roster
+        elif carried is not None:
+            self._keep(carried)
+        else:
+            self._list()
+
+    def _on_slot(self, event: WatchedEvent) -> None:
+        """Runs in kazoo's callback thread, which must not block."""
+        del event  # a slot freed may be taken; one taken is watched again
+        _later(0, self._retake_role)
+
+    def _retake_role(self) -> None:
+        with suppress(KazooException):
+            self._take_role()
+
+    def _on_session(self, state: str) -> None:
+        """Runs in kazoo's connection thread: it must not block, so it only schedules."""
+        if state == KazooState.LOST:
+            self._slot = None  # the slot went with the session
+            _later(0, self._retake_role)
+        elif state == KazooState.CONNECTED:
+            with self._lock:
+                ask = self._unanswered
+                self._unanswered = False
+            if ask:
+                self.place_state()
 
 
-class _CoalescedChildrenWatch:
-    """kazoo's ChildrenWatch, except that a burst of changes costs one fetch of the list: when
-    N agents join at once, each connection would otherwise fetch the growing list N times."""
+class _CoalescedWatch:
+    """A watch whose burst of events costs one read, ``COALESCE`` after the first: when N
+    agents join at once, each connection would otherwise read the growing list N times. It
+    reads again once the connection is back, since an event may have gone unheard meanwhile.
+    Subclasses say what is read (``_read``)."""
 
-    def __init__(
-        self, client: KazooClient, path: str, on_children: Callable[[list[str], int], None]
-    ) -> None:
-        """``on_children(children, heard)``: a new list, and how many changes the watch had
-        heard (``heard``) when it asked for it: the list shows each of them."""
+    def __init__(self, client: KazooClient, path: str) -> None:
         self._client = client
         self._path = path
-        self._on_children = on_children
         self._lock = threading.Lock()
         self._fetching = threading.Lock()
-        """One fetch and callback at a time, so a newer list is never overwritten by an older."""
+        """One read and callback at a time, so a newer read is never overwritten by an older."""
         self._scheduled = False
         self._established = False
         self._stopped = False
@@ -1243,9 +1451,7 @@ class _CoalescedChildrenWatch:
             if self._scheduled:
                 return
             self._scheduled = True
-        timer = threading.Timer(COALESCE, self._refetch)
-        timer.daemon = True
-        timer.start()
+        _later(COALESCE, self._refetch)
 
     def _refetch(self) -> None:
         with self._fetching:
@@ -1260,25 +1466,95 @@ class _CoalescedChildrenWatch:
             return
         with self._lock:
             asked = self.heard
-        children: list[str] = []
         for _ in range(3):
             try:
-                children = self._client.retry(
-                    self._client.get_children, self._path, watch=self._on_event
-                )
+                self._read(asked)
                 break
             except NoNodeError:
-                # Only close_job removes the members node: the job is closed and nobody is
-                # left (a member whose deletion fired this watch must not linger in alive()).
-                # A round's marks go with forget_rounds, and then none is left either. A
-                # topic's node is made by its first note. Trick: a children watch cannot be
-                # set on a missing node, but an exists watch can, and it fires when the node
-                # is made; made meanwhile, it is listed again.
-                children = []
+                # Trick: a watch cannot be set on a missing node by a read, but an exists
+                # watch can, and it fires when the node is made; made meanwhile, it is read
+                # again.
                 if self._client.retry(self._client.exists, self._path, self._on_event) is None:
+                    self._absent(asked)
                     break
+        else:
+            self._absent(asked)  # made and removed again at every read: as good as absent
         self._established = True
+
+    def _read(self, asked: int) -> None:
+        raise NotImplementedError
+
+    def _absent(self, asked: int) -> None:
+        raise NotImplementedError
+
+
+class _CoalescedChildrenWatch(_CoalescedWatch):
+    """kazoo's ChildrenWatch, coalesced."""
+
+    def __init__(
+        self, client: KazooClient, path: str, on_children: Callable[[list[str], int], None]
+    ) -> None:
+        """``on_children(children, heard)``: a new list, and how many changes the watch had
+        heard (``heard``) when it asked for it: the list shows each of them."""
+        self._on_children = on_children
+        super().__init__(client, path)
+
+    def _read(self, asked: int) -> None:
+        children = self._client.retry(self._client.get_children, self._path, watch=self._on_event)
         self._on_children(children, asked)
+
+    def _absent(self, asked: int) -> None:
+        # A round's marks go with forget_rounds, and then none is left. A topic's node is
+        # made by its first note.
+        self._on_children([], asked)
+
+
+class _MembersWatch(_CoalescedWatch):
+    """A sentinel's watch on ``members/``: each list named by the node's ``pzxid``."""
+
+    def __init__(
+        self, client: KazooClient, path: str, on_list: Callable[[roster.Members], None]
+    ) -> None:
+        self._on_list = on_list
+        super().__init__(client, path)
+
+    def _read(self, asked: int) -> None:
+        del asked  # a list is named by its pzxid
+        children, stat = self._client.retry(
+            self._client.get_children, self._path, watch=self._on_event, include_data=True
+        )
+        self._on_list(roster.Members(frozenset(children), stat.pzxid))
+
+    def _absent(self, asked: int) -> None:
+        # Only close_job removes the members node: the job is closed and nobody is left (a
+        # member whose deletion fired this watch must not linger in alive()).
+        del asked
+        self._on_list(roster.CLOSED)
+
+
+class _CoalescedDataWatch(_CoalescedWatch):
+    """kazoo's DataWatch, coalesced, and read outside kazoo's threads (the reader may list)."""
+
+    def __init__(
+        self, client: KazooClient, path: str, on_data: Callable[[bytes | None, int], None]
+    ) -> None:
+        """``on_data(data, heard)``: the node's data (``None`` if it is missing)."""
+        self._on_data = on_data
+        super().__init__(client, path)
+
+    def _read(self, asked: int) -> None:
+        data, _ = self._client.retry(self._client.get, self._path, watch=self._on_event)
+        self._on_data(data, asked)
+
+    def _absent(self, asked: int) -> None:
+        self._on_data(None, asked)
+
+
+def _later(delay: float, action: Callable[[], None]) -> None:
+    """``action`` on a thread of its own after ``delay`` seconds: never in kazoo's threads."""
+    timer = threading.Timer(delay, action)
+    timer.daemon = True
+    timer.start()
 
 
 def connect(

@@ -276,26 +276,34 @@ def test_a_session_expiry_counts_as_losing_the_node(
 
 
 @integration
+@pytest.mark.parametrize("sentinel", [True, False], ids=["sentinel", "follower"])
 def test_a_member_whose_list_trails_the_round_waits_for_it_instead_of_ending_the_round(
-    zk: str, pool: ThreadPoolExecutor, caplog: pytest.LogCaptureFixture
+    zk: str, pool: ThreadPoolExecutor, caplog: pytest.LogCaptureFixture, sentinel: bool
 ) -> None:
     """A round that grows counts its newcomer, and a member whose connection has not listed
     the newcomer yet reads that round: it must wait for its list, not count the newcomer gone
     and end the round (every member would restart once more, for nothing). The observer's
-    listings of ``members/`` are held back by the test until the observer has read the round."""
+    news of ``members/`` is held back by the test until the observer has read the round: its
+    listings, and, where it follows the roster (the job's sentinels being the other two's
+    connections), its reads of the roster."""
     address = ZooKeeperAddress.parse(zk)
     first = connect(zk, settings(), NodeInfo("first", "127.0.0.1", 1), secret=SECRET)
+    newcomer_node = NodeInfo("newcomer", "127.0.0.1", 1)
+    if not sentinel:
+        newcomer = connect(zk, settings(), newcomer_node, secret=SECRET)
     client = open_client(address, SECRET, SESSION)
     store = ZooKeeperStore(client, address, "job", SECRET)
+    assert store.sentinel == sentinel
     observer = StoreRendezvous(settings(), NodeInfo("observer", "127.0.0.1", 1), store)
-    newcomer = connect(zk, settings(), NodeInfo("newcomer", "127.0.0.1", 1), secret=SECRET)
+    if sentinel:
+        newcomer = connect(zk, settings(), newcomer_node, secret=SECRET)
     held = threading.Event()
-    listing = client.get_children
+    reads = {"get_children": client.get_children, "get": client.get}
 
-    def held_back(path: str, *args: Any, **kwargs: Any) -> Any:
-        if path.endswith("/members") and held.is_set():
+    def held_back(name: str, path: str, *args: Any, **kwargs: Any) -> Any:
+        if path.endswith(("/members", "/roster")) and held.is_set():
             assert wait_until(lambda: not held.is_set(), DEADLINE * 2), "never let go"
-        return listing(path, *args, **kwargs)
+        return reads[name](path, *args, **kwargs)
 
     try:
         # ``first`` joins first, so it is rank 0 and completes the next round, not the observer.
@@ -304,7 +312,8 @@ def test_a_member_whose_list_trails_the_round_waits_for_it_instead_of_ending_the
         formed = [leading, pool.submit(observer.next_round)]
         assert {future.result(DEADLINE).number for future in formed} == {1}
         monkeypatch = pytest.MonkeyPatch()
-        monkeypatch.setattr(client, "get_children", held_back)
+        for name in reads:
+            monkeypatch.setattr(client, name, partial(held_back, name))
         held.set()
         futures = [pool.submit(newcomer.next_round)]
         wait_for_member(zk, "newcomer")

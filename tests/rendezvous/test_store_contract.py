@@ -34,6 +34,7 @@ from hpc_elastic.rendezvous.handler import StoreRendezvous
 from hpc_elastic.rendezvous.local_store import LocalStore, LocalStoreServer
 from hpc_elastic.rendezvous.memory import ManualClock, MemoryServer, MemoryStore
 from hpc_elastic.rendezvous.zookeeper import (
+    SENTINELS,
     ZooKeeperAddress,
     ZooKeeperStore,
     answer_wait,
@@ -103,13 +104,26 @@ class LocalHarness:
 
 
 class ZooKeeperHarness:
-    def __init__(self, hosts: str) -> None:
+    """``followers``: every store the test makes follows the roster that a store of the
+    harness's own writes (the job's one sentinel); otherwise the test's first stores are the
+    job's sentinels, as the first agents of a job are."""
+
+    def __init__(self, hosts: str, followers: bool = False) -> None:
         self.address = ZooKeeperAddress.parse(f"{hosts}/contract-{uuid.uuid4().hex}")
         self.made: list[ZooKeeperStore] = []
+        self.sentinels = SENTINELS
+        if followers:
+            self.sentinels = 1
+            assert self._open().sentinel
 
     def connect(self) -> Store:
+        store = self._open()
+        assert not store.sentinel or self.sentinels == SENTINELS
+        return store
+
+    def _open(self) -> ZooKeeperStore:
         client = open_client(self.address, SECRET, SESSION)
-        store = ZooKeeperStore(client, self.address, "job", SECRET)
+        store = ZooKeeperStore(client, self.address, "job", SECRET, sentinels=self.sentinels)
         self.made.append(store)
         return store
 
@@ -131,7 +145,7 @@ class ZooKeeperHarness:
             store.release()
 
 
-@pytest.fixture(params=["memory", "local", "zookeeper"])
+@pytest.fixture(params=["memory", "local", "zookeeper", "zookeeper-followers"])
 def harness(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]:
     made: Harness
     if request.param == "memory":
@@ -139,7 +153,8 @@ def harness(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]
     elif request.param == "local":
         made = LocalHarness(tmp_path)
     else:
-        made = ZooKeeperHarness(request.getfixturevalue("private_zookeeper"))
+        followers = request.param == "zookeeper-followers"
+        made = ZooKeeperHarness(request.getfixturevalue("private_zookeeper"), followers)
     yield made
     made.close()
 

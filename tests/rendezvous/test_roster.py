@@ -1,0 +1,120 @@
+"""The roster's rules (``rendezvous/roster.py``): a chain of batches that carries a
+connection's members from one list of ``members/`` to the next, and that refuses to carry
+whatever it cannot carry exactly."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpc_elastic.rendezvous import roster
+from hpc_elastic.rendezvous.roster import Batch, Members, Roster
+
+
+def members(upto: int, *ids: str) -> Members:
+    return Members(frozenset(ids), upto)
+
+
+def written(*lists: Members) -> Roster:
+    """The roster a sentinel writes that listed ``lists`` in turn, each carried from the last."""
+    result = Roster()
+    chain: Members | None = None
+    for listed in lists:
+        advanced = result.advanced(chain, listed)
+        assert advanced is not None
+        result, chain = advanced, listed
+    return result
+
+
+def test_a_connection_at_a_batchs_start_is_carried_to_the_rosters_end() -> None:
+    log = written(members(10, "a", "b", "c"), members(12, "a", "c"), members(15, "a", "c", "d"))
+    assert log.carried(members(12, "a", "c")) == members(15, "a", "c", "d")
+    assert log.carried(members(10, "a", "b", "c")) == members(15, "a", "c", "d")
+
+
+def test_a_connection_between_two_batches_is_not_carried_but_lists() -> None:
+    """Listed at 11, between the lists at 10 and 12: a member deleted and made again in
+    between is in no batch, so no batch can be applied to it."""
+    log = written(members(10, "a", "b"), members(12, "a", "b", "c"))
+    assert log.carried(members(11, "a")) is None
+
+
+def test_a_connection_never_listed_is_not_carried() -> None:
+    assert written(members(10, "a")).carried(roster.NOBODY) is None
+
+
+def test_a_connection_as_new_as_the_roster_or_newer_is_left_as_it_is() -> None:
+    log = written(members(10, "a"), members(12, "a", "b"))
+    assert log.carried(members(12, "a", "b")) == members(12, "a", "b")
+    assert log.carried(members(20, "z")) == members(20, "z")
+
+
+def test_a_writer_that_does_not_know_the_rosters_end_restarts_the_chain() -> None:
+    log = written(members(10, "a"))
+    advanced = log.advanced(None, members(12, "a", "b"))
+    assert advanced is not None
+    assert advanced.batches[-1] == Batch(roster.RESTART, 12)
+    assert advanced.carried(members(10, "a")) is None, "a restart carries nobody past it"
+    assert advanced.carried(members(12, "a", "b")) == members(12, "a", "b")
+
+
+def test_a_sentinel_that_listed_between_the_others_batches_knows_the_end_from_its_last_read() -> (
+    None
+):
+    """Two sentinels list the same changes at different points. One listed at 11, between
+    the other's batches (10 to 12, 12 to 14); what it read last, the members at 12, still
+    carries it to the roster's end, so its next batch does not restart the chain."""
+    log = written(members(10, "a"), members(12, "a", "b"), members(14, "b"))
+    last_read, listed_before, listed_now = members(12, "a", "b"), members(11, "a"), members(15)
+    assert log.end([listed_before]) is None
+    assert log.end([last_read, listed_before, listed_now]) == members(14, "b")
+    advanced = log.advanced(log.end([last_read, listed_before]), listed_now)
+    assert advanced is not None
+    assert advanced.batches[-1] == Batch(14, 15, left=frozenset({"b"}))
+
+
+def test_a_list_no_newer_than_the_roster_adds_nothing() -> None:
+    log = written(members(10, "a"), members(12, "a", "b"))
+    assert log.advanced(members(12, "a", "b"), members(12, "a", "b")) is None
+    assert log.advanced(members(12, "a", "b"), members(11, "a")) is None
+
+
+def test_a_change_too_large_for_one_znode_restarts_the_chain_and_every_connection_lists() -> None:
+    everyone = [f"node-{i:0200}" for i in range(roster.LARGEST_BATCH // 200)]
+    log = written(members(10))
+    advanced = log.advanced(members(10), members(11, *everyone))
+    assert advanced is not None
+    assert advanced.batches[-1] == Batch(roster.RESTART, 11)
+    assert len(advanced.encode()) < 1024 * 1024 / 2
+
+
+def test_a_large_change_is_carried_once_and_dropped_by_the_next_batch() -> None:
+    """Half of a job of 4,096 lost: 2,048 names, carried to every connection in one read, as
+    a list would be; the roster does not make every later version carry them again."""
+    half = [f"node-{i:04}" for i in range(2048)]
+    log = written(members(10, *half, "a"), members(11, "a"), members(12, "a", "b"))
+    assert log.carried(members(11, "a")) == members(12, "a", "b")
+    assert log.carried(members(10, *half, "a")) is None, "the large batch was dropped"
+    assert len(log.encode()) < 100
+
+
+def test_the_roster_keeps_its_latest_batches_and_a_connection_behind_them_lists() -> None:
+    lists = [members(10 + i, *(f"n{j}" for j in range(i))) for i in range(40)]
+    log = written(*lists)
+    assert len(log.batches) == roster.KEEP_BATCHES
+    assert log.carried(lists[-roster.KEEP_BATCHES - 1]) == lists[-1]
+    assert log.carried(lists[-roster.KEEP_BATCHES - 2]) is None
+
+
+def test_the_roster_reads_back_what_was_written() -> None:
+    log = written(members(10, "a", "b"), members(12, "a", "c"))
+    assert roster.decode(log.encode()) == log
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"{", b"{}", b'{"abcd": 1}', b"[[1, 2, 3]]", b'[["1", 2, [], []]]', b"[[1, 2, [3], []]]"],
+)
+def test_an_unreadable_roster_is_an_empty_one_and_every_connection_lists(data: bytes) -> None:
+    log = roster.decode(data)
+    assert log == Roster()
+    assert log.carried(members(10, "a")) == members(10, "a")

@@ -1,0 +1,141 @@
+"""The roster on a real ZooKeeper: a job's sentinels list ``members/`` and write each change
+into the roster; every other connection learns a loss from it without listing every member,
+and a lost sentinel's slot is taken by a connection that follows."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from hpc_elastic.rendezvous.zookeeper import ZooKeeperAddress, ZooKeeperStore, open_client
+
+SECRET = "s3cret"
+SESSION = 20.0
+"""Long: a session here ends only when the test ends it."""
+DEADLINE = 30.0
+
+
+def eventually(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + DEADLINE
+    while not condition():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.02)
+
+
+class Job:
+    """Stores of one job with one sentinel slot, each on a connection of its own."""
+
+    def __init__(self, hosts: str) -> None:
+        self.address = ZooKeeperAddress.parse(f"{hosts}/roster-{uuid.uuid4().hex}")
+        self.made: list[ZooKeeperStore] = []
+
+    def open(self, *, listings: list[str] | None = None, sentinels: int = 1) -> ZooKeeperStore:
+        """A store; ``listings`` collects the paths its connection lists."""
+        client = open_client(self.address, SECRET, SESSION)
+        if listings is not None:
+            listing = client.get_children
+
+            def noted(path: str, *args: Any, **kwargs: Any) -> Any:
+                listings.append(path)
+                return listing(path, *args, **kwargs)
+
+            client.get_children = noted
+        store = ZooKeeperStore(client, self.address, "job", SECRET, sentinels=sentinels)
+        self.made.append(store)
+        return store
+
+    def member(self, node_id: str) -> ZooKeeperStore:
+        store = self.open()
+        store.join(node_id, b"{}")
+        return store
+
+    def release(self) -> None:
+        for store in self.made:
+            store.release()
+
+
+@pytest.fixture
+def job(private_zookeeper: str) -> Iterator[Job]:
+    made = Job(private_zookeeper)
+    yield made
+    made.release()
+
+
+def test_a_follower_learns_of_a_loss_from_the_roster_without_listing_the_members(
+    job: Job,
+) -> None:
+    """Every connection listed all N members after each loss: O(N²) bytes from the ensemble
+    for the loss of one. A follower reads the few names the roster carries instead."""
+    sentinel = job.open()
+    assert sentinel.sentinel
+    listings: list[str] = []
+    follower = job.open(listings=listings)
+    assert not follower.sentinel
+    members = {name: job.member(name) for name in ("a", "b", "c")}
+    eventually(lambda: follower.alive() == {"a", "b", "c"}, "every member shown")
+    eventually(follower.alive_is_current, "the list as new as the state")
+    listed_before = len(listings)
+    members["b"].release()  # its session ends, and the server deletes its member
+    eventually(lambda: follower.alive() == {"a", "c"}, "the lost member gone")
+    members["d"] = job.member("d")
+    eventually(lambda: follower.alive() == {"a", "c", "d"}, "the newcomer shown")
+    assert [path for path in listings[listed_before:] if path.endswith("/members")] == []
+
+
+def test_two_sentinels_writing_the_same_changes_keep_the_chain_and_nobody_lists_again(
+    job: Job,
+) -> None:
+    """Both sentinels list every change and race to write it: the loser carries on over what
+    the winner wrote, and does not restart the chain (which would have every follower list)."""
+    sentinels = [job.open(sentinels=2), job.open(sentinels=2)]
+    assert all(store.sentinel for store in sentinels)
+    listings: list[str] = []
+    follower = job.open(listings=listings, sentinels=2)
+    eventually(follower.alive_is_current, "the follower's first list")
+    listed_before = len(listings)
+    present: dict[str, ZooKeeperStore] = {}
+    for step in range(30):  # unawaited, so that the two list at different points
+        if step % 3 == 2:
+            present.pop(sorted(present)[0]).release()
+        else:
+            present[f"m{step}"] = job.member(f"m{step}")
+    eventually(lambda: follower.alive() == set(present), "every change shown")
+    assert [path for path in listings[listed_before:] if path.endswith("/members")] == []
+
+
+def test_a_lost_sentinels_slot_is_taken_by_a_follower_and_the_members_stay_right(
+    job: Job,
+) -> None:
+    sentinel = job.open()
+    followers = [job.open(), job.open(), job.member("a")]
+    eventually(lambda: followers[0].alive() == {"a"}, "the member shown")
+    sentinel.release()
+
+    def sentinels() -> int:
+        return sum(store.sentinel for store in followers)
+
+    eventually(lambda: sentinels() > 0, "the free slot taken")
+    assert sentinels() == 1, "one slot, one sentinel"
+    job.member("b")
+    for store in followers:
+        eventually(lambda store=store: store.alive() == {"a", "b"}, "the newcomer shown")  # type: ignore[misc]
+        eventually(store.alive_is_current, "the list as new as the state")
+
+
+def test_a_follower_whose_roster_stays_behind_lists_the_members_itself(
+    job: Job, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sentinel alive but slow (or cut off) must not keep a follower's list behind its
+    state for longer than ``ROSTER_PATIENCE``: it lists the members itself."""
+    sentinel = job.open()
+    follower = job.open()
+    monkeypatch.setattr(sentinel._members, "_write_roster", lambda *_: None)
+    job.member("a")
+    eventually(lambda: sentinel.alive() == {"a"}, "the sentinel lists the member")
+    follower.set_state(b"a state written after the member", -1)
+    eventually(lambda: follower.alive() == {"a"}, "the follower lists it itself")
+    eventually(follower.alive_is_current, "the list as new as the state")
