@@ -38,6 +38,7 @@ import atexit
 import logging
 import math
 import queue
+import random
 import re
 import select
 import socket
@@ -104,6 +105,10 @@ roster written while the others list once and one of them takes the free slot.""
 ROSTER_PATIENCE = 1.0
 """Seconds a connection whose list is older than its state waits for the roster before it
 lists the members itself (a sentinel may be slow or cut off)."""
+SLOT_SPREAD = 0.5
+"""Seconds over which the connections that see a sentinel's slot freed spread their looks at
+it: the first to look takes it, and most of the others find it taken by a read, where all
+of them at once would each send a create for the ensemble to refuse."""
 ANSWER_WAIT = 2.0
 """Seconds a connect attempt first waits for the server's answer (``answer_wait``)."""
 
@@ -1227,7 +1232,14 @@ class _Members:
         thread, which must not block: ``_answered`` only records)."""
         with self._lock:
             self._asking += 1
-        self._client.exists_async(self._path).rawlink(self._answered)
+        try:
+            asked = self._client.exists_async(self._path)
+        except KazooException:  # the client is closed: no state needs the list any more
+            with self._lock:
+                self._asking -= 1
+                self._unanswered = True
+            return
+        asked.rawlink(self._answered)
 
     def _answered(self, result: Any) -> None:
         with self._lock:
@@ -1278,13 +1290,28 @@ class _Members:
         self._keep(roster.Members(frozenset(children), stat.pzxid))
 
     def _list_if_behind(self) -> None:
+        """The roster read once more (a busy process may not have handled its watch's event
+        yet), and the members listed only if it still does not carry the list far enough."""
         with self._lock:
-            self._patient = False
-            behind = self._members.upto < self._needed and not self.sentinel
-        if behind:
-            logger.debug("zookeeper: the roster kept %s waiting; listing it", self._path)
-            with suppress(KazooException):
+            self._patient = False  # a state placed from now on waits anew
+        with suppress(KazooException):
+            if self._behind():
+                data, _ = self._client.retry(self._client.get, self._roster_path)
+                self._carry(data)
+            if self._behind():
+                logger.debug("zookeeper: the roster kept %s waiting; listing it", self._path)
                 self._list()
+
+    def _behind(self) -> bool:
+        with self._lock:
+            return self._members.upto < self._needed and not self.sentinel
+
+    def _carry(self, data: bytes) -> bool:
+        """Carry the members on by the roster in ``data``; whether it could."""
+        carried = roster.decode(data).carried(self._members)
+        if carried is not None:
+            self._keep(carried)
+        return carried is not None
 
     # --- a sentinel ---------------------------------------------------------------------
 
@@ -1324,10 +1351,10 @@ class _Members:
     # --- roles ----------------------------------------------------------------------------
 
     def _take_role(self) -> None:
-        """Claim a free sentinel slot, or follow the roster; watch the slots held by others.
-        Nobody lists when a sentinel is lost: the other sentinel writes on, and a connection
-        that takes a free slot carries the roster on from the members it followed (a state
-        that needs a change written meanwhile waits ``ROSTER_PATIENCE`` at most)."""
+        """Claim a free sentinel slot, or follow the roster. Nobody lists when a sentinel is
+        lost: the other sentinel writes on, and a connection that takes a free slot carries
+        the roster on from the members it followed (a state that needs a change written
+        meanwhile waits ``ROSTER_PATIENCE`` at most)."""
         with self._roles:
             if self._slot is None:
                 self._slot = self._claimed()
@@ -1335,26 +1362,34 @@ class _Members:
                 self._sentinel()
             else:
                 self._follower()
-            for slot in self._slots:
-                if slot != self._slot:
-                    self._client.retry(self._client.exists, slot, self._on_slot)
 
     def _claimed(self) -> str | None:
+        """The first free slot, now this session's; a follower watches every slot it finds
+        held, and tries again when one is freed (or made, to watch it again)."""
         for slot in self._slots:
-            # Trick: an ephemeral create is the claim, and NodeExists says another holds it,
-            # unless it is this session's own node from an attempt whose reply was lost.
+            # Trick: an exists first, a read that any server answers, so that only a slot
+            # seen free costs a write; its watch fires on the slot's deletion or creation.
+            held = self._client.retry(self._client.exists, slot, self._on_slot)
+            if held is not None:
+                if self._ours(held):  # made by an attempt whose reply was lost
+                    return slot
+                continue
             try:
                 self._client.retry(self._client.create, slot, b"", acl=self._acl, ephemeral=True)
             except NodeExistsError:
-                stat = self._client.retry(self._client.exists, slot)
-                client_id = self._client.client_id
-                if stat is None or client_id is None or stat.ephemeralOwner != client_id[0]:
+                # Another connection took it first, unless a retry after a lost reply found
+                # this session's own node.
+                if not self._ours(self._client.retry(self._client.exists, slot)):
                     continue
             except NoNodeError:
                 return None  # no slots: the job is closed
             logger.debug("zookeeper: this connection lists %s (%s)", self._path, slot)
             return slot
         return None
+
+    def _ours(self, stat: Any) -> bool:
+        client_id = self._client.client_id
+        return stat is not None and client_id is not None and stat.ephemeralOwner == client_id[0]
 
     def _sentinel(self) -> None:
         if self._following is not None:
@@ -1374,18 +1409,15 @@ class _Members:
 
     def _roster_read(self, data: bytes | None, heard: int) -> None:
         del heard  # the roster names the list it carries to by its pzxid
-        carried = roster.decode(data or b"").carried(self._members)
         if data is None:
             self._keep(roster.CLOSED)  # only close_job removes the roster
-        elif carried is not None:
-            self._keep(carried)
-        else:
+        elif not self._carry(data):
             self._list()
 
     def _on_slot(self, event: WatchedEvent) -> None:
         """Runs in kazoo's callback thread, which must not block."""
         del event  # a slot freed may be taken; one taken is watched again
-        _later(0, self._retake_role)
+        _later(random.uniform(0, SLOT_SPREAD), self._retake_role)
 
     def _retake_role(self) -> None:
         with suppress(KazooException):
