@@ -23,7 +23,8 @@ Per N and per server kind (one standalone server, a 3-server ensemble on loopbac
 
 Per round: time from the trigger (the common start, the failure report, the kill) until the
 last agent holds the new round; bytes, requests and watch events each agent's sessions read
-and wrote (counted in the drivers' kazoo connections, divided by the agents sharing them);
+and wrote (counted in the drivers' kazoo connections, divided by the agents sharing them;
+reads also by the job's node they read, e.g. ``GetData:roster``, in the JSON's ``per_agent``);
 ZooKeeper's CPU and the drivers' CPU (from /proc). Every round is checked: every agent holds
 the same round, each rank once, ranks 0..N-1.
 
@@ -141,6 +142,8 @@ class Traffic:
             name = type(request).__name__
             if name != "Ping":
                 self.add(f"op:{name}")
+            if name in READS_BY_NODE:
+                self.add(f"{name}:{job_node(request.path)}")
             submit(this, request, timeout, xid)
 
         def counted_watch(this: Any, buffer: bytes, offset: int) -> None:
@@ -151,6 +154,17 @@ class Traffic:
         handler._write = counted_write
         handler._submit = counted_submit
         handler._read_watch_event = counted_watch
+
+
+READS_BY_NODE = ("GetData", "GetChildren", "GetChildren2")
+"""Requests also counted by the job's node they read (``job_node``)."""
+
+
+def job_node(path: str) -> str:
+    """The node of the job that ``path`` is in: ``/hpc-elastic/<run>/rounds/3/...`` is in
+    ``rounds``, the job's own node is ``job``."""
+    parts = path.strip("/").split("/")
+    return parts[2] if len(parts) > 2 else "job"
 
 
 # ------------------------------------------------------------------------- driver process
