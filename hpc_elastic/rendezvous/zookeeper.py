@@ -1409,9 +1409,9 @@ class _Members:
 
     def _roster_read(self, data: bytes | None, heard: int) -> None:
         del heard  # the roster names the list it carries to by its pzxid
-        if data is None:
-            self._keep(roster.CLOSED)  # only close_job removes the roster
-        elif not self._carry(data):
+        if data is None or not self._carry(data):
+            # No roster: the job is closed (then members/ is gone too, and the list says so),
+            # or it was made before rosters were, and this connection lists as it did then.
             self._list()
 
     def _on_slot(self, event: WatchedEvent) -> None:

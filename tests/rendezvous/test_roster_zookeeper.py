@@ -139,3 +139,17 @@ def test_a_follower_whose_roster_stays_behind_lists_the_members_itself(
     follower.set_state(b"a state written after the member", -1)
     eventually(lambda: follower.alive() == {"a"}, "the follower lists it itself")
     eventually(follower.alive_is_current, "the list as new as the state")
+
+
+def test_a_job_made_before_rosters_has_its_members_listed_by_a_read_only_store(job: Job) -> None:
+    """A job whose agents predate the roster has no ``roster`` node: ``status`` (a read-only
+    store, which creates nothing) lists the members instead of taking the job for empty."""
+    job.member("a")
+    client = open_client(job.address, SECRET, SESSION)
+    try:
+        client.delete(f"{job.address.job_path('job')}/roster")
+        reader = ZooKeeperStore(client, job.address, "job", SECRET, create=False)
+        eventually(lambda: reader.alive() == {"a"}, "the member listed")
+    finally:
+        client.stop()
+        client.close()
