@@ -411,6 +411,7 @@ class Driver:
             max_restarts=1000,
         )
         count, share = job["agents"], job["share"]
+        self._share = share
         self.connection_states: Counter[str] = Counter()
         self._states_reported: Counter[str] = Counter()
         """``connection_states`` at the last report: each change is reported once."""
@@ -559,6 +560,14 @@ class Driver:
                 self._digests[key] = (got.members, f"{got.number}:{digest}:{got.master_port}")
             return self._digests[key][1]
 
+    def _sentinels_noticed(self, outcomes: list[Outcome]) -> list[float]:
+        """When the agents on a sentinel's connection noticed: the first to hear a loss."""
+        return sorted(
+            outcome.noticed
+            for i, outcome in enumerate(outcomes)
+            if outcome.noticed is not None and self.stores[i // self._share].sentinel
+        )
+
     def _report(
         self, command: dict[str, Any], outcomes: list[Outcome], traffic: Counter[str]
     ) -> dict[str, Any]:
@@ -578,6 +587,8 @@ class Driver:
             "last_done": max(done, default=None),
             "first_noticed": min(noticed, default=None),
             "last_noticed": max(noticed, default=None),
+            "noticed": sorted(noticed),
+            "sentinels_noticed": self._sentinels_noticed(outcomes),
             "numbers": sorted({o.number for o in outcomes if o.done is not None}),
             "ranks": [o.rank for o in outcomes if o.done is not None],
             "sizes": sorted({o.members for o in outcomes if o.done is not None}),
@@ -903,6 +914,14 @@ def sessions_ended(servers: list[testing.ZooKeeperServer], since: float) -> list
     return ended
 
 
+def _quantiles(values: list[float]) -> dict[str, float]:
+    """The 10th, 50th and 90th percentile and the last of sorted ``values``; none if empty."""
+    if not values:
+        return {}
+    at = {f"p{p}": values[min(len(values) - 1, len(values) * p // 100)] for p in (10, 50, 90)}
+    return {name: round(value, 3) for name, value in {**at, "max": values[-1]}.items()}
+
+
 def summarize(
     k: int, kind: str, at: float, reports: list[dict[str, Any]], *, drivers: int, plan: Plan
 ) -> dict[str, Any]:
@@ -922,6 +941,8 @@ def summarize(
     last = max((r["last_done"] for r in reports if r["last_done"]), default=None)
     noticed = max((r["last_noticed"] for r in reports if r["last_noticed"]), default=None)
     first = min((r["first_noticed"] for r in reports if r["first_noticed"]), default=None)
+    every = sorted(when - at for r in reports for when in r["noticed"])
+    on_sentinels = sorted(when - at for r in reports for when in r["sentinels_noticed"])
     ok = (
         len(reports) == drivers
         and returned == agents
@@ -941,6 +962,8 @@ def summarize(
         "round_s": (last - at) if last and ok else None,
         "noticed_s": (noticed - at) if noticed else None,
         "first_noticed_s": (first - at) if first else None,
+        "noticed_quantiles_s": _quantiles(every),
+        "sentinels_noticed_s": _quantiles(on_sentinels),
         "numbers": sorted(numbers),
         "problems": dict(problems),
         "per_agent": {key: value / max(agents, 1) for key, value in sorted(traffic.items())},
