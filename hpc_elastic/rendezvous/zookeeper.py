@@ -103,8 +103,9 @@ SENTINELS = 2
 other connection reads the roster (``_Members``). Two, so that the loss of one leaves the
 roster written while the others list once and one of them takes the free slot."""
 ROSTER_PATIENCE = 1.0
-"""Seconds a connection whose list is older than its state waits for the roster before it
-lists the members itself (a sentinel may be slow or cut off)."""
+"""Seconds a connection whose list is older than its state waits for the roster to carry it
+any further before it lists the members itself (its sentinels lost or cut off); while the
+roster moves on, behind a busy sentinel, it waits on."""
 SLOT_SPREAD = 0.5
 """Seconds over which the connections that see a sentinel's slot freed spread their looks at
 it: the first to look takes it, and most of the others find it taken by a read, where all
@@ -1163,8 +1164,9 @@ class _Members:
     each version and carries its members on. So a loss of a few costs a connection a read of
     a few names, where every connection listing all N of them cost the ensemble O(N²) bytes.
     A connection lists the members itself when the roster cannot carry it (it fell behind,
-    or a sentinel could not tell the change from the roster's end) or keeps it waiting
-    longer than ``ROSTER_PATIENCE`` (a sentinel slow, or lost and not replaced yet).
+    or a sentinel could not tell the change from the roster's end) or leaves it behind a
+    state for ``ROSTER_PATIENCE`` without carrying it any further (its sentinels lost and not
+    replaced yet, or cut off); while the roster moves on, it waits on.
 
     The list is named by the ``pzxid`` of ``members/`` (``Members.upto``). Whether it is as new
     as a state: an ``exists`` of ``members/`` asked after the state was read answers with a
@@ -1251,12 +1253,15 @@ class _Members:
                 self._unanswered = True  # the connection was lost: asked again once back
             if stat is not None:
                 self._needed = max(self._needed, stat.pzxid)
-            behind = self._members.upto < self._needed and not self.sentinel
-            wait = behind and not self._patient
+            wait = self._trails() and not self._patient
             self._patient = self._patient or wait
+            held = self._members.upto
         self._caught_up()
         if wait:
-            _later(ROSTER_PATIENCE, self._list_if_behind)
+            logger.debug(
+                "zookeeper: the list of %s trails the state; waiting for the roster", self._path
+            )
+            _later(ROSTER_PATIENCE, partial(self._list_if_behind, held))
 
     def _current(self) -> bool:
         return self._asking == 0 and not self._unanswered and self._members.upto >= self._needed
@@ -1289,22 +1294,39 @@ class _Members:
             return
         self._keep(roster.Members(frozenset(children), stat.pzxid))
 
-    def _list_if_behind(self) -> None:
+    def _list_if_behind(self, held: int) -> None:
         """The roster read once more (a busy process may not have handled its watch's event
-        yet), and the members listed only if it still does not carry the list far enough."""
+        yet), and the members listed only if it still does not carry the list far enough and
+        has not carried it any further since ``held`` (a patience ago): a roster that moves
+        has its sentinels at work, only behind the state for now, and is waited for again."""
         with self._lock:
             self._patient = False  # a state placed from now on waits anew
         with suppress(KazooException):
             if self._behind():
                 data, _ = self._client.retry(self._client.get, self._roster_path)
-                self._carry(data)
-            if self._behind():
+                if not self._carry(data):
+                    self._list()
+                    return
+            with self._lock:
+                behind = self._trails()
+                moved = self._members.upto > held
+                wait = behind and moved and not self._patient  # else one waits already
+                self._patient = self._patient or wait
+                held = self._members.upto
+            if wait:
+                logger.debug("zookeeper: the roster of %s moves on, behind the state", self._path)
+                _later(ROSTER_PATIENCE, partial(self._list_if_behind, held))
+            elif behind and not moved:
                 logger.debug("zookeeper: the roster kept %s waiting; listing it", self._path)
                 self._list()
 
     def _behind(self) -> bool:
         with self._lock:
-            return self._members.upto < self._needed and not self.sentinel
+            return self._trails()
+
+    def _trails(self) -> bool:
+        """Under the lock: whether this follower's list is older than its latest state."""
+        return self._members.upto < self._needed and not self.sentinel
 
     def _carry(self, data: bytes) -> bool:
         """Carry the members on by the roster in ``data``; whether it could."""

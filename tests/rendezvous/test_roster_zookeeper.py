@@ -4,6 +4,8 @@ and a lost sentinel's slot is taken by a connection that follows."""
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -11,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from hpc_elastic.rendezvous import zookeeper
 from hpc_elastic.rendezvous.zookeeper import ZooKeeperAddress, ZooKeeperStore, open_client
 
 SECRET = "s3cret"
@@ -139,6 +142,43 @@ def test_a_follower_whose_roster_stays_behind_lists_the_members_itself(
     follower.set_state(b"a state written after the member", -1)
     eventually(lambda: follower.alive() == {"a"}, "the follower lists it itself")
     eventually(follower.alive_is_current, "the list as new as the state")
+
+
+def test_a_follower_behind_its_state_waits_while_the_roster_moves_on(
+    job: Job, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A busy sentinel may write the roster more than ``ROSTER_PATIENCE`` behind a state
+    while it still writes (16,384 agents on two cores): every follower listing then would
+    read all N names for a loss of a few. A follower lists only when the roster has not
+    carried it any further for that long."""
+    monkeypatch.setattr(zookeeper, "ROSTER_PATIENCE", 5.0)
+    caplog.set_level(logging.DEBUG, logger=zookeeper.__name__)
+    sentinel = job.open()
+    listings: list[str] = []
+    follower = job.open(listings=listings)
+    job.member("a")
+    eventually(lambda: follower.alive() == {"a"}, "the member shown")
+    listed_before = len(listings)
+    gates = {"b": threading.Event(), "c": threading.Event()}
+    write = sentinel._members._write_roster
+
+    def held(before: Any, listed: Any) -> None:
+        gates["c" if "c" in listed.ids else "b"].wait(DEADLINE)
+        write(before, listed)
+
+    monkeypatch.setattr(sentinel._members, "_write_roster", held)
+    job.member("b")
+    eventually(lambda: sentinel.alive() == {"a", "b"}, "the sentinel lists b; its write waits")
+    job.member("c")
+    follower.set_state(b"a state written after c joined", -1)
+    eventually(lambda: "trails the state" in caplog.text, "the follower waits for the roster")
+    gates["b"].set()
+    eventually(lambda: follower.alive() == {"a", "b"}, "b carried on")
+    eventually(lambda: "moves on, behind the state" in caplog.text, "a patience passed")
+    gates["c"].set()
+    eventually(lambda: follower.alive() == {"a", "b", "c"}, "c carried on")
+    eventually(follower.alive_is_current, "the list as new as the state")
+    assert [path for path in listings[listed_before:] if path.endswith("/members")] == []
 
 
 def test_a_job_made_before_rosters_has_its_members_listed_by_a_read_only_store(job: Job) -> None:
