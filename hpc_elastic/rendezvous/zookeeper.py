@@ -1295,28 +1295,25 @@ class _Members:
         self._keep(roster.Members(frozenset(children), stat.pzxid))
 
     def _list_if_behind(self, held: int) -> None:
-        """The roster read once more (a busy process may not have handled its watch's event
-        yet), and the members listed only if it still does not carry the list far enough and
-        has not carried it any further since ``held`` (a patience ago): a roster that moves
-        has its sentinels at work, only behind the state for now, and is waited for again."""
+        """List the members if the roster has carried them no further than ``held`` within
+        a patience and, read once more (a busy process may not have handled its watch's
+        event yet), still leaves them behind the state. A roster that moved has its
+        sentinels at work, only behind the state for now: it is waited for again, by its
+        watch, without a read."""
         with self._lock:
-            self._patient = False  # a state placed from now on waits anew
+            behind = self._trails()
+            moved = self._members.upto > held
+            self._patient = behind and moved
+            held = self._members.upto
+        if behind and moved:
+            logger.debug("zookeeper: the roster of %s moves on, behind the state", self._path)
+            _later(ROSTER_PATIENCE, partial(self._list_if_behind, held))
+            return
         with suppress(KazooException):
             if self._behind():
                 data, _ = self._client.retry(self._client.get, self._roster_path)
-                if not self._carry(data):
-                    self._list()
-                    return
-            with self._lock:
-                behind = self._trails()
-                moved = self._members.upto > held
-                wait = behind and moved and not self._patient  # else one waits already
-                self._patient = self._patient or wait
-                held = self._members.upto
-            if wait:
-                logger.debug("zookeeper: the roster of %s moves on, behind the state", self._path)
-                _later(ROSTER_PATIENCE, partial(self._list_if_behind, held))
-            elif behind and not moved:
+                self._carry(data)
+            if self._behind():
                 logger.debug("zookeeper: the roster kept %s waiting; listing it", self._path)
                 self._list()
 
