@@ -1259,7 +1259,9 @@ class _Members:
         self._caught_up()
         if wait:
             logger.debug(
-                "zookeeper: the list of %s trails the state; waiting for the roster", self._path
+                "zookeeper: session %s: the list of %s trails the state; waiting for the roster",
+                self._session(),
+                self._path,
             )
             _later(ROSTER_PATIENCE, partial(self._list_if_behind, held))
 
@@ -1306,7 +1308,11 @@ class _Members:
             self._patient = behind and moved
             held = self._members.upto
         if behind and moved:
-            logger.debug("zookeeper: the roster of %s moves on, behind the state", self._path)
+            logger.debug(
+                "zookeeper: session %s: the roster of %s moves on, behind the state",
+                self._session(),
+                self._path,
+            )
             _later(ROSTER_PATIENCE, partial(self._list_if_behind, held))
             return
         with suppress(KazooException):
@@ -1314,12 +1320,21 @@ class _Members:
                 data, _ = self._client.retry(self._client.get, self._roster_path)
                 self._carry(data)
             if self._behind():
-                logger.debug("zookeeper: the roster kept %s waiting; listing it", self._path)
+                logger.debug(
+                    "zookeeper: session %s: the roster kept %s waiting; listing it",
+                    self._session(),
+                    self._path,
+                )
                 self._list()
 
     def _behind(self) -> bool:
         with self._lock:
             return self._trails()
+
+    def _session(self) -> str:
+        """This connection's session id, which tells connections apart in the debug log."""
+        client_id = self._client.client_id
+        return "none" if client_id is None else f"{client_id[0]:#x}"
 
     def _trails(self) -> bool:
         """Under the lock: whether this follower's list is older than its latest state."""

@@ -166,18 +166,27 @@ def test_a_follower_behind_its_state_waits_while_the_roster_moves_on(
         gates["c" if "c" in listed.ids else "b"].wait(DEADLINE)
         write(before, listed)
 
+    def logged(what: str) -> Callable[[], bool]:
+        """Whether the follower's connection logged ``what`` (each member's connection
+        follows the roster too)."""
+        return lambda: f"session {follower.session_id[0]:#x}: {what}" in caplog.text
+
     monkeypatch.setattr(sentinel._members, "_write_roster", held)
-    job.member("b")
-    eventually(lambda: sentinel.alive() == {"a", "b"}, "the sentinel lists b; its write waits")
-    job.member("c")
-    follower.set_state(b"a state written after c joined", -1)
-    eventually(lambda: "trails the state" in caplog.text, "the follower waits for the roster")
-    gates["b"].set()
-    eventually(lambda: follower.alive() == {"a", "b"}, "b carried on")
-    eventually(lambda: "moves on, behind the state" in caplog.text, "a patience passed")
-    gates["c"].set()
-    eventually(lambda: follower.alive() == {"a", "b", "c"}, "c carried on")
-    eventually(follower.alive_is_current, "the list as new as the state")
+    try:
+        job.member("b")
+        eventually(lambda: sentinel.alive() == {"a", "b"}, "the sentinel lists b; its write waits")
+        job.member("c")
+        follower.set_state(b"a state written after c joined", -1)
+        eventually(logged("the list of"), "the follower waits for the roster")
+        gates["b"].set()
+        eventually(lambda: follower.alive() == {"a", "b"}, "b carried on")
+        eventually(logged("the roster of"), "a patience passed, the roster moved")
+        gates["c"].set()
+        eventually(lambda: follower.alive() == {"a", "b", "c"}, "c carried on")
+        eventually(follower.alive_is_current, "the list as new as the state")
+    finally:
+        for gate in gates.values():
+            gate.set()
     assert [path for path in listings[listed_before:] if path.endswith("/members")] == []
 
 
