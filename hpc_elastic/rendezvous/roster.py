@@ -19,14 +19,21 @@ The roster keeps its newest batch whatever its size (a join storm's burst, half 
 lost: read once by each connection, as a list would be, but decoded as one JSON document), and
 older ones within ``KEEP_BYTES``. A batch larger than ``LARGEST_BATCH`` is written as a
 restart of the chain (``since`` of ``RESTART``, no names): every connection lists then, once,
-as before. Pure rules; ``zookeeper.py`` reads and writes the znode.
+as before. Pure rules; ``zookeeper.py`` reads and writes the znode. ``Shared`` keeps one copy
+of each list for all the connections of a process.
 """
 
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TypeVar
+
+Key = TypeVar("Key")
+Value = TypeVar("Value")
 
 KEEP_BATCHES = 16
 """Batches the roster keeps: a connection more than this many versions behind lists."""
@@ -88,16 +95,17 @@ class Roster:
         left as they are."""
         if members.upto >= self.upto:
             return members
+        batches = self.after(members)
+        return None if batches is None else applied(members, batches)
+
+    def after(self, members: Members) -> tuple[Batch, ...] | None:
+        """The batches that carry ``members``, older than the roster, to its end; ``None``
+        when they do not start where ``members`` are, or restart the chain on the way."""
         starts = [i for i, batch in enumerate(self.batches) if batch.since == members.upto]
         if members.upto == UNLISTED or not starts:
             return None
-        ids = set(members.ids)
-        for batch in self.batches[starts[0] :]:
-            if batch.since == RESTART:
-                return None
-            ids -= batch.left
-            ids |= batch.joined
-        return Members(frozenset(ids), self.upto)
+        batches = self.batches[starts[0] :]
+        return None if any(batch.since == RESTART for batch in batches) else batches
 
     def end(self, known: Iterable[Members]) -> Members | None:
         """The members at the roster's end, from the first of ``known`` that it carries
@@ -128,6 +136,15 @@ class Roster:
             for batch in self.batches
         ]
         return json.dumps(batches, separators=(",", ":")).encode()
+
+
+def applied(members: Members, batches: tuple[Batch, ...]) -> Members:
+    """``members`` carried by ``batches`` (``Roster.after``) to the last one's ``upto``."""
+    ids = set(members.ids)
+    for batch in batches:
+        ids -= batch.left
+        ids |= batch.joined
+    return Members(frozenset(ids), batches[-1].upto)
 
 
 def decode(data: bytes) -> Roster:
@@ -164,3 +181,71 @@ def _kept(batches: Iterable[Batch]) -> tuple[Batch, ...]:
             break
         kept.append(batch)
     return tuple(reversed(kept))
+
+
+class Shared:
+    """The lists of members a process holds: one object for each list, however many of its
+    connections hold it, and each carry by the roster made once.
+
+    Every agent decides on its connection's members: which of its round's members are alive
+    (``state.unlisted``, ``state.stragglers``), who proposes, who was lost. Those are found
+    once for all the agents deciding on the very same objects (``once.Memo``), but each
+    connection held its own copy of the same list. At 16,384 agents, 64 to a connection and
+    16 connections to a benchmark's driver, each driver intersected each round's members with
+    16 copies of each list: a quarter of its time in the round after 1 % were lost (py-spy).
+
+    Shared by content, not by name alone: a list is given the object of an equal one kept
+    under the same ``members/`` path and ``upto`` (compared once, when a connection first
+    meets it; an ensemble made again from nothing reuses zxids), and a carry of the very same
+    object by equal batches is equal whatever the ensemble.
+    """
+
+    SIZE = 16
+    """Lists and carries kept: a few versions of the members of a few jobs."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lists: OrderedDict[tuple[str, int], Members] = OrderedDict()
+        self._carries: OrderedDict[tuple[int, int], tuple[Members, tuple[Batch, ...], Members]]
+        self._carries = OrderedDict()
+
+    def one(self, path: str, members: Members) -> Members:
+        """``members``, or the object of an equal list kept for ``path``; kept from now on."""
+        key = (path, members.upto)
+        with self._lock:
+            kept = self._lists.get(key)
+        if kept is not None and (kept.ids is members.ids or kept.ids == members.ids):
+            return kept
+        with self._lock:
+            self._keep(self._lists, key, members)
+        return members
+
+    def carried(self, path: str, log: Roster, members: Members) -> Members | None:
+        """``log.carried(members)``, made once a process and shared (``one``)."""
+        if members.upto >= log.upto:
+            return members
+        batches = log.after(members)
+        if batches is None:
+            return None
+        key = (id(members.ids), batches[-1].upto)
+        with self._lock:
+            made = self._carries.get(key)
+        # The entry keeps its source, so the id in its key names no other object meanwhile;
+        # equal batches start where the source is (``after``), at the same ``upto``.
+        if made is not None and made[0].ids is members.ids and made[1] == batches:
+            return made[2]
+        result = self.one(path, applied(members, batches))
+        with self._lock:
+            self._keep(self._carries, key, (members, batches, result))
+        return result
+
+    def _keep(self, kept: OrderedDict[Key, Value], key: Key, value: Value) -> None:
+        """Under the lock: ``value`` kept under ``key`` as the newest, the oldest dropped."""
+        kept[key] = value
+        kept.move_to_end(key)
+        while len(kept) > self.SIZE:
+            kept.popitem(last=False)
+
+
+SHARED = Shared()
+"""The process's lists of members."""

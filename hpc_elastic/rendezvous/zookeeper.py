@@ -1276,7 +1276,9 @@ class _Members:
             self._tell()
 
     def _keep(self, members: roster.Members) -> roster.Members:
-        """Keep ``members`` if newer than the list held; the list held before."""
+        """Keep ``members`` if newer than the list held, as the process's one copy of that
+        list (``roster.SHARED``); the list held before."""
+        members = roster.SHARED.one(self._path, members)
         with self._lock:
             before = self._members
             if members.upto > before.upto:
@@ -1342,7 +1344,7 @@ class _Members:
 
     def _carry(self, data: bytes) -> bool:
         """Carry the members on by the roster in ``data``; whether it could."""
-        carried = roster.decode(data).carried(self._members)
+        carried = roster.SHARED.carried(self._path, roster.decode(data), self._members)
         if carried is not None:
             self._keep(carried)
         return carried is not None

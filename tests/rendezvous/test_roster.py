@@ -118,3 +118,68 @@ def test_an_unreadable_roster_is_an_empty_one_and_every_connection_lists(data: b
     log = roster.decode(data)
     assert log == Roster()
     assert log.carried(members(10, "a")) == members(10, "a")
+
+
+# --- one copy of each list a process ---------------------------------------------------------
+# Every agent of a connection decides on its list, and what is found on a list once is found
+# by the list's identity (``once.Memo``): connections of one process that held equal copies
+# each paid for their own.
+
+PATH = "/job/members"
+
+
+def test_equal_lists_of_a_process_are_one_object() -> None:
+    shared = roster.Shared()
+    first, again = members(10, "a", "b"), members(10, "b", "a")
+    assert shared.one(PATH, first) is first
+    assert shared.one(PATH, again) is first
+
+
+def test_a_list_unlike_the_one_kept_under_its_zxid_is_kept_as_it_is() -> None:
+    """An ensemble made again from nothing counts its zxids from the start again."""
+    shared = roster.Shared()
+    shared.one(PATH, members(10, "a"))
+    other = members(10, "b")
+    assert shared.one(PATH, other) is other
+    assert shared.one(PATH, members(10, "b")) is other
+    elsewhere = members(10, "b")
+    assert shared.one("/other/members", elsewhere) is elsewhere
+
+
+def test_a_carry_of_the_same_list_by_the_same_batches_is_made_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    shared = roster.Shared()
+    log = written(members(10, "a", "b", "c"), members(12, "a", "c"), members(15, "a", "c", "d"))
+    start = shared.one(PATH, members(10, "a", "b", "c"))
+    made: list[Members] = []
+    applied = roster.applied
+
+    def counted(source: Members, batches: tuple[Batch, ...]) -> Members:
+        made.append(source)
+        return applied(source, batches)
+
+    monkeypatch.setattr(roster, "applied", counted)
+    carried = shared.carried(PATH, log, start)
+    assert carried == members(15, "a", "c", "d")
+    assert shared.carried(PATH, roster.decode(log.encode()), start) is carried, "read again"
+    assert made == [start]
+    assert shared.carried(PATH, log, members(10, "a", "b", "c")) is carried, "another copy"
+
+
+def test_a_carry_of_the_same_list_by_other_batches_is_made_anew() -> None:
+    shared = roster.Shared()
+    start = shared.one(PATH, members(10, "a", "b"))
+    log = written(members(10, "a", "b"), members(12, "a"))
+    other = written(members(10, "a", "b"), members(12, "b"))
+    assert shared.carried(PATH, log, start) == members(12, "a")
+    assert shared.carried(PATH, other, start) == members(12, "b")
+
+
+def test_a_shared_carry_refuses_what_the_roster_refuses() -> None:
+    shared = roster.Shared()
+    log = written(members(10, "a", "b"), members(12, "a", "b", "c"))
+    assert shared.carried(PATH, log, members(11, "a")) is None
+    assert shared.carried(PATH, log, roster.NOBODY) is None
+    newer = members(20, "z")
+    assert shared.carried(PATH, log, newer) is newer

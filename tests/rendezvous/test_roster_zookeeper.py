@@ -89,6 +89,22 @@ def test_a_follower_learns_of_a_loss_from_the_roster_without_listing_the_members
     assert [path for path in listings[listed_before:] if path.endswith("/members")] == []
 
 
+def test_the_connections_of_a_process_hold_one_list_of_the_members_between_them(
+    job: Job,
+) -> None:
+    """What is found on a list (the round's members alive in it, the proposer, the lost) is
+    found once for every agent deciding on the very same list: connections holding copies
+    of it each paid for their own."""
+    stores = [job.open(), job.open(), job.open()]
+    members = {name: job.member(name) for name in ("a", "b", "c")}
+    members.pop("b").release()
+    for store in stores:
+        eventually(lambda store=store: store.alive() == {"a", "c"}, "the lost member gone")  # type: ignore[misc]
+    assert stores[0].sentinel
+    assert stores[1].alive() is stores[0].alive()
+    assert stores[2].alive() is stores[0].alive()
+
+
 def test_two_sentinels_writing_the_same_changes_keep_the_chain_and_nobody_lists_again(
     job: Job,
 ) -> None:
