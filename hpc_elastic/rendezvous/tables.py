@@ -29,6 +29,7 @@ from hpc_elastic.errors import RendezvousClosedError, RendezvousError
 from hpc_elastic.rendezvous import state as st
 from hpc_elastic.rendezvous.api import NodeInfo, member_ranks
 from hpc_elastic.rendezvous.backend import Store, table_digest
+from hpc_elastic.rendezvous.once import Memo
 
 KEPT = 16
 """Tables (and filled states) a connection keeps: a job needs the latest round's, and a few
@@ -105,6 +106,8 @@ _made: _Recent[str, _Made] = _Recent()
 """Digest -> a table made from the last round's, once a process: every connection of a
 process makes the same, and their agents then share one tuple, whose ranks and ids are
 computed once (found by identity)."""
+_GONE: Memo[frozenset[str]] = Memo()
+"""The last round's members that do not count now, once for each list of who is alive."""
 _made_lock = threading.Lock()
 """Held while a table is made: the connections of a process that meet a loss round at once
 wait for the first one's table instead of each making and encoding it."""
@@ -185,7 +188,9 @@ def _derived(store: Store, held: _Held, document: st.Document) -> tuple[NodeInfo
     last = held.latest
     if last is None or last.round >= document.state.round:
         return None
-    gone = last.member_ids - st.present(document.state, store.alive())
+    here = st.present(document.state, store.alive())
+    # Found by identity: every connection of a process holds the one list (``roster.Shared``).
+    gone = _GONE.get((last.member_ids, here), lambda: last.member_ids - here)
     if not gone or len(last.members) - len(gone) != document.size:
         return None
     with _made_lock:
