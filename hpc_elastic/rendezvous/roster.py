@@ -10,10 +10,16 @@ A list is named by the ``pzxid`` of ``members/`` it was read at: the zxid of the
 created or deleted, which ZooKeeper returns with the list and with ``exists``. The roster is a
 chain of batches, each the difference between the members at ``since`` and at ``upto``; the
 next batch starts where the last one ended. A connection that holds the members at one
-batch's ``since`` applies that batch and every one after it. One that holds them at any other
-point (it listed them itself between two batches, or the log moved past it) cannot: a batch
-is a difference, and a member deleted and made again in between would be missed. It lists the
-members itself, as every connection did at every change before.
+batch's ``since`` applies that batch and every one after it. One that holds them at another
+point between a batch's ``since`` and ``upto`` (it listed them itself, as in a join storm,
+where the members change faster than the sentinels write) may apply it only if every change
+in it is in it: a batch is a difference, and a member deleted and made again in between, or
+made and deleted again, is in neither of its sets, but the list between may show it wrongly.
+So a batch counts its changes: the ``cversion`` of ``members/`` (every child made or deleted
+adds one) at both of its lists. When the count is the batch's joined and left together, each
+name in it changed once, and any list between is carried exactly. Otherwise, or where the log
+moved past it, the connection lists the members itself, as every connection did at every
+change before.
 
 The roster keeps its newest batch whatever its size (a join storm's burst, half the job
 lost: read once by each connection, as a list would be, but decoded as one JSON document), and
@@ -29,8 +35,8 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import TypeVar
+from dataclasses import dataclass, replace
+from typing import TypeVar, cast
 
 Key = TypeVar("Key")
 Value = TypeVar("Value")
@@ -48,6 +54,8 @@ RESTART = -1
 that listed the members exactly at its ``upto`` can follow on from it."""
 UNLISTED = -1
 """The ``upto`` of a connection that never listed the members."""
+UNCOUNTED = -1
+"""The ``cversion`` of members not known to be counted (carried by batches without counts)."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,21 @@ class Batch:
     upto: int
     joined: frozenset[str] = frozenset()
     left: frozenset[str] = frozenset()
+    counted: tuple[int, int] | None = None
+    """The ``cversion`` of ``members/`` at ``since`` and at ``upto``, where the writer knew both."""
+
+    @property
+    def net(self) -> bool:
+        """Whether every member made or deleted in it is in ``joined`` or ``left``, once: then
+        a list read anywhere between its two lists is carried by it exactly."""
+        if self.counted is None:
+            return False
+        since, upto = self.counted
+        return upto - since == len(self.joined) + len(self.left)
+
+    def applies_at(self, upto: int) -> bool:
+        """Whether it carries a list read at ``upto``: at its start, or between its lists."""
+        return self.since == upto or (self.since < upto < self.upto and self.net)
 
     @property
     def size(self) -> int:
@@ -72,6 +95,8 @@ class Members:
     ids: frozenset[str]
     upto: int
     """The ``pzxid`` of ``members/`` that ``ids`` shows."""
+    cversion: int = UNCOUNTED
+    """The ``cversion`` of ``members/`` there: how many members were made and deleted."""
 
 
 NOBODY = Members(frozenset(), UNLISTED)
@@ -99,10 +124,13 @@ class Roster:
         return None if batches is None else applied(members, batches)
 
     def after(self, members: Members) -> tuple[Batch, ...] | None:
-        """The batches that carry ``members``, older than the roster, to its end; ``None``
-        when they do not start where ``members`` are, or restart the chain on the way."""
-        starts = [i for i, batch in enumerate(self.batches) if batch.since == members.upto]
-        if members.upto == UNLISTED or not starts:
+        """The batches that carry ``members``, older than the roster, to its end: from the
+        one that starts where they are, or that holds them between its lists and is ``net``;
+        ``None`` when there is none, or the chain restarts on the way."""
+        if members.upto == UNLISTED:
+            return None
+        starts = [i for i, batch in enumerate(self.batches) if batch.applies_at(members.upto)]
+        if not starts:
             return None
         batches = self.batches[starts[0] :]
         return None if any(batch.since == RESTART for batch in batches) else batches
@@ -125,7 +153,14 @@ class Roster:
         if chain is None or chain.upto != self.upto:
             batch = Batch(RESTART, listed.upto)
         else:
-            batch = Batch(self.upto, listed.upto, listed.ids - chain.ids, chain.ids - listed.ids)
+            counted = (chain.cversion, listed.cversion)
+            batch = Batch(
+                self.upto,
+                listed.upto,
+                listed.ids - chain.ids,
+                chain.ids - listed.ids,
+                None if UNCOUNTED in counted else counted,
+            )
             if batch.size > LARGEST_BATCH:
                 batch = Batch(RESTART, listed.upto)
         return Roster(_kept((*self.batches, batch)))
@@ -133,6 +168,7 @@ class Roster:
     def encode(self) -> bytes:
         batches = [
             [batch.since, batch.upto, sorted(batch.joined), sorted(batch.left)]
+            + ([] if batch.counted is None else list(batch.counted))
             for batch in self.batches
         ]
         return json.dumps(batches, separators=(",", ":")).encode()
@@ -144,7 +180,10 @@ def applied(members: Members, batches: tuple[Batch, ...]) -> Members:
     for batch in batches:
         ids -= batch.left
         ids |= batch.joined
-    return Members(frozenset(ids), batches[-1].upto)
+    last = batches[-1]
+    return Members(
+        frozenset(ids), last.upto, UNCOUNTED if last.counted is None else last.counted[1]
+    )
 
 
 def decode(data: bytes) -> Roster:
@@ -158,10 +197,19 @@ def decode(data: bytes) -> Roster:
 
 
 def _batch(item: list[object]) -> Batch:
-    since, upto, joined, left = item
-    if not isinstance(since, int) or not isinstance(upto, int):
+    since, upto, joined, left, *counted = item  # no counts: written before batches had them
+    if not all(isinstance(number, int) for number in (since, upto, *counted)):
         raise TypeError(f"a batch's bounds are not numbers: {item!r}")
-    return Batch(since, upto, _names(joined), _names(left))
+    if len(counted) not in (0, 2):
+        raise TypeError(f"a batch's counts are not two numbers: {item!r}")
+    at_since, at_upto = counted or (None, None)
+    return Batch(
+        cast(int, since),
+        cast(int, upto),
+        _names(joined),
+        _names(left),
+        None if at_since is None else (cast(int, at_since), cast(int, at_upto)),
+    )
 
 
 def _names(names: object) -> frozenset[str]:
@@ -210,12 +258,14 @@ class Shared:
         self._carries = OrderedDict()
 
     def one(self, path: str, members: Members) -> Members:
-        """``members``, or the object of an equal list kept for ``path``; kept from now on."""
+        """``members``, with the ids of an equal list kept for ``path``; kept from now on."""
         key = (path, members.upto)
         with self._lock:
             kept = self._lists.get(key)
-        if kept is not None and (kept.ids is members.ids or kept.ids == members.ids):
-            return kept
+        if kept is not None and kept.ids is members.ids:
+            return members
+        if kept is not None and kept.ids == members.ids:
+            return replace(members, ids=kept.ids)
         with self._lock:
             self._keep(self._lists, key, members)
         return members

@@ -1296,7 +1296,7 @@ class _Members:
         except NoNodeError:
             self._keep(roster.CLOSED)  # only close_job removes members/
             return
-        self._keep(roster.Members(frozenset(children), stat.pzxid))
+        self._keep(roster.Members(frozenset(children), stat.pzxid, stat.cversion))
 
     def _list_if_behind(self, held: int) -> None:
         """List the members if the roster has carried them no further than ``held`` within
@@ -1591,7 +1591,7 @@ class _MembersWatch(_CoalescedWatch):
         children, stat = self._client.retry(
             self._client.get_children, self._path, watch=self._on_event, include_data=True
         )
-        self._on_list(roster.Members(frozenset(children), stat.pzxid))
+        self._on_list(roster.Members(frozenset(children), stat.pzxid, stat.cversion))
 
     def _absent(self, asked: int) -> None:
         # Only close_job removes the members node: the job is closed and nobody is left (a
