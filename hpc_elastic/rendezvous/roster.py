@@ -115,9 +115,9 @@ class Roster:
         return self.batches[-1].upto if self.batches else UNLISTED
 
     def carried(self, members: Members) -> Members | None:
-        """``members`` carried on to the roster's ``upto``; ``None`` when the batches do not
-        start where ``members`` are (list them instead). Members newer than the roster are
-        left as they are."""
+        """``members`` carried on to the roster's ``upto``; ``None`` when no batch carries
+        them (``after``: list them instead). Members newer than the roster are left as they
+        are."""
         if members.upto >= self.upto:
             return members
         batches = self.after(members)
@@ -281,7 +281,7 @@ class Shared:
         with self._lock:
             made = self._carries.get(key)
         # The entry keeps its source, so the id in its key names no other object meanwhile;
-        # equal batches start where the source is (``after``), at the same ``upto``.
+        # a carry is a function of the source's ids and the batches alone (``applied``).
         if made is not None and made[0].ids is members.ids and made[1] == batches:
             return made[2]
         result = self.one(path, applied(members, batches))
