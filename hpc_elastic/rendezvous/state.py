@@ -41,11 +41,12 @@ from hpc_elastic.rendezvous.backend import table_digest
 from hpc_elastic.rendezvous.once import Memo, computed_once
 from hpc_elastic.spec import NodeRange
 
-FORMAT = 6
-"""Bumped when the JSON layout changes, so an old agent refuses a state it cannot read
-(4: ``departed``, and a member's ``link_port``; 5: ``ready`` left the document for marks
-beside it, and ``ended`` says that one was made; 6: the members left it for their round's
-table, named by ``table`` and counted by ``size``)."""
+FORMAT = 7
+"""Bumped when the layout changes, so an old agent refuses a state it cannot read (4:
+``departed``, and a member's ``link_port``; 5: ``ready`` left the document for marks beside
+it, and ``ended`` says that one was made; 6: the members left it for their round's table,
+named by ``table`` and counted by ``size``; 7: ZooKeeper keeps the table compressed, which an
+agent of format 6 would take for a damaged table)."""
 
 MARGIN = 2.0
 """Seconds added to every derived deadline for scheduling and ZooKeeper tick granularity."""

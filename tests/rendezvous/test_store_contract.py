@@ -12,6 +12,7 @@ waits for the event it expects, with a generous deadline, and never sleeps.
 from __future__ import annotations
 
 import hashlib
+import random
 import re
 import socket
 import threading
@@ -734,9 +735,19 @@ def test_two_proposers_of_one_round_keep_two_tables_and_a_repeat_changes_nothing
     assert (two.table(3, first), one.table(3, second)) == (b"a,b", b"b,a")
 
 
-def test_a_table_larger_than_one_zookeeper_request_reads_back_whole(harness: Harness) -> None:
-    """16,384 members of ~150 bytes each: past the 1 MB that one ZooKeeper request may carry."""
-    table = b",".join(f"node-{index:05d}-{'x' * 140}".encode() for index in range(16_384))
+LARGE_TABLES = {
+    "records": b",".join(f"node-{index:05d}-{'x' * 140}".encode() for index in range(16_384)),
+    "noise": random.Random(7).randbytes(2**21 + 12_345),
+}
+"""Past the 1 MB that one ZooKeeper request may carry: 16,384 members of ~150 bytes each, and
+bytes that no compression makes smaller."""
+
+
+@pytest.mark.parametrize("kind", sorted(LARGE_TABLES))
+def test_a_table_larger_than_one_zookeeper_request_reads_back_whole(
+    harness: Harness, kind: str
+) -> None:
+    table = LARGE_TABLES[kind]
     assert len(table) > 2**21
     digest = harness.connect().put_table(1, table)
     assert harness.connect().table(1, digest) == table
