@@ -129,7 +129,6 @@ recursive delete makes one write a znode."""
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 """A table's name (``table_digest``); anything else names no table."""
 
-
 _SHARED_ACL = [ACL(Permissions.CREATE, Id("world", "anyone"))]
 """For the common prefix (and the chroot above it) when we are the ones to create it: anyone
 may add a job, nobody may list, read, delete or re-ACL. With DELETE, anyone could remove a
