@@ -62,7 +62,6 @@ def main() -> None:
     parser.add_argument("--sizes", default="1024,4096,12500,16384")
     parser.add_argument("--level", type=int, default=zookeeper.TABLE_LEVEL)
     args = parser.parse_args()
-    zookeeper.TABLE_LEVEL = args.level
     print(
         "| members | raw a member | kept a member | znodes | pack | unpack "
         "| a join storm serves (a session an agent), raw → kept | load |"
@@ -70,10 +69,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for members in (int(size) for size in args.sizes.split(",")):
         table = encode_table(records(members))
-        chunks = zookeeper.packed(table)
+        chunks = zookeeper.packed(table, args.level)
         assert zookeeper.unpacked(chunks) == table
         kept = sum(map(len, chunks))
-        pack = best_of(3, partial(zookeeper.packed, table))
+        pack = best_of(3, partial(zookeeper.packed, table, args.level))
         unpack = best_of(3, partial(zookeeper.unpacked, chunks))
         print(
             f"| {members:,} | {len(table) / members:.0f} B | {kept / members:.1f} B "
