@@ -139,11 +139,12 @@ ACL (docs/rendezvous.md); every job node is checked on connect anyway."""
 
 def packed(table: bytes, level: int = TABLE_LEVEL) -> list[bytes]:
     """A round's table as its znodes hold it: each ``TABLE_CHUNK`` of it compressed on its
-    own, at zlib's ``level`` (a benchmark compares levels). Every newcomer of a round reads its table whole (a join storm of N agents each reads
-    all N records), so its bytes are the ensemble's largest cost that grows with N², and a
-    table of real records compresses to about a fifth. Each chunk stands alone: two proposers
-    of the same table (two machines, whose zlib may not make the same bytes) each fill in
-    the chunks missing, and a table of one's chunks and the other's reads as the one table."""
+    own, at zlib's ``level`` (a benchmark compares levels). Every newcomer of a round reads
+    its table whole (a join storm of N agents each reads all N records), so its bytes are the
+    ensemble's largest cost that grows with N², and a table of real records compresses to
+    about a fifth. Each chunk stands alone: two proposers of the same table (two machines,
+    whose zlib may not make the same bytes) each fill in the chunks missing, and a table of
+    one's chunks and the other's reads as the one table."""
     chunks = [table[at : at + TABLE_CHUNK] for at in range(0, len(table), TABLE_CHUNK)]
     return [zlib.compress(chunk, level) for chunk in chunks or [b""]]
 
