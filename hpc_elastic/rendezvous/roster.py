@@ -25,8 +25,13 @@ The roster keeps its newest batch whatever its size (a join storm's burst, half 
 lost: read once by each connection, as a list would be, but decoded as one JSON document), and
 older ones within ``KEEP_BYTES``. A batch larger than ``LARGEST_BATCH`` is written as a
 restart of the chain (``since`` of ``RESTART``, no names): every connection lists then, once,
-as before. Pure rules; ``zookeeper.py`` reads and writes the znode. ``Shared`` keeps one copy
-of each list for all the connections of a process.
+as before. Every batch also goes into a log beside the roster, one znode a batch named by its
+``upto``, which keeps the last ``LOG_KEPT``: a follower that fell behind the batches the roster
+keeps (its watch reads only the newest version, and in a join storm the sentinels write faster
+than a loaded follower reads) reads the ones it missed there (``logged``), and lists only
+where the log has a gap. Keeping more batches in the roster itself would have every follower
+read them at every version. Pure rules; ``zookeeper.py`` reads and writes the znodes.
+``Shared`` keeps one copy of each list for all the connections of a process.
 """
 
 from __future__ import annotations
@@ -46,9 +51,15 @@ KEEP_BATCHES = 16
 KEEP_BYTES = 4 * 1024
 """Bytes of names the batches before the newest keep at most: what every connection reads
 at every version, beside the newest change."""
+LOG_KEPT = 64
+"""Batches the log beside the roster keeps: a follower that missed more lists the members."""
 LARGEST_BATCH = 512 * 1024
 """Bytes of names one batch may carry: half of ``jute.maxbuffer`` (1 MB by default), which
 bounds every znode. A larger change restarts the chain."""
+LARGEST_LOGGED = LARGEST_BATCH // 2
+"""Bytes of names of the largest batch that also goes into the log: the roster and the
+log's entry are one transaction, which ``jute.maxbuffer`` bounds too. A follower that missed
+a larger batch lists the members, as large a read as the batch."""
 RESTART = -1
 """The ``since`` of a batch that restarts the chain: it names nobody, and only a connection
 that listed the members exactly at its ``upto`` can follow on from it."""
@@ -216,6 +227,19 @@ def _names(names: object) -> frozenset[str]:
     if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
         raise TypeError(f"not a list of member ids: {names!r}")
     return frozenset(names)
+
+
+def logged(entries: Iterable[Batch], head: Roster) -> Roster:
+    """``head`` with the batches of the log before its own, as one chain: from its first
+    batch back, each logged batch that ends where the next one starts. A gap (a batch pruned
+    from the log, or never written to it) or a restart of the chain ends it there, and a
+    connection whose list is older lists the members."""
+    by_upto = {batch.upto: batch for batch in entries}
+    chain = list(head.batches)
+    # Each batch taken from the log is popped, so a malformed log cannot loop.
+    while chain and chain[0].since != RESTART and chain[0].since in by_upto:
+        chain.insert(0, by_upto.pop(chain[0].since))
+    return Roster(tuple(chain))
 
 
 def _kept(batches: Iterable[Batch]) -> tuple[Batch, ...]:

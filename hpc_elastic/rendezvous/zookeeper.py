@@ -9,6 +9,7 @@ Layout of one job, under an optional chroot::
         sentinels/<i>                ephemeral, ``SENTINELS`` of them: the connections that list
                                      the members and write each change into the roster
         roster                       the last changes of members/, for every other connection
+        roster-log/<upto>            each of the roster's batches, the last ``roster.LOG_KEPT``
         notes/<topic>/<node_id>      persistent notes (``Store.put_note``): a hang's evidence
         notes/<topic>@               a topic's answer (``Store.claim_note``), created once
         back/<round>/<node_id>       ephemeral marks (``Store.mark``, ``Mark.BACK``), empty
@@ -847,7 +848,7 @@ class ZooKeeperStore(CachedStore):
         for _ in range(3):
             doomed = self._tree(path, depth)
             batches = [doomed[at : at + FORGET_BATCH] for at in range(0, len(doomed), FORGET_BATCH)]
-            if all(self._delete_all(batch) for batch in batches):
+            if all(_deleted_all(self._client, batch) for batch in batches):
                 return
         self._delete(path, recursive=True)
 
@@ -859,12 +860,6 @@ class ZooKeeperStore(CachedStore):
             return []
         below = [node for child in children for node in self._tree(f"{path}/{child}", depth - 1)]
         return [*below, path]
-
-    def _delete_all(self, paths: list[str]) -> bool:
-        transaction = self._client.transaction()
-        for path in paths:
-            transaction.delete(path)
-        return not any(isinstance(result, Exception) for result in transaction.commit())
 
     def _ensure_with_parent(self, path: str, refused: str) -> None:
         """``path`` under its parent (a round's node under its kind's, ``back/7`` under
@@ -919,6 +914,7 @@ class ZooKeeperStore(CachedStore):
                 self._client.retry(self._delete_tree, self._path(kind.value), 2)
             self._client.retry(self._delete_tree, self._path("rounds"), 3)  # <r>/<digest>/<i>
             self._client.retry(self._delete_tree, self._path("sentinels"), 1)
+            self._client.retry(self._delete_tree, self._path("roster-log"), 1)
             self._client.retry(self._delete, self._path("roster"))
             self._client.retry(self._delete, self._path("state"))
         logger.debug("zookeeper: job %s closed", self._run_id)
@@ -961,7 +957,7 @@ class ZooKeeperStore(CachedStore):
         """``members`` and ``notes``, not once the job is closed: the absence of ``members``
         is what keeps a closed job closed."""
         if self._client.retry(self._client.exists, self._path("closed")) is None:
-            for name in ("members", "notes", "sentinels", "roster"):
+            for name in ("members", "notes", "sentinels", "roster", "roster-log"):
                 self._client.retry(self._create, self._path(name), b"", False)
 
     def _verify_acl(self) -> None:
@@ -1198,8 +1194,10 @@ class _Members:
     what changed into the roster (``roster.py``); every other connection reads the roster at
     each version and carries its members on. So a loss of a few costs a connection a read of
     a few names, where every connection listing all N of them cost the ensemble O(N²) bytes.
-    A connection lists the members itself when the roster cannot carry it (it fell behind,
-    or a sentinel could not tell the change from the roster's end) or leaves it behind a
+    A connection that fell behind the batches the roster keeps reads the ones it missed from
+    the log beside it (``roster-log/<upto>``, written with the roster in one transaction).
+    It lists the members itself when neither carries it (it fell further behind, or a
+    sentinel could not tell the change from the roster's end) or the roster leaves it behind a
     state for ``ROSTER_PATIENCE`` without carrying it any further (its sentinels lost and not
     replaced yet, or cut off); while the roster moves on, it waits on.
 
@@ -1226,6 +1224,7 @@ class _Members:
         self._client = client
         self._path = f"{root}/members"
         self._roster_path = f"{root}/roster"
+        self._log_path = f"{root}/roster-log"
         self._slots = [f"{root}/sentinels/{i}" for i in range(sentinels)]
         self._acl = acl
         self._on_members = on_members
@@ -1234,6 +1233,8 @@ class _Members:
         self._members = roster.NOBODY
         self._chain: roster.Members | None = None
         """The members at the roster's end when this sentinel last read or wrote it."""
+        self._logged = 0
+        """Batches this sentinel wrote into the log: it prunes the log every ``LOG_KEPT``."""
         self._needed = 0
         """The ``pzxid`` of ``members/`` after the latest state was read."""
         self._asking = 0
@@ -1355,7 +1356,7 @@ class _Members:
         with suppress(KazooException):
             if self._behind():
                 data, _ = self._client.retry(self._client.get, self._roster_path)
-                self._carry(data)
+                self._carry(data) or self._carry_by_log(data)
             if self._behind():
                 logger.debug(
                     "zookeeper: session %s: the roster kept %s waiting; listing it",
@@ -1379,10 +1380,39 @@ class _Members:
 
     def _carry(self, data: bytes) -> bool:
         """Carry the members on by the roster in ``data``; whether it could."""
-        carried = roster.SHARED.carried(self._path, roster.decode(data), self._members)
+        return self._carried_by(roster.decode(data))
+
+    def _carried_by(self, written: roster.Roster) -> bool:
+        carried = roster.SHARED.carried(self._path, written, self._members)
         if carried is not None:
             self._keep(carried)
         return carried is not None
+
+    def _carry_by_log(self, data: bytes) -> bool:
+        """Carry the members on by the batches they missed: those of the log (``roster-log``)
+        from the point they hold up to the roster's own, read in parallel, then the roster's
+        (``roster.logged``). Only the names of the log's entries and the batches missed are
+        read, where a listing reads every member. Whether it could."""
+        head = roster.decode(data)
+        with self._lock:
+            held = self._members.upto
+        if not head.batches or held == roster.UNLISTED:
+            return False
+        try:
+            names = self._client.retry(self._client.get_children, self._log_path)
+        except NoNodeError:
+            return False  # the job is closed
+        first = head.batches[0].since
+        missed = [name for name in names if name.isdigit() and held < int(name) <= first]
+        if not missed or len(missed) > roster.LOG_KEPT:
+            return False
+        pending = [self._client.get_async(f"{self._log_path}/{name}") for name in missed]
+        try:
+            entries = [roster.decode(result.get(timeout=RETRY_DEADLINE)[0]) for result in pending]
+        except NoNodeError:
+            return False  # pruned since the listing
+        batches = [batch for entry in entries for batch in entry.batches]
+        return self._carried_by(roster.logged(batches, head))
 
     # --- a sentinel ---------------------------------------------------------------------
 
@@ -1392,6 +1422,8 @@ class _Members:
         before = self._keep(listed)
         with suppress(NoNodeError):  # the job was closed: nobody follows the roster now
             self._client.retry(self._write_roster, before, listed)
+            with suppress(KazooException):  # pruned later: the log only spares listings
+                self._prune_log()
 
     def _write_roster(self, before: roster.Members, listed: roster.Members) -> None:
         """Add the batch from the roster's end to ``listed``, by compare-and-set. The batch
@@ -1412,12 +1444,51 @@ class _Members:
             if advanced is None:
                 return
             try:
-                self._client.set(self._roster_path, advanced.encode(), version=stat.version)
+                self._set_roster(advanced, stat.version)
             except BadVersionError:
                 continue  # another sentinel wrote meanwhile: carried on over its batch
             with self._lock:
                 self._chain = listed
             return
+
+    def _set_roster(self, advanced: roster.Roster, version: int) -> None:
+        """Write ``advanced`` over the roster's ``version``, and its newest batch into the log
+        in the same transaction, so the log holds a batch only if the roster held it. A batch
+        too large for both in one request (``LARGEST_LOGGED``), or one the log refuses (an
+        entry of that name left by a chain written anew after an unreadable roster), leaves
+        the roster written alone: the log only spares listings."""
+        newest = advanced.batches[-1]
+        if newest.size > roster.LARGEST_LOGGED:
+            self._client.set(self._roster_path, advanced.encode(), version=version)
+            return
+        transaction = self._client.transaction()
+        transaction.set_data(self._roster_path, advanced.encode(), version=version)
+        transaction.create(
+            f"{self._log_path}/{newest.upto:020d}",
+            roster.Roster((newest,)).encode(),
+            acl=self._acl,
+        )
+        set_roster, logged = transaction.commit()
+        if not isinstance(set_roster, Exception) and not isinstance(logged, Exception):
+            self._logged += 1
+            return
+        # The operation that failed says why; the other reports RolledBackError.
+        if isinstance(set_roster, (BadVersionError, NoNodeError)):
+            raise set_roster
+        self._client.set(self._roster_path, advanced.encode(), version=version)
+
+    def _prune_log(self) -> None:
+        """Every ``LOG_KEPT`` batches it wrote, a sentinel deletes the log's entries but the
+        newest ``LOG_KEPT``, in transactions of ``FORGET_BATCH``. Both sentinels may prune at
+        once: a transaction that finds an entry gone is refused whole, and the next pruning
+        deletes what it left."""
+        if self._logged < roster.LOG_KEPT:
+            return
+        self._logged = 0
+        names = sorted(self._client.retry(self._client.get_children, self._log_path))
+        doomed = [f"{self._log_path}/{name}" for name in names[: -roster.LOG_KEPT]]
+        for at in range(0, len(doomed), FORGET_BATCH):
+            _deleted_all(self._client, doomed[at : at + FORGET_BATCH])
 
     # --- roles ----------------------------------------------------------------------------
 
@@ -1480,7 +1551,7 @@ class _Members:
 
     def _roster_read(self, data: bytes | None, heard: int) -> None:
         del heard  # the roster names the list it carries to by its pzxid
-        if data is None or not self._carry(data):
+        if data is None or not (self._carry(data) or self._carry_by_log(data)):
             # No roster: the job is closed (then members/ is gone too, and the list says so),
             # or it was made before rosters were, and this connection lists as it did then.
             self._list()
@@ -1651,6 +1722,14 @@ class _CoalescedDataWatch(_CoalescedWatch):
 
     def _absent(self, asked: int) -> None:
         self._on_data(None, asked)
+
+
+def _deleted_all(client: KazooClient, paths: list[str]) -> bool:
+    """Whether one transaction deleted every one of ``paths`` (it deletes none otherwise)."""
+    transaction = client.transaction()
+    for path in paths:
+        transaction.delete(path)
+    return not any(isinstance(result, Exception) for result in transaction.commit())
 
 
 def _later(delay: float, action: Callable[[], None]) -> None:

@@ -162,6 +162,56 @@ def test_the_roster_keeps_its_latest_batches_and_a_connection_behind_them_lists(
     assert log.carried(lists[-roster.KEEP_BATCHES - 2]) is None
 
 
+def storm(bursts: int, size: int = 400) -> list[Members]:
+    """The lists a sentinel reads in a join storm: ``size`` more names at each."""
+    joined = [f"node-{i:05}" for i in range(bursts * size)]
+    return [members(10 + burst, *joined[: size * burst]) for burst in range(bursts + 1)]
+
+
+def logs(lists: list[Members]) -> list[Batch]:
+    """The log beside the roster that a sentinel wrote ``lists`` into: each batch it added."""
+    result, chain, entries = Roster(), None, []
+    for listed in lists:
+        advanced = result.advanced(chain, listed)
+        assert advanced is not None
+        result, chain = advanced, listed
+        entries.append(result.batches[-1])
+    return entries
+
+
+def test_a_follower_behind_the_batches_the_roster_keeps_is_carried_by_the_log() -> None:
+    """In a join storm the sentinels write faster than a loaded follower reads, and its watch
+    reads only the newest version: the batches from its point are gone from the roster (it
+    keeps 4 KB of older ones), and it listed all N names again. The log has them."""
+    lists = storm(5)
+    head = written(*lists)
+    assert head.carried(lists[1]) is None, "a burst of 400 names is past what the roster keeps"
+    assert roster.logged(logs(lists), head).carried(lists[1]) == lists[-1]
+    assert roster.logged(logs(lists), head).carried(lists[4]) == lists[-1]
+
+
+def test_a_gap_in_the_log_leaves_a_follower_before_it_to_list() -> None:
+    lists = storm(5)
+    entries = logs(lists)
+    del entries[2]  # the batch from lists[1] to lists[2] (entries[0] starts the chain)
+    rebuilt = roster.logged(entries, written(*lists))
+    assert rebuilt.carried(lists[1]) is None
+    assert rebuilt.carried(lists[2]) == lists[-1]
+
+
+def test_the_log_does_not_carry_a_follower_across_a_restart_of_the_chain() -> None:
+    lists = storm(3)
+    head = Roster((Batch(roster.RESTART, 13),))
+    assert roster.logged(logs(lists), head).batches == head.batches
+    assert roster.logged(logs(lists), head).carried(lists[1]) is None
+
+
+def test_a_malformed_log_cannot_loop() -> None:
+    head = Roster((Batch(12, 13, joined=frozenset({"b"})),))
+    looped = Batch(12, 12, joined=frozenset({"a"}))  # it ends where it starts
+    assert roster.logged([looped], head).batches == (looped, *head.batches)
+
+
 def test_the_roster_reads_back_what_was_written() -> None:
     log = written(members(10, "a", "b"), members(12, "a", "c"))
     assert roster.decode(log.encode()) == log

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from hpc_elastic.rendezvous import zookeeper
+from hpc_elastic.rendezvous import roster, zookeeper
 from hpc_elastic.rendezvous.zookeeper import ZooKeeperAddress, ZooKeeperStore, open_client
 
 SECRET = "s3cret"
@@ -242,6 +242,94 @@ def test_a_follower_that_listed_between_two_batches_is_carried_by_the_next_one(
     finally:
         gate.set()
     assert [path for path in listings[listed_before:] if path.endswith("/members")] == []
+
+
+def newest_batch(job: Job) -> roster.Batch | None:
+    """The newest batch of the job's roster, read by a client of its own."""
+    client = open_client(job.address, SECRET, SESSION)
+    try:
+        data, _ = client.get(f"{job.address.job_path('job')}/roster")
+    finally:
+        client.stop()
+        client.close()
+    batches = roster.decode(data).batches
+    return batches[-1] if batches else None
+
+
+def logged_names(job: Job) -> list[str]:
+    client = open_client(job.address, SECRET, SESSION)
+    try:
+        return sorted(client.get_children(f"{job.address.job_path('job')}/roster-log"))
+    finally:
+        client.stop()
+        client.close()
+
+
+def test_a_follower_that_missed_batches_the_roster_no_longer_keeps_reads_them_from_the_log(
+    job: Job, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a join storm the sentinels write faster than a loaded follower reads (its watch
+    reads only the newest version), and the roster keeps few older batches: a follower that
+    fell behind them listed all N names again (5.9 times a connection at 16,384 agents). It
+    reads the batches it missed from the log beside the roster instead."""
+    monkeypatch.setattr(roster, "KEEP_BYTES", 0)  # the roster keeps its newest batch alone
+    job.open()
+    listings: list[str] = []
+    follower = job.open(listings=listings)
+    job.member("a")
+    eventually(lambda: follower.alive() == {"a"}, "the member shown")
+    listed_before = len(listings)
+    watch = follower._members._following
+    assert watch is not None
+    heard, deaf = watch._on_data, threading.Event()
+    deaf.set()
+
+    def loaded(data: bytes | None, asked: int) -> None:
+        """The follower reads nothing while it is busy elsewhere."""
+        if not deaf.is_set():
+            heard(data, asked)
+
+    monkeypatch.setattr(watch, "_on_data", loaded)
+    for name in ("b", "c"):
+        job.member(name)
+        eventually(
+            lambda name=name: getattr(newest_batch(job), "joined", None) == {name},  # type: ignore[misc]
+            f"{name} written into the roster in a batch of its own",
+        )
+    deaf.clear()
+    job.member("d")
+    eventually(lambda: follower.alive() == {"a", "b", "c", "d"}, "the follower carried on")
+    assert [path for path in listings[listed_before:] if path.endswith("/members")] == []
+
+
+def test_the_log_keeps_the_newest_batches_and_a_follower_behind_them_lists(
+    job: Job, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(roster, "KEEP_BYTES", 0)
+    monkeypatch.setattr(roster, "LOG_KEPT", 2)
+    job.open()
+    follower = job.open()
+    job.member("a")
+    eventually(lambda: follower.alive() == {"a"}, "the member shown")
+    watch = follower._members._following
+    assert watch is not None
+    monkeypatch.setattr(watch, "_on_data", lambda data, asked: None)  # deaf from here on
+    written: dict[str, roster.Batch] = {}
+    for name in ("b", "c", "d", "e", "f"):
+        job.member(name)
+        eventually(
+            lambda name=name: getattr(newest_batch(job), "joined", None) == {name},  # type: ignore[misc]
+            f"{name} written into the roster in a batch of its own",
+        )
+        batch = newest_batch(job)
+        assert batch is not None
+        written[name] = batch
+    kept = logged_names(job)
+    assert len(kept) < 2 * roster.LOG_KEPT, "pruned every LOG_KEPT batches to the newest"
+    assert f"{written['f'].upto:020d}" in kept
+    assert f"{written['b'].upto:020d}" not in kept
+    head = roster.Roster((written["f"],)).encode()
+    assert follower._members._carry_by_log(head) is False, "its point is pruned: it lists"
 
 
 def test_a_job_made_before_rosters_has_its_members_listed_by_a_read_only_store(job: Job) -> None:
