@@ -59,7 +59,7 @@ bounds every znode. A larger change restarts the chain."""
 LARGEST_LOGGED = LARGEST_BATCH // 2
 """Bytes of names of the largest batch that also goes into the log: the roster and the
 log's entry are one transaction, which ``jute.maxbuffer`` bounds too. A follower that missed
-a larger batch lists the members, as large a read as the batch."""
+a larger batch (a quarter of a million bytes of names or more) lists the members."""
 RESTART = -1
 """The ``since`` of a batch that restarts the chain: it names nobody, and only a connection
 that listed the members exactly at its ``upto`` can follow on from it."""
