@@ -10,7 +10,11 @@ Per N and per server kind (one standalone server, a 3-server ensemble on loopbac
   * round 1, a join storm: every agent joins at once and calls ``next_round``;
   * then ``--rounds`` restarts (5): one agent reports a worker failure, and every agent, once
     its round is superseded (``changed``), calls ``next_round`` again, as after a failure.
-    The round time of the table (median, p99) is theirs: a job pays it at every restart;
+    The round time of the table (median, p99) is theirs: a job pays it at every restart.
+    With ``--warm-up W``, W restarts run before them and are left out of the table: a server's
+    JVM compiles its hot paths in its first minute or more of load (its JIT compiler threads
+    took half of the servers' CPU or more in the restarts right after a storm), which an
+    ensemble that has served jobs for a while has long done;
   * a kill: the driver that holds 1 % of the agents is SIGKILLed; the others notice once
     the victims' sessions expire, and form the next round without them (detect: the first
     and the last survivor to see the loss; sessions ended: when the servers let the last
@@ -25,8 +29,8 @@ Per round: time from the trigger (the common start, the failure report, the kill
 last agent holds the new round; bytes, requests and watch events each agent's sessions read
 and wrote (counted in the drivers' kazoo connections, divided by the agents sharing them;
 reads also by the job's node they read, e.g. ``GetData:roster``, in the JSON's ``per_agent``);
-ZooKeeper's CPU and the drivers' CPU (from /proc). Every round is checked: every agent holds
-the same round, each rank once, ranks 0..N-1.
+ZooKeeper's CPU, and of it its JIT compiler threads', and the drivers' CPU (from /proc).
+Every round is checked: every agent holds the same round, each rank once, ranks 0..N-1.
 
 Usage::
 
@@ -635,6 +639,38 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+JIT_THREADS = ("C1 CompilerThre", "C2 CompilerThre")
+"""How the JVM (HotSpot) names its JIT compiler threads in ``/proc/<pid>/task/*/stat``, cut to
+the 15 characters Linux keeps."""
+
+
+def jit_ticks(pid: int) -> dict[int, int]:
+    """CPU ticks so far of each JIT compiler thread of JVM ``pid``, by thread id."""
+    ticks = {}
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return {}
+    for task in tasks:
+        try:
+            text = (task / "stat").read_text()
+        except OSError:
+            continue  # the thread ended
+        name, _, rest = text[text.index("(") + 1 :].rpartition(")")
+        if name.startswith(JIT_THREADS):
+            fields = rest.split()
+            ticks[int(task.name)] = int(fields[11]) + int(fields[12])
+    return ticks
+
+
+def jit_seconds(before: dict[int, int], after: dict[int, int]) -> float:
+    """CPU the JIT compiler threads spent between two ``jit_ticks`` readings. HotSpot starts
+    and ends compiler threads as the work comes and goes, and a thread that ended between the
+    readings takes its last ticks with it, so this is at least what they spent."""
+    spent = sum(ticks - before.get(tid, 0) for tid, ticks in after.items())
+    return spent / os.sysconf("SC_CLK_TCK")
+
+
 def rss_bytes(pid: int) -> int:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -686,6 +722,11 @@ class Plan:
     timeout: float
     workers: int = 0
     """Threads a driver steps its agents on (``Stepper``); 0: a thread an agent."""
+    warm_up: int = 0
+    """Restart rounds after the storm and before the measured ones, left out of the table: a
+    server fresh from its start spends most of its CPU compiling its hot paths (the JVM's JIT)
+    for the first minute or more of load, which an ensemble that has served jobs for hours has
+    long done."""
 
     @property
     def victims(self) -> int:
@@ -804,6 +845,7 @@ class Bench:
         at = time.time() + 0.5
         pids = [server.process.pid for server in self.servers if server.process]
         zk_cpu = sum(cpu_seconds(pid) for pid in pids)
+        zk_jit = [jit_ticks(pid) for pid in pids]
         agents_cpu = sum(cpu_seconds(d.process.pid) for d in drivers)
         counts = {id(driver): len(driver.lines) + 1 for driver in drivers}
         for index, driver in enumerate(drivers):
@@ -819,6 +861,9 @@ class Bench:
         reports = [d.lines[-1] for d in drivers if len(d.lines) >= counts[id(d)]]
         row = summarize(k, kind, at, reports, drivers=len(drivers), plan=self.plan)
         row["zk_cpu_s"] = sum(cpu_seconds(pid) for pid in pids) - zk_cpu
+        row["zk_jit_s"] = sum(
+            jit_seconds(before, jit_ticks(pid)) for pid, before in zip(pids, zk_jit, strict=True)
+        )
         row["agents_cpu_s"] = sum(cpu_seconds(d.process.pid) for d in drivers) - agents_cpu
         row["zk_rss_mb"] = sum(rss_bytes(pid) for pid in pids) / 2**20
         row["agents_rss_mb"] = sum(rss_bytes(d.process.pid) for d in drivers) / 2**20
@@ -831,12 +876,13 @@ class Bench:
     def run(self) -> None:
         self.start_drivers()
         every = self.drivers
-        for k in range(1, self.plan.rounds + 2):
-            row = self.round(k, "join storm" if k == 1 else "restart", every, trigger=k > 1)
+        kinds = ["join storm"] + ["warm-up"] * self.plan.warm_up + ["restart"] * self.plan.rounds
+        for k, kind in enumerate(kinds, start=1):
+            row = self.round(k, kind, every, trigger=k > 1)
             if not row["ok"]:
                 return
         victims, survivors = self.drivers[-1], self.drivers[:-1]
-        k = self.plan.rounds + 2
+        k = len(kinds) + 1
         row = self.round(
             k, "1% killed", survivors, act=lambda _: victims.process.kill(), trigger=False
         )
@@ -1017,6 +1063,9 @@ def table_row(plan: Plan, rows: list[dict[str, Any]]) -> str:
     bytes_in = [r["per_agent"].get("bytes_in", 0.0) / 1024 for r in rounds]
     lost = sum(r["connection_states"].get("lost", 0) for r in rows)
     sessions = f"{plan.n // plan.share} (shared {plan.share}:1)" if plan.share > 1 else f"{plan.n}"
+    servers = "standalone" if plan.servers == 1 else f"{plan.servers} servers"
+    if plan.warm_up:
+        servers += f", warmed by {plan.warm_up} restarts"
     median = f"{statistics.median(times):.2f} s" if times else "-"
     p99 = f"{percentile(times, 0.99):.2f} s" if times else "-"
     storm = rows[0] if rows else None
@@ -1028,10 +1077,10 @@ def table_row(plan: Plan, rows: list[dict[str, Any]]) -> str:
         if failed:
             p99 += f"; {failed} of {plan.rounds} not measured: one took over {plan.timeout:g} s"
     return (
-        f"| {plan.n} | {'standalone' if plan.servers == 1 else f'{plan.servers} servers'} "
+        f"| {plan.n} | {servers} "
         f"| {sessions} | {len(plan.slices())} | {median} | {p99} | {join} "
         f"| {f'{statistics.median(bytes_in):.1f} KiB' if bytes_in else '-'} "
-        f"| {mean('zk_cpu_s')} | {mean('agents_cpu_s')} "
+        f"| {mean('zk_cpu_s')} | {mean('zk_jit_s')} | {mean('agents_cpu_s')} "
         f"| {figure('1% killed')} | {figure('leader killed')} | {figure('half lost')} "
         f"| {figure('job end')} | {lost} |"
     )
@@ -1040,10 +1089,10 @@ def table_row(plan: Plan, rows: list[dict[str, Any]]) -> str:
 HEADER = (
     "| agents | ZooKeeper | sessions | drivers | restart round, median | restart round, p99 "
     "| join storm | read per agent a restart (median) | ZooKeeper CPU a restart "
-    "| agents' CPU a restart "
+    "| of it, the JIT's | agents' CPU a restart "
     "| 1 % killed (session {session:g} s) | leader killed mid-round | half lost at once "
     "| job end (every agent left succeeds) | sessions lost |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -1097,6 +1146,13 @@ def main() -> None:
         "--share", type=int, help=f"agents a session (default 16 above N={SHARE_ABOVE}, else 1)"
     )
     parser.add_argument("--rounds", type=int, default=5, help="restart rounds after the storm")
+    parser.add_argument(
+        "--warm-up",
+        type=int,
+        default=0,
+        help="restart rounds before the measured ones, left out of the table: the servers' JIT "
+        "compiles their hot paths, as on an ensemble that has served for a while",
+    )
     parser.add_argument("--session", type=float, default=SESSION, help="session timeout, s")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a round may take")
     parser.add_argument(
@@ -1138,7 +1194,17 @@ def main() -> None:
     for n in sizes:
         for servers in (int(s) for s in args.servers.split(",")):
             share = args.share or (16 if n > SHARE_ABOVE else 1)
-            plan = Plan(n, servers, processes, share, rounds, args.session, timeout, args.workers)
+            plan = Plan(
+                n,
+                servers,
+                processes,
+                share,
+                rounds,
+                args.session,
+                timeout,
+                args.workers,
+                args.warm_up,
+            )
             print(
                 f"# N={n}, servers={servers}, share={share}, drivers={len(plan.slices())}",
                 flush=True,
