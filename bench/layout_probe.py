@@ -11,7 +11,9 @@ count, digest, port) and the round's table (the ids in rank order) in one multi 
 marks are there; every session watches ``commit`` and the round ends for its agents when it
 reads the new version. Agents share sessions as in ``rendezvous_scale`` (``--share``).
 
-Usage: ``python bench/layout_probe.py --sizes 1024,4096 --servers 1,3 [--rounds 5]``.
+Usage: ``python bench/layout_probe.py --sizes 1024,4096 --servers 1,3 [--rounds 5] [--warm-up
+W]``; ``--warm-up`` runs W rounds first and leaves them out, so that the servers' JIT has
+compiled their hot paths, as on an ensemble that has served for a while.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rendezvous_scale import (
     SHARE_ABOVE,
+    ServersCPU,
     Traffic,
-    cpu_seconds,
     percentile,
     say,
     until,
@@ -142,7 +144,22 @@ def propose(client: Any, command: dict[str, Any]) -> None:
     transaction.commit()
 
 
-def run(n: int, servers: int, share: int, rounds: int, processes: int) -> str:
+def one_round(procs: list[subprocess.Popen[str]], command: dict[str, Any]) -> list[Any]:
+    """Send round ``command`` to every driver (the first proposes); their reports."""
+    for index, proc in enumerate(procs):
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps({**command, "propose": index == 0}) + "\n")
+        proc.stdin.flush()
+    reports = []
+    for proc in procs:
+        assert proc.stdout is not None
+        reports.append(json.loads(proc.stdout.readline()))
+    return reports
+
+
+def run(n: int, servers: int, share: int, rounds: int, processes: int, *, warm_up: int = 0) -> str:
+    """The row of ``rounds`` rounds of ``n`` agents, after ``warm_up`` rounds left out of it
+    (the servers' JIT compiling their hot paths: ``rendezvous_scale --warm-up``)."""
     with tempfile.TemporaryDirectory() as scratch, zookeeper(servers, Path(scratch)) as zk:
         hosts = ",".join(server.hosts for server in zk)
         setup = open_client(ZooKeeperAddress.parse(hosts), None, 10.0)
@@ -168,31 +185,33 @@ def run(n: int, servers: int, share: int, rounds: int, processes: int) -> str:
         for proc in procs:
             assert proc.stdout is not None
             lines.append(json.loads(proc.stdout.readline()))
-        times, bytes_in, zk_cpu = [], [], []
+        times, bytes_in, zk_cpu, zk_jit = [], [], [], []
         pids = [server.process.pid for server in zk if server.process]
         try:
-            for k in range(1, rounds + 1):
+            for k in range(1, warm_up + rounds + 1):
                 setup.ensure_path(f"{ROOT}/back/{k}")
                 _, stat = setup.get(f"{ROOT}/commit")
                 at = time.time() + 0.5
-                cpu = sum(cpu_seconds(pid) for pid in pids)
-                for index, proc in enumerate(procs):
-                    command = {"do": "round", "k": k, "n": n, "at": at, "version": stat.version}
-                    assert proc.stdin is not None
-                    proc.stdin.write(json.dumps({**command, "propose": index == 0}) + "\n")
-                    proc.stdin.flush()
-                reports = []
-                for proc in procs:
-                    assert proc.stdout is not None
-                    reports.append(json.loads(proc.stdout.readline()))
-                zk_cpu.append(sum(cpu_seconds(pid) for pid in pids) - cpu)
+                cpu = ServersCPU(pids)
+                command = {"do": "round", "k": k, "n": n, "at": at, "version": stat.version}
+                reports = one_round(procs, command)
+                spent, compiling = cpu.spent()
                 last = [r["last"] for r in reports]
                 if None in last or any(r["refused"] for r in reports):
                     print(f"N={n} round {k}: incomplete {reports}", flush=True)
                     break
+                kind = "warm-up" if k <= warm_up else "round"
+                print(
+                    f"N={n} servers={servers} {kind} {k}: {max(last) - at:.3f} s, ZooKeeper CPU "
+                    f"{spent:.2f} s (JIT {compiling:.2f} s)",
+                    flush=True,
+                )
+                if k <= warm_up:
+                    continue
+                zk_cpu.append(spent)
+                zk_jit.append(compiling)
                 times.append(max(last) - at)
                 bytes_in.append(sum(r["traffic"].get("bytes_in", 0) for r in reports) / n)
-                print(f"N={n} servers={servers} round {k}: {times[-1]:.3f} s", flush=True)
         finally:
             for proc in procs:
                 proc.kill()
@@ -204,7 +223,8 @@ def run(n: int, servers: int, share: int, rounds: int, processes: int) -> str:
     return (
         f"| {n} | {'standalone' if servers == 1 else f'{servers} servers'} | {sessions} "
         f"| {statistics.median(times):.2f} s | {percentile(times, 0.99):.2f} s "
-        f"| {statistics.median(bytes_in):.0f} B | {statistics.mean(zk_cpu):.2f} s |"
+        f"| {statistics.median(bytes_in):.0f} B | {statistics.mean(zk_cpu):.2f} s "
+        f"| {statistics.mean(zk_jit):.2f} s |"
     )
 
 
@@ -215,6 +235,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--processes", type=int, default=8)
     parser.add_argument("--share", type=int)
+    parser.add_argument(
+        "--warm-up", type=int, default=0, help="rounds before the measured ones, left out"
+    )
     args = parser.parse_args()
     load = os.getloadavg()
     print(f"load average at the start: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}", flush=True)
@@ -222,13 +245,14 @@ def main() -> None:
     for n in (int(s) for s in args.sizes.split(",")):
         for servers in (int(s) for s in args.servers.split(",")):
             share = args.share or (16 if n > SHARE_ABOVE else 1)
-            rows.append(run(n, servers, share, args.rounds, args.processes))
+            rows.append(run(n, servers, share, args.rounds, args.processes, warm_up=args.warm_up))
     load = os.getloadavg()
     print(f"\nload average at the end: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
     print(
-        "| agents | ZooKeeper | sessions | round, median | round, p99 | read per agent | ZK CPU |"
+        "| agents | ZooKeeper | sessions | round, median | round, p99 | read per agent | ZK CPU "
+        "| of it, the JIT's |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(row)
 

@@ -671,6 +671,27 @@ def jit_seconds(before: dict[int, int], after: dict[int, int]) -> float:
     return spent / os.sysconf("SC_CLK_TCK")
 
 
+@dataclass
+class ServersCPU:
+    """The CPU the servers ``pids`` spent since this was made, and of it their JIT's."""
+
+    pids: list[int]
+    cpu: float = 0.0
+    jit: list[dict[int, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.cpu = sum(cpu_seconds(pid) for pid in self.pids)
+        self.jit = [jit_ticks(pid) for pid in self.pids]
+
+    def spent(self) -> tuple[float, float]:
+        """``(all, the JIT's)`` seconds of CPU since this was made."""
+        compiling = sum(
+            jit_seconds(before, jit_ticks(pid))
+            for pid, before in zip(self.pids, self.jit, strict=True)
+        )
+        return sum(cpu_seconds(pid) for pid in self.pids) - self.cpu, compiling
+
+
 def rss_bytes(pid: int) -> int:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -844,8 +865,7 @@ class Bench:
         ``finish``: every agent reports success instead of forming a round (the job's end)."""
         at = time.time() + 0.5
         pids = [server.process.pid for server in self.servers if server.process]
-        zk_cpu = sum(cpu_seconds(pid) for pid in pids)
-        zk_jit = [jit_ticks(pid) for pid in pids]
+        zk_cpu = ServersCPU(pids)
         agents_cpu = sum(cpu_seconds(d.process.pid) for d in drivers)
         counts = {id(driver): len(driver.lines) + 1 for driver in drivers}
         for index, driver in enumerate(drivers):
@@ -860,10 +880,7 @@ class Bench:
             driver.wait_lines(counts[id(driver)], self.plan.timeout + 60)
         reports = [d.lines[-1] for d in drivers if len(d.lines) >= counts[id(d)]]
         row = summarize(k, kind, at, reports, drivers=len(drivers), plan=self.plan)
-        row["zk_cpu_s"] = sum(cpu_seconds(pid) for pid in pids) - zk_cpu
-        row["zk_jit_s"] = sum(
-            jit_seconds(before, jit_ticks(pid)) for pid, before in zip(pids, zk_jit, strict=True)
-        )
+        row["zk_cpu_s"], row["zk_jit_s"] = zk_cpu.spent()
         row["agents_cpu_s"] = sum(cpu_seconds(d.process.pid) for d in drivers) - agents_cpu
         row["zk_rss_mb"] = sum(rss_bytes(pid) for pid in pids) / 2**20
         row["agents_rss_mb"] = sum(rss_bytes(d.process.pid) for d in drivers) / 2**20
