@@ -8,8 +8,9 @@ figures bound what the layout can reach; ``bench/rendezvous_scale.py`` measures 
 Per round: every agent writes ``multi(check(commit, v), create(back/<r>/<id>, ephemeral))``
 at once; one proposer, watching ``back/<r>``, writes the next commit (~300 bytes: round,
 count, digest, port) and the round's table (the ids in rank order) in one multi once all N
-marks are there; every session watches ``commit`` and the round ends for its agents when it
-reads the new version. Agents share sessions as in ``rendezvous_scale`` (``--share``).
+marks are there, then deletes the round before's marks and table; every session watches
+``commit`` and the round ends for its agents when it reads the new version. Agents share
+sessions as in ``rendezvous_scale`` (``--share``).
 
 Usage: ``python bench/layout_probe.py --sizes 1024,4096 --servers 1,3 [--rounds 5] [--warm-up
 W]``; ``--warm-up`` runs W rounds first and leaves them out, so that the servers' JIT has
@@ -93,6 +94,7 @@ def probe_driver(job: dict[str, Any]) -> None:
         )
         if command["propose"]:
             propose(clients[0], command)
+            forget(clients[0], command["k"] - 1)
         last = seen.wait(300)
         traffic_used = traffic.snapshot()
         traffic_used.subtract(before)
@@ -111,7 +113,8 @@ class Seen:
 
     def _watch(self, client: Any, index: int, version: int) -> None:
         def on_event(_: Any) -> None:
-            self._watch(client, index, version)
+            if self._times[index] is None:  # a session that has seen the commit reads no more
+                self._watch(client, index, version)
 
         _, stat = client.get(f"{ROOT}/commit", watch=on_event)
         if stat.version > version:
@@ -142,6 +145,21 @@ def propose(client: Any, command: dict[str, Any]) -> None:
     transaction.set_data(f"{ROOT}/commit", commit_data(command["k"], order), command["version"])
     transaction.create(f"{ROOT}/rounds/{command['k']}", ",".join(order).encode())
     transaction.commit()
+
+
+def forget(client: Any, k: int) -> None:
+    """Delete round ``k``'s marks and table once the next round is committed, as the
+    product's proposer forgets the round before its own: a transaction a 2,000 of them."""
+    path = f"{ROOT}/back/{k}"
+    if k < 1 or not client.exists(path):
+        return
+    doomed = [*(f"{path}/{mark}" for mark in client.get_children(path)), path]
+    doomed.append(f"{ROOT}/rounds/{k}")
+    for start in range(0, len(doomed), 2000):
+        transaction = client.transaction()
+        for node in doomed[start : start + 2000]:
+            transaction.delete(node)
+        transaction.commit()
 
 
 def one_round(procs: list[subprocess.Popen[str]], command: dict[str, Any]) -> list[Any]:
