@@ -45,6 +45,7 @@ from rendezvous_scale import (
     zookeeper,
 )
 
+from hpc_elastic.rendezvous import testing
 from hpc_elastic.rendezvous.zookeeper import ZooKeeperAddress, open_client
 
 ROOT = "/probe"
@@ -175,6 +176,29 @@ def one_round(procs: list[subprocess.Popen[str]], command: dict[str, Any]) -> li
     return reports
 
 
+def start_drivers(hosts: str, n: int, share: int, drivers: int) -> list[subprocess.Popen[str]]:
+    """``drivers`` driver processes holding ``n`` agents, ``share`` a session, once ready."""
+    sessions = math.ceil(n / share)
+    per = [math.ceil(sessions / drivers) * share] * drivers
+    per[-1] = n - sum(per[:-1])
+    procs = []
+    first = 0
+    for count in per:
+        job = {"hosts": hosts, "first": first, "agents": count, "share": share}
+        first += count
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "driver", json.dumps(job)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        procs.append(proc)
+    for proc in procs:
+        assert proc.stdout is not None
+        json.loads(proc.stdout.readline())  # ready
+    return procs
+
+
 def run(n: int, servers: int, share: int, rounds: int, processes: int, *, warm_up: int = 0) -> str:
     """The row of ``rounds`` rounds of ``n`` agents, after ``warm_up`` rounds left out of it
     (the servers' JIT compiling their hot paths: ``rendezvous_scale --warm-up``)."""
@@ -185,26 +209,11 @@ def run(n: int, servers: int, share: int, rounds: int, processes: int, *, warm_u
             setup.ensure_path(f"{ROOT}/{path}")
         setup.create(f"{ROOT}/commit", commit_data(0, []))
         sessions = math.ceil(n / share)
-        drivers = max(1, min(processes, sessions))
-        per = [math.ceil(sessions / drivers) * share] * drivers
-        per[-1] = n - sum(per[:-1])
-        procs, lines = [], []
-        first = 0
-        for count in per:
-            job = {"hosts": hosts, "first": first, "agents": count, "share": share}
-            first += count
-            proc = subprocess.Popen(
-                [sys.executable, __file__, "driver", json.dumps(job)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            procs.append(proc)
-        for proc in procs:
-            assert proc.stdout is not None
-            lines.append(json.loads(proc.stdout.readline()))
-        times, bytes_in, zk_cpu, zk_jit = [], [], [], []
+        procs = start_drivers(hosts, n, share, max(1, min(processes, sessions)))
+        times, bytes_in, zk_cpu, zk_jit, leader_cpu = [], [], [], [], []
         pids = [server.process.pid for server in zk if server.process]
+        modes = [testing.mode(server.port) for server in zk]
+        leader = modes.index("leader") if "leader" in modes else 0
         try:
             for k in range(1, warm_up + rounds + 1):
                 setup.ensure_path(f"{ROOT}/back/{k}")
@@ -214,6 +223,7 @@ def run(n: int, servers: int, share: int, rounds: int, processes: int, *, warm_u
                 command = {"do": "round", "k": k, "n": n, "at": at, "version": stat.version}
                 reports = one_round(procs, command)
                 spent, compiling = cpu.spent()
+                leading = cpu.each()[leader]
                 last = [r["last"] for r in reports]
                 if None in last or any(r["refused"] for r in reports):
                     print(f"N={n} round {k}: incomplete {reports}", flush=True)
@@ -228,6 +238,7 @@ def run(n: int, servers: int, share: int, rounds: int, processes: int, *, warm_u
                     continue
                 zk_cpu.append(spent)
                 zk_jit.append(compiling)
+                leader_cpu.append(leading)
                 times.append(max(last) - at)
                 bytes_in.append(sum(r["traffic"].get("bytes_in", 0) for r in reports) / n)
         finally:
@@ -242,7 +253,7 @@ def run(n: int, servers: int, share: int, rounds: int, processes: int, *, warm_u
         f"| {n} | {'standalone' if servers == 1 else f'{servers} servers'} | {sessions} "
         f"| {statistics.median(times):.2f} s | {percentile(times, 0.99):.2f} s "
         f"| {statistics.median(bytes_in):.0f} B | {statistics.mean(zk_cpu):.2f} s "
-        f"| {statistics.mean(zk_jit):.2f} s |"
+        f"| {statistics.mean(zk_jit):.2f} s | {statistics.mean(leader_cpu):.2f} s |"
     )
 
 
@@ -268,9 +279,9 @@ def main() -> None:
     print(f"\nload average at the end: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
     print(
         "| agents | ZooKeeper | sessions | round, median | round, p99 | read per agent | ZK CPU "
-        "| of it, the JIT's |"
+        "| of it, the JIT's | of it, the leader's (or the one server's) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(row)
 

@@ -676,11 +676,11 @@ class ServersCPU:
     """The CPU the servers ``pids`` spent since this was made, and of it their JIT's."""
 
     pids: list[int]
-    cpu: float = 0.0
+    cpu: list[float] = field(default_factory=list)
     jit: list[dict[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.cpu = sum(cpu_seconds(pid) for pid in self.pids)
+        self.cpu = [cpu_seconds(pid) for pid in self.pids]
         self.jit = [jit_ticks(pid) for pid in self.pids]
 
     def spent(self) -> tuple[float, float]:
@@ -689,7 +689,11 @@ class ServersCPU:
             jit_seconds(before, jit_ticks(pid))
             for pid, before in zip(self.pids, self.jit, strict=True)
         )
-        return sum(cpu_seconds(pid) for pid in self.pids) - self.cpu, compiling
+        return sum(self.each()), compiling
+
+    def each(self) -> list[float]:
+        """The seconds of CPU each server spent since this was made, in the order of ``pids``."""
+        return [cpu_seconds(pid) - cpu for pid, cpu in zip(self.pids, self.cpu, strict=True)]
 
 
 def rss_bytes(pid: int) -> int:
