@@ -676,8 +676,8 @@ class ServersCPU:
     """The CPU the servers ``pids`` spent since this was made, and of it their JIT's."""
 
     pids: list[int]
-    cpu: list[float] = field(default_factory=list)
-    jit: list[dict[int, int]] = field(default_factory=list)
+    cpu: list[float] = field(init=False)
+    jit: list[dict[int, int]] = field(init=False)
 
     def __post_init__(self) -> None:
         self.cpu = [cpu_seconds(pid) for pid in self.pids]
