@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpc_elastic.rendezvous.handler import free_port
+
 ZOOKEEPER_JAR = Path(os.environ.get("HPC_ELASTIC_ZOOKEEPER_JAR", "/usr/share/java/zookeeper.jar"))
 SLF4J_SIMPLE = Path("/usr/share/java/slf4j-simple.jar")
 """slf4j's simple logger (Debian's libslf4j-java), put on the server's class path where it is
@@ -26,14 +28,15 @@ LOGGER_FLAGS = (
 
 
 def free_ports(count: int) -> list[int]:
-    probes = [socket.socket() for _ in range(count)]
-    try:
-        for probe in probes:
-            probe.bind(("127.0.0.1", 0))
-        return [probe.getsockname()[1] for probe in probes]
-    finally:
-        for probe in probes:
-            probe.close()
+    """``count`` distinct ports that are free now, picked as the agents pick the workers'
+    MASTER_PORT: below the kernel's ephemeral range. A port of that range, free now, is
+    anyone's to take before the server binds it, by a ``bind(0)`` (gloo's listeners, another
+    test's pick) or as an outgoing connection's local port, and a ZooKeeper whose port was
+    taken exits at start: a busy machine lost a whole test cluster so."""
+    ports: dict[int, None] = {}
+    while len(ports) < count:
+        ports[free_port(environ={})] = None
+    return list(ports)
 
 
 def serving(port: int) -> bool:

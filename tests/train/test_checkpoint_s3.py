@@ -21,21 +21,15 @@ import torch
 from torch import nn
 
 from hpc_elastic.errors import CheckpointFencedError
+from hpc_elastic.rendezvous.testing import free_ports
 from hpc_elastic.train import Checkpointer, TrainState, background
 from hpc_elastic.train.checkpoint import ObjectCheckpointer
 from hpc_elastic.train.storage import ObjectStore
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
 def s3_server() -> Iterator[str]:
-    port = free_port()
+    (port,) = free_ports(1)
     server = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
