@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpc_elastic.contract import USER_SECRET_FILE_ENV
+from hpc_elastic.rendezvous.testing import free_ports
 
 REPO = Path(__file__).resolve().parent.parent
 DEV_CLUSTER = REPO / "scripts" / "dev-cluster"
@@ -253,10 +254,38 @@ def _saved(state_dir: Path, key: str) -> str:
 
 
 def _dev_cluster(state_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """Daemons started without the marker, so that they never count as strays."""
+    """Daemons started without the marker, so that they never count as strays. A command
+    that outlives its backstop is killed with every process of its own session (a hung
+    ``sinfo``, a ZooKeeper it started) and is a failed one whose stderr says so, after what it
+    printed: the caller takes down the rest and raises, as for any other failure."""
     env = {key: value for key, value in os.environ.items() if key != MARKER}
     argv = [str(DEV_CLUSTER), "--state-dir", str(state_dir), *args]
-    return subprocess.run(argv, env=env, check=False, capture_output=True, text=True, timeout=120)
+    backstop = UP_BACKSTOP if "up" in args else COMMAND_BACKSTOP
+    with subprocess.Popen(
+        argv,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as command:
+        try:
+            out, err = command.communicate(timeout=backstop)
+        except subprocess.TimeoutExpired:
+            os.killpg(command.pid, signal.SIGKILL)
+            out, err = command.communicate()
+            late = f"scripts/dev-cluster {' '.join(args)} did not finish within {backstop:g} s"
+            return subprocess.CompletedProcess(argv, 124, out, f"{err.strip()}\n{late}.")
+    return subprocess.CompletedProcess(argv, command.returncode, out, err)
+
+
+UP_BACKSTOP = 900.0
+"""Seconds ``up`` may run: more than its own waits add up to (scripts/dev-cluster gives each
+of ZooKeeper, MariaDB, slurmdbd, slurmctld and the nodes START_WAIT = 120 s to answer), so
+that its own sentence names the daemon that did not answer. A deadline shorter than those
+waits once killed a slow ``up`` unheard and left its daemons running."""
+COMMAND_BACKSTOP = 120.0
+"""Seconds any other command (down, node-kill, link-cut, ...) may run."""
 
 
 def _with_sbin(path: str) -> str:
@@ -277,9 +306,9 @@ def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port that is free now, below the kernel's ephemeral range (``testing.free_ports``):
+    for a daemon that binds it moments later, or for a port where nobody answers."""
+    return free_ports(1)[0]
 
 
 def free_port_block(count: int) -> int:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import cluster as cluster_module
 import pytest
-from cluster import DEV_CLUSTER, Cluster, free_port, free_port_block, wait_until
+from cluster import DEV_CLUSTER, Cluster, ClusterError, free_port, free_port_block, wait_until
 from kazoo.client import KazooClient
 from lifeline import while_parent_lives
 
@@ -225,6 +228,59 @@ def test_a_cluster_brought_up_with_no_standard_input_runs_batch_jobs(tmp_path: P
         assert done, private.run(["scontrol", "show", "job", job_id]).stdout
     finally:
         private.stop()
+
+
+def test_a_zookeeper_port_someone_else_holds_fails_up_at_once_naming_the_port_and_holder(
+    tmp_path: Path,
+) -> None:
+    """A port found free can be taken before ZooKeeper binds it (on a busy machine, anyone's
+    ``bind(0)``). The server then exits at start, and up says so at once, not after waiting
+    out its deadline: that wait once outlived the harness's own, which killed up unheard."""
+    state = tmp_path / "state"
+    port = free_port()
+    with socket.socket() as holder:
+        holder.bind(("0.0.0.0", port))
+        holder.listen()
+        ports = [
+            *("--zk-port", str(port)),
+            *("--slurmctld-port", str(free_port())),
+            *("--slurmd-port-base", str(free_port_block(4))),
+        ]
+        up = [str(DEV_CLUSTER), "--state-dir", str(state), *ports, "up"]
+        try:
+            started = subprocess.run(up, capture_output=True, text=True, check=False, timeout=300)
+        finally:
+            subprocess.run([str(DEV_CLUSTER), "--state-dir", str(state), "down"], check=False)
+
+    assert started.returncode == 1
+    assert started.stderr.startswith(
+        f"dev-cluster: ZooKeeper exited at start: port {port} is taken (users:(("
+    ), started.stderr
+    assert f",pid={os.getpid()}," in started.stderr
+    assert started.stderr.endswith("); pick another --zk-port.\n")
+    assert _command_lines_mentioning(str(state)) == []
+
+
+def test_an_up_that_hangs_past_its_backstop_is_one_error_and_leaves_nothing_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Slurm command that never answers (here every ``sinfo``, which up polls for idle
+    nodes) holds up past the harness's backstop: the harness kills it with what it started in
+    its session, takes down the daemons that had forked off, and raises one ClusterError."""
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    # Named by its own path, under tmp_path, so that a survivor would be found below.
+    (shims / "sinfo").write_text('#!/bin/bash\nexec -a "$0" sleep 600\n')
+    (shims / "sinfo").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shims}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(cluster_module, "UP_BACKSTOP", 20.0)
+    state = tmp_path / "state"
+
+    with pytest.raises(ClusterError) as failed:
+        Cluster.start(state)
+
+    assert str(failed.value).endswith(" up did not finish within 20 s."), failed.value
+    assert _command_lines_mentioning(str(tmp_path)) == []
 
 
 _CONNECTS = """
