@@ -211,13 +211,17 @@ def test_a_cluster_brought_up_with_no_standard_input_runs_batch_jobs(tmp_path: P
         *("--slurmd-port-base", str(free_port_block(4))),
     ]
     up = [str(DEV_CLUSTER), "--state-dir", str(state), *ports, "up"]
-    started = subprocess.run(
-        ["bash", "-c", 'exec 0<&- && exec "$@"', "bash", *up],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=120,
-    )
+    try:
+        started = subprocess.run(
+            ["bash", "-c", 'exec 0<&- && exec "$@"', "bash", *up],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=cluster_module.UP_BACKSTOP,
+        )
+    except subprocess.TimeoutExpired:
+        subprocess.run([str(DEV_CLUSTER), "--state-dir", str(state), "down"], check=False)
+        raise
     private = Cluster.from_state_dir(state)
     try:
         assert started.returncode == 0, started.stderr
