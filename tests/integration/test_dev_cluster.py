@@ -15,6 +15,8 @@ from cluster import DEV_CLUSTER, Cluster, ClusterError, free_port, free_port_blo
 from kazoo.client import KazooClient
 from lifeline import while_parent_lives
 
+from hpc_elastic.rendezvous.testing import free_ports
+
 pytestmark = pytest.mark.integration
 
 
@@ -104,6 +106,7 @@ def test_zookeeper_grants_two_second_sessions(
 
 _EPHEMERAL_OWNER = """
 import sys, time
+from hpc_elastic.rendezvous.testing import free_ports
 from kazoo.client import KazooClient
 client = KazooClient(hosts=sys.argv[1], timeout=2.0)
 client.start(timeout=10)
@@ -234,20 +237,25 @@ def test_a_cluster_brought_up_with_no_standard_input_runs_batch_jobs(tmp_path: P
         private.stop()
 
 
-def test_a_zookeeper_port_someone_else_holds_fails_up_at_once_naming_the_port_and_holder(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    ("daemon", "option"), [("ZooKeeper", "--zk-port"), ("slurmctld", "--slurmctld-port")]
+)
+def test_a_port_someone_else_holds_fails_up_at_once_naming_the_port_and_its_holder(
+    daemon: str, option: str, tmp_path: Path
 ) -> None:
-    """A port found free can be taken before ZooKeeper binds it (on a busy machine, anyone's
-    ``bind(0)``). The server then exits at start, and up says so at once, not after waiting
-    out its deadline: that wait once outlived the harness's own, which killed up unheard."""
+    """A port found free can be taken before its daemon binds it (on a busy machine, anyone's
+    ``bind(0)``: a CI run's slurmctld died so, "Address already in use"). The daemon exits at
+    start, and up says so at once, not after waiting out its deadline: that wait once
+    outlived the harness's own, which killed up unheard and left the rest running."""
     state = tmp_path / "state"
-    port = free_port()
+    zk_port, slurmctld_port = free_ports(2)
+    held = {"--zk-port": zk_port, "--slurmctld-port": slurmctld_port}[option]
     with socket.socket() as holder:
-        holder.bind(("0.0.0.0", port))
+        holder.bind(("0.0.0.0", held))
         holder.listen()
         ports = [
-            *("--zk-port", str(port)),
-            *("--slurmctld-port", str(free_port())),
+            *("--zk-port", str(zk_port)),
+            *("--slurmctld-port", str(slurmctld_port)),
             *("--slurmd-port-base", str(free_port_block(4))),
         ]
         up = [str(DEV_CLUSTER), "--state-dir", str(state), *ports, "up"]
@@ -256,12 +264,13 @@ def test_a_zookeeper_port_someone_else_holds_fails_up_at_once_naming_the_port_an
         finally:
             subprocess.run([str(DEV_CLUSTER), "--state-dir", str(state), "down"], check=False)
 
+    said = started.stderr.splitlines()[-1]
     assert started.returncode == 1
-    assert started.stderr.startswith(
-        f"dev-cluster: ZooKeeper exited at start: port {port} is taken (users:(("
+    assert said.startswith(
+        f"dev-cluster: {daemon} exited at start: port {held} is taken (users:(("
     ), started.stderr
-    assert f",pid={os.getpid()}," in started.stderr
-    assert started.stderr.endswith("); pick another --zk-port.\n")
+    assert f",pid={os.getpid()}," in said
+    assert said.endswith(f"); pick another {option}.")
     assert _command_lines_mentioning(str(state)) == []
 
 
