@@ -106,7 +106,6 @@ def test_zookeeper_grants_two_second_sessions(
 
 _EPHEMERAL_OWNER = """
 import sys, time
-from hpc_elastic.rendezvous.testing import free_ports
 from kazoo.client import KazooClient
 client = KazooClient(hosts=sys.argv[1], timeout=2.0)
 client.start(timeout=10)
